@@ -1,0 +1,370 @@
+"""``SparsityConfig``: the Cerebras ``sparsity:`` section as a dataclass, and a mixin for ``PretrainedConfig``.
+
+Two input forms are accepted, as the Cerebras docs show them:
+
+* the 1.8 form (seed ``002_*``)::
+
+      sparsity: 0.3
+      init_method: topk            # random | topk
+      seed: 1234
+      param_name_patterns: "ffn.*weight"          # a regex, a list of regexes,
+      # or {regex: {sparsity: ..., init_method: ..., seed: ...}}
+
+* the later form: ``algorithm: static`` with ``param_filter`` globs, or a list of
+  such groups, each with its own level.
+
+A pattern is a regex matched anywhere in the parameter name (``re.search``); a
+``param_filter`` is a glob matched against the whole name (``fnmatch``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from .constants import CONFIG_SECTION
+from .utils import SparsityError, library_version
+
+logger = logging.getLogger(__name__)
+
+INIT_METHODS = ("random", "topk")
+ALGORITHMS = ("static",)
+PATTERN_OVERRIDE_KEYS = ("sparsity", "init_method", "seed", "structure")
+_META_KEYS = ("hf_sparsity_version", "_state")
+# Top-level keys of a Cerebras params file that are not part of the sparsity section.
+_RUN_SECTIONS = ("model", "optimizer", "train_input", "eval_input", "runconfig")
+
+
+def check_level(value: Any, key: str = "sparsity") -> float:
+    """A sparsity level must be a number in [0, 1)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SparsityError(f"`{key}` must be a number in [0, 1), got {value!r}. Example: {key}: 0.75")
+    value = float(value)
+    if not (0.0 <= value < 1.0) or math.isnan(value):
+        raise SparsityError(
+            f"`{key}` = {value} is outside [0, 1). Use a fraction of weights to zero, e.g. 0.75 for 75% sparsity "
+            "(1.0 would remove every weight)."
+        )
+    return value
+
+
+def check_init_method(value: Any, key: str = "init_method") -> str:
+    if value not in INIT_METHODS:
+        raise SparsityError(
+            f"`{key}` = {value!r} is not a known init method. Use one of: {', '.join(INIT_METHODS)}."
+        )
+    return value
+
+
+def check_structure(value: Any) -> tuple[int, int] | None:
+    """``"n:m"`` -> (n, m): keep n of every m consecutive weights along the input dimension."""
+    if value is None:
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", str(value))
+    if not m or not (0 < int(m.group(1)) <= int(m.group(2))):
+        raise SparsityError(
+            f'`structure` = {value!r} is not an N:M pattern. Use e.g. "2:4" (keep 2 of every 4).'
+        )
+    return int(m.group(1)), int(m.group(2))
+
+
+@dataclass
+class SparsityConfig:
+    """What to sparsify, how much, and how the masks are chosen.
+
+    Round-trips through :meth:`to_dict` / :meth:`from_dict` (and JSON); loads the
+    ``sparsity:`` section of a Cerebras params YAML with :meth:`from_yaml`.
+    """
+
+    sparsity: float | None = field(
+        default=None, metadata={"help": "Fraction of each targeted tensor set to zero, in [0, 1)."}
+    )
+    init_method: str = field(
+        default="random", metadata={"help": "random (seeded per parameter) or topk (prune lowest magnitude)."}
+    )
+    seed: int = field(
+        default=0, metadata={"help": "Base seed; each parameter's random mask derives from it and its name."}
+    )
+    param_name_patterns: str | list[str] | dict[str, dict[str, Any]] | None = field(
+        default=None,
+        metadata={
+            "help": "Regex (searched in the parameter name), a list of them, or a dict regex -> overrides of "
+            "sparsity/init_method/seed. None: the default projection/FFN rule."
+        },
+    )
+    param_filter: str | list[str] | None = field(
+        default=None,
+        metadata={"help": "Glob(s) matched against whole parameter names (later Cerebras form)."},
+    )
+    algorithm: str = field(default="static", metadata={"help": "Sparsity algorithm: static."})
+    structure: str | None = field(
+        default=None,
+        metadata={"help": "Optional N:M structure, e.g. '2:4' (for the semi-structured backend)."},
+    )
+    groups: list[SparsityConfig] | None = field(
+        default=None,
+        metadata={
+            "help": "Several groups, each a config of its own; the first group matching a parameter wins."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.sparsity is not None:
+            self.sparsity = check_level(self.sparsity)
+        check_init_method(self.init_method)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise SparsityError(f"`seed` must be an integer, got {self.seed!r}.")
+        if self.algorithm not in ALGORITHMS:
+            raise SparsityError(
+                f"`algorithm` = {self.algorithm!r} is not supported. Use one of: {', '.join(ALGORITHMS)}."
+            )
+        check_structure(self.structure)
+        self.param_name_patterns = _normalize_patterns(self.param_name_patterns)
+        if self.param_filter is not None:
+            filters = [self.param_filter] if isinstance(self.param_filter, str) else list(self.param_filter)
+            if not filters or not all(isinstance(f, str) and f for f in filters):
+                raise SparsityError("`param_filter` must be a glob string or a non-empty list of them.")
+            self.param_filter = filters if len(filters) > 1 else filters[0]
+        if self.groups is not None:
+            if not isinstance(self.groups, list) or not self.groups:
+                raise SparsityError("`groups` must be a non-empty list of sparsity sections.")
+            self.groups = [
+                g if isinstance(g, SparsityConfig) else SparsityConfig.from_dict(g, _parent=self)
+                for g in self.groups
+            ]
+            for g in self.groups:
+                if g.groups:
+                    raise SparsityError("A group cannot contain `groups` itself; flatten the list.")
+        elif not self._has_level():
+            raise SparsityError(
+                "No sparsity level given. Set `sparsity: 0.75` (or a level for every pattern in a "
+                "`param_name_patterns` dict)."
+            )
+
+    def _has_level(self) -> bool:
+        if self.sparsity is not None:
+            return True
+        pats = self.param_name_patterns
+        return isinstance(pats, dict) and bool(pats) and all("sparsity" in v for v in pats.values())
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_dict(cls, data: Any, _parent: SparsityConfig | None = None) -> SparsityConfig:
+        """Build from a section: a dict, a bare level (``0.3``), or a list of groups."""
+        if isinstance(data, SparsityConfig):
+            return copy.deepcopy(data)
+        if isinstance(data, (int, float)) and not isinstance(data, bool):
+            return cls(sparsity=data)
+        if isinstance(data, list):
+            return cls(groups=list(data))
+        if not isinstance(data, dict):
+            raise SparsityError(
+                f"A sparsity section must be a mapping, a number or a list of groups, got {type(data).__name__}."
+            )
+        data = dict(data)
+        written_by = data.pop("hf_sparsity_version", None)
+        data.pop("_state", None)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            if written_by is not None and _newer(written_by, library_version()):
+                logger.warning(
+                    "Dropping sparsity keys %s written by hf_sparsity %s (this is %s).",
+                    unknown,
+                    written_by,
+                    library_version(),
+                )
+                for k in unknown:
+                    data.pop(k)
+            else:
+                close = {k: _closest(k, known) for k in unknown}
+                hints = "; ".join(
+                    f"`{k}`" + (f" (did you mean `{c}`?)" if c else "") for k, c in close.items()
+                )
+                raise SparsityError(
+                    f"Unknown key(s) in the sparsity section: {hints}. Known keys: {', '.join(sorted(known))}."
+                )
+        if _parent is not None:  # a group inherits what it does not set
+            for k in ("sparsity", "init_method", "seed", "algorithm", "structure"):
+                data.setdefault(k, getattr(_parent, k))
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> SparsityConfig:
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> SparsityConfig:
+        """Read the ``sparsity:`` section of a Cerebras-style params YAML (beside ``model:`` and ``optimizer:``)."""
+        import yaml
+
+        try:
+            with open(path, encoding="utf-8") as f:
+                doc = yaml.safe_load(f)
+        except FileNotFoundError:
+            raise SparsityError(f"Sparsity params file {str(path)!r} does not exist.") from None
+        except yaml.YAMLError as e:
+            raise SparsityError(f"{str(path)!r} is not valid YAML: {e}") from None
+        if not isinstance(doc, dict) or CONFIG_SECTION not in doc:
+            raise SparsityError(
+                f"{str(path)!r} has no `{CONFIG_SECTION}:` section. Add one beside `model:` and `optimizer:`, "
+                "e.g.\nsparsity:\n  sparsity: 0.75\n  init_method: random\n  seed: 1234"
+            )
+        section = doc[CONFIG_SECTION]
+        if isinstance(section, (dict, list)):
+            return cls.from_dict(section)
+        # Flat form: `sparsity: 0.3` with its sibling keys at the top level of the file.
+        flat = {k: v for k, v in doc.items() if k not in _RUN_SECTIONS}
+        return cls.from_dict(flat)
+
+    # ------------------------------------------------------------------ serialization
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "groups" and v is not None:
+                v = [g.to_dict() for g in v]
+                for g in v:
+                    g.pop("hf_sparsity_version", None)
+            if v is not None:
+                out[f.name] = copy.deepcopy(v)
+        out["hf_sparsity_version"] = library_version()
+        return out
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+
+    def save_yaml(self, path: str | os.PathLike) -> None:
+        import yaml
+
+        from .utils import atomic_write_text
+
+        atomic_write_text(path, yaml.safe_dump({CONFIG_SECTION: self.to_dict()}, sort_keys=False))
+
+    def iter_groups(self) -> list[SparsityConfig]:
+        return list(self.groups) if self.groups else [self]
+
+
+def _normalize_patterns(p: Any) -> Any:
+    if p is None:
+        return None
+    if isinstance(p, str):
+        _compile(p)
+        return p
+    if isinstance(p, (list, tuple)):
+        if not p:
+            raise SparsityError(
+                "`param_name_patterns` is an empty list; give at least one regex or remove the key."
+            )
+        for x in p:
+            if not isinstance(x, str):
+                raise SparsityError(f"`param_name_patterns` entries must be regex strings, got {x!r}.")
+            _compile(x)
+        return list(p)
+    if isinstance(p, dict):
+        out = {}
+        for pat, over in p.items():
+            _compile(pat)
+            over = {} if over is None else over
+            if isinstance(over, (int, float)) and not isinstance(over, bool):
+                over = {"sparsity": over}
+            if not isinstance(over, dict):
+                raise SparsityError(
+                    f"`param_name_patterns[{pat!r}]` must be a mapping of overrides, got {over!r}. "
+                    f"Allowed keys: {', '.join(PATTERN_OVERRIDE_KEYS)}."
+                )
+            bad = sorted(set(over) - set(PATTERN_OVERRIDE_KEYS))
+            if bad:
+                raise SparsityError(
+                    f"Unknown override key(s) {bad} for pattern {pat!r}. Allowed: {', '.join(PATTERN_OVERRIDE_KEYS)}."
+                )
+            if "sparsity" in over:
+                over["sparsity"] = check_level(over["sparsity"], f"param_name_patterns[{pat!r}].sparsity")
+            if "init_method" in over:
+                check_init_method(over["init_method"], f"param_name_patterns[{pat!r}].init_method")
+            if "structure" in over:
+                check_structure(over["structure"])
+            out[pat] = dict(over)
+        return out
+    raise SparsityError(f"`param_name_patterns` must be a regex, a list of regexes or a dict, got {p!r}.")
+
+
+def _compile(pattern: str) -> re.Pattern:
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise SparsityError(f"`param_name_patterns` entry {pattern!r} is not a valid regex: {e}.") from None
+
+
+def _closest(key: str, known: set[str]) -> str | None:
+    import difflib
+
+    m = difflib.get_close_matches(key, sorted(known), n=1)
+    return m[0] if m else None
+
+
+def _newer(a: str, b: str) -> bool:
+    try:
+        from packaging.version import Version
+
+        return Version(a) > Version(b)
+    except Exception:
+        return False
+
+
+# ---------------------------------------------------------------------- on PretrainedConfig
+def get_sparsity_config(config: Any) -> SparsityConfig | None:
+    """The sparsity section carried by a ``PretrainedConfig`` (or a ``config.json`` dict), if any."""
+    section = (
+        config.get(CONFIG_SECTION) if isinstance(config, dict) else getattr(config, CONFIG_SECTION, None)
+    )
+    if section is None:
+        return None
+    return SparsityConfig.from_dict(section)
+
+
+def get_sparsity_state(config: Any) -> dict[str, Any]:
+    section = (
+        config.get(CONFIG_SECTION) if isinstance(config, dict) else getattr(config, CONFIG_SECTION, None)
+    )
+    return dict(section.get("_state", {})) if isinstance(section, dict) else {}
+
+
+def set_sparsity_config(config: Any, sparsity: SparsityConfig | None, state: dict | None = None) -> None:
+    """Put (or with ``None`` remove) the sparsity section on a ``PretrainedConfig`` so it lands in config.json."""
+    if sparsity is None:
+        if hasattr(config, CONFIG_SECTION):
+            delattr(config, CONFIG_SECTION)
+        return
+    section = sparsity.to_dict()
+    if state:
+        section["_state"] = dict(state)
+    setattr(config, CONFIG_SECTION, section)
+
+
+class SparsityConfigMixin:
+    """Mix into any ``PretrainedConfig`` subclass so the sparsity section travels in ``config.json``::
+
+        class SparseGPT2Config(SparsityConfigMixin, GPT2Config):
+            model_type = "gpt2"
+
+        cfg = SparseGPT2Config(n_layer=2, sparsity={"sparsity": 0.75})
+        cfg.sparsity_config            # -> SparsityConfig(sparsity=0.75, ...)
+
+    The section is stored as a plain dict under ``config.sparsity``, so stock
+    ``transformers`` reads such a config.json back with any config class.
+    """
+
+    @property
+    def sparsity_config(self) -> SparsityConfig | None:
+        return get_sparsity_config(self)
+
+    @sparsity_config.setter
+    def sparsity_config(self, value: SparsityConfig | dict | None) -> None:
+        set_sparsity_config(self, None if value is None else SparsityConfig.from_dict(value))

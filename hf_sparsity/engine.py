@@ -1,0 +1,345 @@
+"""The mask engine: builds, restores, enforces and saves masks. Knows nothing about ``Trainer``.
+
+Lifecycle::
+
+    engine = SparsityEngine(model, config)   # plan targets (no tensors touched yet)
+    engine.build_masks()                     # or engine.restore(checkpoint_dir)
+    engine.attach(optimizer)                 # grad hooks + optimizer step post-hook
+    ... loss.backward(); optimizer.step() ...   # enforcement runs inside the hooks
+    engine.save(output_dir)                  # sparsity_masks.safetensors
+
+Enforcement (DESIGN.md semantics 4), for every target:
+
+* gradients are masked as they arrive (a tensor hook on the parameter, so gradient
+  clipping, DDP all-reduce and gradient accumulation only ever see masked gradients);
+  parameters without such a hook (FSDP2 shards) are masked in :meth:`before_step`;
+* after every optimizer step, masked weights are set to exactly 0 and every
+  optimizer state tensor of the weight's shape (Adam moments, momentum) to exactly 0
+  at masked positions, so neither weight decay nor momentum can revive a weight.
+
+FSDP2 (DTensor) parameters are supported: each rank keeps the full mask (cheap,
+deterministic) and applies the slice matching its local shard.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import masks as M
+from .config import SparsityConfig, check_structure, set_sparsity_config
+from .constants import SPARSITY_MASKS_NAME
+from .serialization import check_mask_names, load_masks, save_masks
+from .targeting import TargetDecision, log_plan, plan_sparsity, unwrap_model
+from .utils import SparsityError
+
+logger = logging.getLogger(__name__)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor" or hasattr(t, "to_local") and hasattr(t, "placements")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def _full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor, gathering DTensor shards (a collective: every rank must call it)."""
+    return t.full_tensor() if _is_dtensor(t) else t
+
+
+def _local_slice(mask: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The part of a full mask that matches ``param``'s local shard (identity for plain tensors)."""
+    if not _is_dtensor(param):
+        return mask
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return mask[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+
+
+class SparsityEngine:
+    """Masks for one model under one :class:`SparsityConfig`."""
+
+    def __init__(self, model: nn.Module, config: SparsityConfig, *, strict: bool = True):
+        self.model = unwrap_model(model)
+        self.config = config
+        self.plan: list[TargetDecision] = plan_sparsity(self.model, config, strict=strict)
+        self.targets: dict[str, TargetDecision] = {d.name: d for d in self.plan if d.sparsify}
+        log_plan(self.plan)
+        self.masks: dict[str, torch.Tensor] = {}  # full masks, uint8, on CPU
+        self.levels: dict[str, float] = {}
+        self.optimizer_steps = 0
+        self.events: list[dict[str, Any]] = []
+        self._params: dict[str, torch.Tensor] = {}
+        self._dev_masks: dict[str, torch.Tensor] = {}  # local slice on the parameter's device
+        self._mask_by_param: dict[int, torch.Tensor] = {}
+        self._grad_hooks: list[Any] = []
+        self._hooked: set[str] = set()
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._opt_hooks: list[Any] = []
+        self._orig_save_pretrained = None
+
+    # ------------------------------------------------------------------ masks
+    def _param(self, name: str) -> torch.Tensor:
+        return self.model.get_parameter(name)
+
+    def build_masks(self, names: Iterable[str] | None = None) -> None:
+        """Create masks for ``names`` (default: every target) from the config: random, topk or N:M."""
+        for name in names if names is not None else self.targets:
+            d = self.targets[name]
+            param = self._param(name)
+            shape = tuple(param.shape)
+            if d.structure is not None:
+                n, m = check_structure(d.structure)
+                score = (
+                    M.magnitude_score(_full_tensor(param.detach()))
+                    if d.init_method == "topk"
+                    else torch.rand(shape, generator=M._generator(d.seed, name))
+                )
+                mask = M.nm_mask(score, n, m, dim=d.input_dim)
+            elif d.init_method == "topk":
+                mask = M.topk_mask(_full_tensor(param.detach()), d.sparsity)
+            else:
+                mask = M.random_mask(shape, d.sparsity, d.seed, name)
+            self.masks[name] = mask
+            self.levels[name] = M.mask_level(mask)
+        self.refresh()
+
+    def set_masks(self, masks: dict[str, torch.Tensor]) -> None:
+        expected = {n: tuple(self._param(n).shape) for n in self.targets}
+        check_mask_names({n: {"shape": list(m.shape)} for n, m in masks.items()}, expected)
+        for name, m in masks.items():
+            self.masks[name] = m.detach().to("cpu", M.MASK_DTYPE).contiguous()
+            self.levels[name] = M.mask_level(self.masks[name])
+        self.refresh()
+
+    def restore(self, path: str | os.PathLike, reconcile: bool = True) -> dict[str, str]:
+        """Load masks from a checkpoint folder or mask file.
+
+        With ``reconcile`` (the seeds' resume semantics), a mask whose level differs from
+        the configured one is pruned (magnitude; previously masked stay masked) or
+        regrown (random positions, starting from 0); targets the file lacks get fresh
+        masks from the current weights; masks for parameters no longer targeted are
+        dropped (those weights become dense, keeping their zeros). Returns what was done
+        per parameter.
+        """
+        shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
+        loaded, meta = load_masks(path, expected_shapes=shapes)
+        state = meta.get("state")
+        if state:
+            import json
+
+            state = json.loads(state) if isinstance(state, str) else state
+            self.optimizer_steps = int(state.get("optimizer_steps", 0))
+            self.events = list(state.get("events", []))
+        actions: dict[str, str] = {}
+        for name in list(loaded):
+            if name not in self.targets:
+                logger.warning(
+                    "Mask for %s in %s is no longer targeted by the config: dropping it.", name, path
+                )
+                loaded.pop(name)
+                actions[name] = "dropped"
+        self.masks.update(loaded)
+        missing = [n for n in self.targets if n not in loaded]
+        if missing:
+            self.build_masks(missing)
+            actions.update(dict.fromkeys(missing, "built"))
+        for name in loaded:
+            actions[name] = "restored"
+            want = self.targets[name].sparsity
+            have = M.mask_level(loaded[name])
+            if reconcile and M.num_zeros(want, loaded[name].numel()) != int((loaded[name] == 0).sum()):
+                w = _full_tensor(self._param(name).detach())
+                self.masks[name] = M.change_level(loaded[name], w, want, self.targets[name].seed, name)
+                kind = "pruned" if want > have else "regrown"
+                actions[name] = f"{kind} {have:.4f} -> {want:.4f}"
+            self.levels[name] = M.mask_level(self.masks[name])
+        changed = {n: a for n, a in actions.items() if a.startswith(("pruned", "regrown"))}
+        if changed:
+            self.events.append(
+                {"step": self.optimizer_steps, "kind": "resume-level-change", "layers": changed}
+            )
+            logger.info("Resumed masks at a new level: %d tensors changed.", len(changed))
+        self.refresh()
+        return actions
+
+    # ------------------------------------------------------------------ device views
+    def refresh(self) -> None:
+        """Re-read parameter objects (after ``.to()``, DDP/FSDP wrapping) and re-place the masks."""
+        self._params = {n: self._param(n) for n in self.masks}
+        self._dev_masks = {}
+        self._mask_by_param = {}
+        for name, mask in self.masks.items():
+            p = self._params[name]
+            local = _local_slice(mask, p).to(_local(p).device)
+            self._dev_masks[name] = local
+            self._mask_by_param[id(p)] = local
+
+    def _check_params(self) -> None:
+        for name, p in self._params.items():
+            if self._param(name) is not p:
+                self.refresh()
+                self._rehook()
+                return
+
+    # ------------------------------------------------------------------ enforcement
+    @torch.no_grad()
+    def apply(self) -> None:
+        """Zero masked weights and masked optimizer state now (call after building or changing masks)."""
+        self._check_params()
+        for name, p in self._params.items():
+            _local(p).mul_(self._dev_masks[name])
+        self._mask_optimizer_state()
+
+    @torch.no_grad()
+    def mask_gradients(self, only_unhooked: bool = True) -> None:
+        for name, p in self._params.items():
+            if only_unhooked and name in self._hooked:
+                continue
+            if p.grad is not None:
+                _local(p.grad).mul_(self._dev_masks[name])
+
+    def before_step(self) -> None:
+        """Call right before ``optimizer.step()``: masks gradients the hooks could not reach."""
+        self._check_params()
+        self.mask_gradients(only_unhooked=True)
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """Call right after ``optimizer.step()``: weights and optimizer state exactly 0 where masked."""
+        for name, p in self._params.items():
+            _local(p).mul_(self._dev_masks[name])
+        self._mask_optimizer_state()
+        self.optimizer_steps += 1
+
+    @torch.no_grad()
+    def _mask_optimizer_state(self) -> None:
+        for opt in self._optimizers:
+            for p, st in opt.state.items():
+                mask = self._mask_by_param.get(id(p))
+                if mask is None:
+                    continue
+                for v in st.values():
+                    if torch.is_tensor(v) and v.shape == p.shape:
+                        _local(v).mul_(mask)
+
+    def register_grad_hooks(self) -> None:
+        """Mask gradients as they are produced (before clipping, DDP all-reduce and accumulation)."""
+        self.remove_grad_hooks()
+        for name, p in self._params.items():
+            if _is_dtensor(p) or not p.requires_grad:
+                continue  # FSDP2 writes sharded grads directly; masked in before_step()
+            mask = self._dev_masks[name]
+            self._grad_hooks.append(p.register_hook(lambda g, m=mask: g * m))
+            self._hooked.add(name)
+
+    def remove_grad_hooks(self) -> None:
+        for h in self._grad_hooks:
+            h.remove()
+        self._grad_hooks, self._hooked = [], set()
+
+    def _rehook(self) -> None:
+        if self._grad_hooks:
+            self.register_grad_hooks()
+
+    def attach(self, optimizer: torch.optim.Optimizer | None = None, *, step_hooks: bool = True) -> None:
+        """Start enforcing: gradient hooks, and (with ``step_hooks``) a post-step hook on ``optimizer``.
+
+        ``step_hooks=False`` is for callers that call :meth:`before_step` / :meth:`after_step`
+        themselves (the Trainer callback does, from its optimizer-step events).
+        """
+        if not self.masks:
+            raise SparsityError("No masks yet: call build_masks() or restore(dir) before attach().")
+        self.register_grad_hooks()
+        if optimizer is not None:
+            inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
+            if inner not in self._optimizers:
+                self._optimizers.append(inner)
+            if step_hooks:
+                self._opt_hooks.append(inner.register_step_pre_hook(lambda *_: self.before_step()))
+                self._opt_hooks.append(inner.register_step_post_hook(lambda *_: self.after_step()))
+        self.apply()
+
+    def detach(self) -> None:
+        self.remove_grad_hooks()
+        for h in self._opt_hooks:
+            h.remove()
+        self._opt_hooks = []
+        self.uninstall_save_hook()
+
+    # ------------------------------------------------------------------ saving
+    def state(self) -> dict[str, Any]:
+        return {"optimizer_steps": self.optimizer_steps, "events": self.events}
+
+    def save(self, directory: str | os.PathLike, extra_metadata: dict[str, Any] | None = None) -> str:
+        meta = {"state": self.state()}
+        meta.update(extra_metadata or {})
+        return save_masks(os.path.join(directory, SPARSITY_MASKS_NAME), self.masks, meta)
+
+    def install_save_hook(self) -> None:
+        """Make ``model.save_pretrained(dir)`` also write the masks and the config section.
+
+        This is how Trainer checkpoints and ``trainer.save_model()`` carry the masks
+        (``save_model`` does not fire ``on_save``).
+        """
+        if self._orig_save_pretrained is not None:
+            return
+        model = self.model
+        orig = model.save_pretrained
+        self._orig_save_pretrained = orig
+        engine = self
+
+        def save_pretrained(save_directory, *args, **kwargs):
+            set_sparsity_config(model.config, engine.config, state=engine.state())
+            out = orig(save_directory, *args, **kwargs)
+            if kwargs.get("is_main_process", True):
+                engine.save(save_directory)
+            return out
+
+        save_pretrained.__doc__ = orig.__doc__
+        model.save_pretrained = save_pretrained
+
+    def uninstall_save_hook(self) -> None:
+        if self._orig_save_pretrained is not None:
+            self.model.__dict__.pop("save_pretrained", None)
+            self._orig_save_pretrained = None
+
+    # ------------------------------------------------------------------ reporting
+    def report(self) -> list[dict[str, Any]]:
+        """Per-tensor measured sparsity of the *weights* (not just the masks)."""
+        rows = []
+        for name, mask in self.masks.items():
+            w = _local(self._params[name]).detach()
+            zeros = int((w == 0).sum())
+            rows.append(
+                {
+                    "name": name,
+                    "shape": list(mask.shape),
+                    "mask_level": self.levels[name],
+                    "weight_zeros": zeros,
+                    "weight_level": zeros / max(w.numel(), 1),
+                }
+            )
+        return rows
+
+    def format_report(self) -> str:
+        rows = self.report()
+        w = max([len(r["name"]) for r in rows] + [9])
+        lines = [f"{'parameter':<{w}}  {'shape':<12} {'mask level':>10} {'weight zeros':>12}"]
+        for r in rows:
+            lines.append(
+                f"{r['name']:<{w}}  {'x'.join(map(str, r['shape'])):<12} {r['mask_level']:>10.4f} "
+                f"{r['weight_level']:>12.4f}"
+            )
+        tn = sum(m.numel() for m in self.masks.values())
+        tz = sum(int((m == 0).sum()) for m in self.masks.values())
+        lines.append(f"total: {len(rows)} tensors, {tn:,} targeted parameters, level {tz / max(tn, 1):.4f}")
+        return "\n".join(lines)
