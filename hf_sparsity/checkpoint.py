@@ -1,0 +1,175 @@
+"""Reading sparse model folders: shard iteration, per-layer inspection, loading with masks applied."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .constants import CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, SPARSITY_MASKS_NAME
+from .serialization import read_mask_metadata, unpack_mask
+from .utils import SparsityError
+
+
+def weight_shards(model_dir: str | os.PathLike) -> list[str]:
+    """The safetensors weight files of a model folder (one file, or the shards an index lists)."""
+    d = Path(model_dir)
+    if not d.is_dir():
+        raise SparsityError(f"{str(d)!r} is not a folder. Give a model folder holding {SAFE_WEIGHTS_NAME}.")
+    index = d / SAFE_WEIGHTS_INDEX_NAME
+    if index.is_file():
+        with open(index, encoding="utf-8") as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        return [str(d / f) for f in files]
+    if (d / SAFE_WEIGHTS_NAME).is_file():
+        return [str(d / SAFE_WEIGHTS_NAME)]
+    if any(d.glob("*.bin")):
+        raise SparsityError(
+            f"{str(d)!r} holds PyTorch .bin weights; convert it to safetensors first "
+            "(load it and call save_pretrained(dir, safe_serialization=True))."
+        )
+    raise SparsityError(f"No {SAFE_WEIGHTS_NAME} (or sharded index) in {str(d)!r}.")
+
+
+class MaskReader:
+    """Lazily unpacks one mask at a time from a ``sparsity_masks.safetensors`` (or returns None)."""
+
+    def __init__(self, model_dir: str | os.PathLike):
+        path = os.path.join(str(model_dir), SPARSITY_MASKS_NAME)
+        self.path = path if os.path.isfile(path) else None
+        self.info: dict[str, Any] = read_mask_metadata(path)["tensors"] if self.path else {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.info
+
+    def names(self) -> list[str]:
+        return list(self.info)
+
+    def get(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self.path, framework="pt") as f:
+            return unpack_mask(f.get_tensor(name), self.info[name]["shape"])
+
+
+def iter_tensors(model_dir: str | os.PathLike) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """Yield (shard_path, name, tensor) one tensor at a time, shard by shard."""
+    from safetensors import safe_open
+
+    for shard in weight_shards(model_dir):
+        try:
+            with safe_open(shard, framework="pt") as f:
+                for name in f.keys():
+                    yield shard, name, f.get_tensor(name)
+        except SparsityError:
+            raise
+        except Exception as e:
+            raise SparsityError(f"Cannot read {shard!r} ({e}); the file is truncated or corrupt.") from None
+
+
+def inspect_checkpoint(model_dir: str | os.PathLike) -> dict[str, Any]:
+    """Per-layer table for a model folder: every matrix (and every masked tensor) with shape, level, nonzeros.
+
+    ``level`` is the mask's level where the folder has masks, else the measured fraction of
+    exact zeros. Streams shard by shard.
+    """
+    masks = MaskReader(model_dir)
+    rows, total, nonzero = [], 0, 0
+    seen_masked = set()
+    for _, name, t in iter_tensors(model_dir):
+        n = t.numel()
+        nz = int(torch.count_nonzero(t))
+        total += n
+        nonzero += nz
+        if t.ndim < 2 and name not in masks:
+            continue
+        row = {
+            "name": name,
+            "shape": list(t.shape),
+            "numel": n,
+            "nonzeros": nz,
+            "zero_fraction": 1 - nz / max(n, 1),
+        }
+        if name in masks:
+            seen_masked.add(name)
+            row["masked"] = True
+            row["level"] = masks.info[name]["level"]
+            if list(masks.info[name]["shape"]) != list(t.shape):
+                raise SparsityError(
+                    f"Mask {name!r} has shape {masks.info[name]['shape']} but the weight has {list(t.shape)}."
+                )
+        else:
+            row["masked"] = False
+            row["level"] = row["zero_fraction"]
+        rows.append(row)
+    missing = sorted(set(masks.names()) - seen_masked)
+    if missing:
+        raise SparsityError(
+            f"{SPARSITY_MASKS_NAME} in {str(model_dir)!r} names tensors the weights lack (e.g. {missing[0]!r})."
+        )
+    masked = [r for r in rows if r["masked"]]
+    mt = sum(r["numel"] for r in masked)
+    mz = sum(r["numel"] - r["nonzeros"] for r in masked)
+    return {
+        "model_dir": str(model_dir),
+        "has_masks": masks.path is not None,
+        "layers": rows,
+        "totals": {
+            "params": total,
+            "nonzero_params": nonzero,
+            "sparsity": 1 - nonzero / max(total, 1),
+            "masked_tensors": len(masked),
+            "masked_params": mt,
+            "masked_sparsity": mz / mt if mt else 0.0,
+        },
+    }
+
+
+def format_inspection(report: dict[str, Any]) -> str:
+    rows = report["layers"]
+    w = max([len(r["name"]) for r in rows] + [5])
+    lines = [f"{'layer':<{w}}  {'shape':<14} {'masked':<6} {'level':>7} {'nonzeros':>12}"]
+    for r in rows:
+        lines.append(
+            f"{r['name']:<{w}}  {'x'.join(map(str, r['shape'])):<14} {'yes' if r['masked'] else 'no':<6} "
+            f"{r['level']:>7.4f} {r['nonzeros']:>12,}"
+        )
+    t = report["totals"]
+    lines.append(
+        f"total: {t['params']:,} params, {t['nonzero_params']:,} nonzero ({t['sparsity']:.2%} sparse); "
+        f"{t['masked_tensors']} masked tensors, {t['masked_params']:,} params at {t['masked_sparsity']:.2%}"
+    )
+    return "\n".join(lines)
+
+
+def read_config(model_dir: str | os.PathLike) -> dict[str, Any]:
+    path = os.path.join(str(model_dir), CONFIG_NAME)
+    if not os.path.isfile(path):
+        raise SparsityError(f"No {CONFIG_NAME} in {str(model_dir)!r}.")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def load_sparse_model(model_dir: str | os.PathLike, **from_pretrained_kwargs):
+    """``AutoModelForCausalLM.from_pretrained`` plus the folder's masks applied (if it has any).
+
+    Returns ``(model, masks)``; ``masks`` is name -> uint8 mask (empty for a vanilla folder).
+    """
+    from transformers import AutoModelForCausalLM
+
+    from .serialization import load_masks
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), **from_pretrained_kwargs)
+    masks: dict[str, torch.Tensor] = {}
+    if os.path.isfile(os.path.join(str(model_dir), SPARSITY_MASKS_NAME)):
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        masks, _ = load_masks(model_dir, expected_shapes=shapes)
+        with torch.no_grad():
+            for name, m in masks.items():
+                p = model.get_parameter(name)
+                p.mul_(m.to(p.device))
+    return model, masks

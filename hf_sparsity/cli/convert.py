@@ -1,0 +1,33 @@
+"""``hf_sparsity convert``: finalize a sparse checkpoint, or move to/from Cerebras NaN sentinels."""
+
+from __future__ import annotations
+
+
+def convert_command_parser(subparsers):
+    p = subparsers.add_parser(
+        "convert",
+        help="finalize masks into a vanilla checkpoint, or convert to/from NaN-sentinel checkpoints",
+        description="All conversions stream shard by shard and write OUT atomically; OUT must not exist "
+        "unless --overwrite.",
+    )
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument(
+        "--finalize", action="store_true", help="bake masks into zeros; drop mask file + config section"
+    )
+    mode.add_argument(
+        "--to-sentinel", action="store_true", help="masked weights -> NaN (Cerebras in-band format)"
+    )
+    mode.add_argument("--from-sentinel", action="store_true", help="NaN weights -> 0 plus a mask file")
+    p.add_argument("input", metavar="IN", help="model folder")
+    p.add_argument("output", metavar="OUT", help="new model folder")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.set_defaults(func=convert_command)
+
+
+def convert_command(args) -> int:
+    from ..finalize import finalize_checkpoint, from_sentinel, to_sentinel
+
+    fn = finalize_checkpoint if args.finalize else to_sentinel if args.to_sentinel else from_sentinel
+    out = fn(args.input, args.output, overwrite=args.overwrite)
+    print(f"wrote {out}")
+    return 0
