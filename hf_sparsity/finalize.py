@@ -36,6 +36,8 @@ def _copy_side_files(src: Path, dst: Path, skip: set[str]) -> None:
     for f in src.iterdir():
         if f.name in skip or f.name in TRAINING_STATE_FILES or f.name.startswith("rng_state"):
             continue
+        if (dst / f.name).exists():  # a weight shard already rewritten
+            continue
         if f.is_file():
             shutil.copy2(f, dst / f.name)
 

@@ -1,0 +1,149 @@
+"""Masks in every checkpoint and in save_model; exact resume; resume at a new level; bad files."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, TrainerCallback
+
+from hf_sparsity import SparsityCallback, SparsityConfig, SparsityError
+from hf_sparsity.constants import SPARSITY_MASKS_NAME
+from hf_sparsity.serialization import load_masks
+
+from .conftest import tiny_model
+from .trainer_utils import InvariantChecker, make_trainer
+
+
+def _run(arch, out, config, seed=0, resume=None, steps=6, save_steps=3, extra_cbs=()):
+    model = tiny_model(arch, seed=seed)
+    cb = SparsityCallback(config)
+    cbs = [cb, InvariantChecker(cb), *extra_cbs]
+    trainer = make_trainer(model, out, cbs, max_steps=steps, save_strategy="steps", save_steps=save_steps)
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, model, cb
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_every_checkpoint_and_save_model_carry_masks(arch, tmp_path):
+    config = SparsityConfig(sparsity=0.75, init_method="topk")
+    trainer, model, cb = _run(arch, tmp_path / "run", config)
+    for step in (3, 6):
+        ckpt = tmp_path / "run" / f"checkpoint-{step}"
+        masks, meta = load_masks(ckpt)
+        assert set(masks) == set(cb.engine.masks)
+        weights = load_file(ckpt / "model.safetensors")
+        for name, m in masks.items():
+            assert torch.count_nonzero(weights[name][m == 0]) == 0  # saved after masking
+            assert int((m == 0).sum()) == round(0.75 * m.numel())
+        cfg = json.loads((ckpt / "config.json").read_text())
+        assert cfg["sparsity"]["sparsity"] == 0.75 and cfg["sparsity"]["_state"]["optimizer_steps"] == step
+    final = tmp_path / "final"
+    trainer.save_model(str(final))
+    masks, _ = load_masks(final)
+    assert all(torch.equal(masks[n], cb.engine.masks[n]) for n in masks)
+    assert "sparsity" in json.loads((final / "config.json").read_text())
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_resume_is_bit_identical(arch, tmp_path):
+    config = SparsityConfig(sparsity=0.6, init_method="topk")
+    _, full_model, full_cb = _run(arch, tmp_path / "a", config)
+    # A different initialization: fresh topk masks would differ, so equality proves restoration.
+    _, resumed, cb = _run(arch, tmp_path / "b", config, seed=7, resume=str(tmp_path / "a" / "checkpoint-3"))
+    assert cb.restored_from == str(tmp_path / "a" / "checkpoint-3")
+    for name, m in full_cb.engine.masks.items():
+        assert torch.equal(cb.engine.masks[name], m)
+    for (n, p), (_, q) in zip(full_model.named_parameters(), resumed.named_parameters()):
+        assert torch.equal(p, q), n
+    assert cb.engine.optimizer_steps == 6
+
+
+class _Probe(TrainerCallback):
+    """Records, right after masks are set up, the regrown weights and their optimizer state."""
+
+    def __init__(self, cb, old_masks):
+        self.cb, self.old = cb, old_masks
+        self.seen = False
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kw):
+        inner = getattr(optimizer, "optimizer", optimizer)
+        for name, m in self.cb.engine.masks.items():
+            p = self.cb.engine.model.get_parameter(name)
+            regrown = (self.old[name] == 0) & (m == 1)
+            assert int(regrown.sum()) > 0
+            assert torch.count_nonzero(p.detach()[regrown]) == 0  # regrown weights start at 0
+            for v in inner.state[p].values():
+                if torch.is_tensor(v) and v.shape == p.shape:
+                    assert torch.count_nonzero(v[regrown]) == 0  # with zeroed optimizer state
+        self.seen = True
+
+
+def test_resume_at_another_level_prunes_or_regrows(tmp_path):
+    _, _, first = _run("llama", tmp_path / "a", SparsityConfig(sparsity=0.5, init_method="topk"))
+    old = {n: m.clone() for n, m in first.engine.masks.items()}
+    ckpt = str(tmp_path / "a" / "checkpoint-6")
+    # Higher level: old zeros stay zeros, the lowest-magnitude survivors join them.
+    _, model, cb = _run(
+        "llama", tmp_path / "b", SparsityConfig(sparsity=0.8, init_method="topk"), resume=ckpt, steps=9
+    )
+    for name, m in cb.engine.masks.items():
+        assert int((m == 0).sum()) == round(0.8 * m.numel())
+        assert bool(((old[name] == 0) <= (m == 0)).all())
+    # Lower level: random masked positions regrow from 0 with zeroed optimizer state, then train.
+    probe_cb = SparsityCallback(SparsityConfig(sparsity=0.3, init_method="topk"))
+    probe = _Probe(probe_cb, old)
+    model = tiny_model("llama")
+    trainer = make_trainer(model, tmp_path / "c", [probe_cb, probe, InvariantChecker(probe_cb)], max_steps=9)
+    trainer.train(resume_from_checkpoint=ckpt)
+    assert probe.seen
+    for name, m in probe_cb.engine.masks.items():
+        assert int((m == 0).sum()) == round(0.3 * m.numel())
+        assert bool(((m == 0) <= (old[name] == 0)).all())
+        regrown = (old[name] == 0) & (m == 1)
+        assert torch.count_nonzero(model.get_parameter(name).detach()[regrown]) > 0  # and they trained
+
+
+def test_from_pretrained_of_a_sparse_folder_brings_its_masks(tmp_path):
+    trainer, _, cb = _run("gpt2", tmp_path / "a", SparsityConfig(sparsity=0.5, init_method="topk"))
+    trainer.save_model(str(tmp_path / "sparse"))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "sparse")
+    cb2 = SparsityCallback(SparsityConfig(sparsity=0.5, init_method="topk"))
+    make_trainer(model, tmp_path / "b", [cb2], max_steps=2).train()
+    assert cb2.restored_from == str(tmp_path / "sparse")
+    assert all(torch.equal(cb2.engine.masks[n], m) for n, m in cb.engine.masks.items())
+
+
+def test_resume_without_masks_is_a_clear_error(tmp_path):
+    _run("gpt2", tmp_path / "a", SparsityConfig(sparsity=0.5))
+    os.remove(tmp_path / "a" / "checkpoint-3" / SPARSITY_MASKS_NAME)
+    with pytest.raises(SparsityError, match="no sparsity_masks.safetensors was found.*resume_from="):
+        _run(
+            "gpt2", tmp_path / "b", SparsityConfig(sparsity=0.5), resume=str(tmp_path / "a" / "checkpoint-3")
+        )
+
+
+def test_bad_mask_files_are_refused(tmp_path):
+    from hf_sparsity.engine import SparsityEngine
+
+    model = tiny_model("gpt2")
+    eng = SparsityEngine(model, SparsityConfig(sparsity=0.5))
+    eng.build_masks()
+    path = eng.save(tmp_path)
+    data = open(path, "rb").read()
+    (tmp_path / "t").mkdir()
+    open(tmp_path / "t" / SPARSITY_MASKS_NAME, "wb").write(data[: len(data) // 2])
+    with pytest.raises(SparsityError, match="truncated or corrupt"):
+        load_masks(tmp_path / "t")
+    (tmp_path / "c").mkdir()
+    open(tmp_path / "c" / SPARSITY_MASKS_NAME, "wb").write(b"\x00" * 64)
+    with pytest.raises(SparsityError, match="truncated or corrupt"):
+        SparsityEngine(model, SparsityConfig(sparsity=0.5)).restore(tmp_path / "c")
+    bigger = tiny_model("gpt2", hidden=64)
+    with pytest.raises(SparsityError, match=r"has shape \[32, 96\] but the parameter has \[64, 192\]"):
+        SparsityEngine(bigger, SparsityConfig(sparsity=0.5)).restore(tmp_path)
+    with pytest.raises(SparsityError, match="belongs to another model"):
+        SparsityEngine(tiny_model("llama"), SparsityConfig(sparsity=0.5)).restore(tmp_path)
+    with pytest.raises(SparsityError, match="No mask file"):
+        load_masks(tmp_path / "missing")
