@@ -30,7 +30,6 @@ def _train(arch, tmp_path, config, **kw):
 )
 def test_invariants_hold_every_step(arch, mode, tmp_path):
     kw = {}
-    optimizers = (None, None)
     if mode == "accum_clip":
         kw = dict(gradient_accumulation_steps=3, max_grad_norm=0.01)
     elif mode == "bf16":
@@ -74,7 +73,7 @@ def test_plain_loop_fp16_autocast_with_grad_scaler():
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.05, amsgrad=True)
     eng.attach(opt)  # step hooks: no callback, no Trainer
     scaler = torch.amp.GradScaler("cpu")
-    for step in range(4):
+    for _ in range(4):
         x = torch.randint(0, 128, (2, 8))
         with torch.autocast("cpu", dtype=torch.float16):
             loss = model(input_ids=x, labels=x).loss

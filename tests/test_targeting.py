@@ -25,7 +25,7 @@ def test_default_rule_picks_projections_and_ffn_only(arch):
     plan = plan_sparsity(model, SparsityConfig(sparsity=0.5))
     picked = {d.name for d in plan if d.sparsify}
     want = set()
-    for name, p in model.named_parameters():
+    for name, _ in model.named_parameters():
         m = re.search(r"\.(\d+)\.(.*)\.weight$", name)
         if m and m.group(2) in EXPECTED[arch]:
             want.add(name)
