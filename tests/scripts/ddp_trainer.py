@@ -1,0 +1,58 @@
+"""Run under ``accelerate launch --multi_gpu --num_processes 2``: Trainer + SparsityCallback on DDP.
+
+Each rank writes ``rank{R}.json`` with a hash of its masks and of its final weights, and
+how many optimizer steps passed the invariant check.
+"""
+
+import hashlib
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+
+from hf_sparsity import SparsityCallback, SparsityConfig  # noqa: E402
+from tests.conftest import tiny_model  # noqa: E402
+from tests.trainer_utils import InvariantChecker, make_trainer  # noqa: E402
+
+
+def digest(tensors):
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def main(out, arch):
+    rank = int(os.environ.get("RANK", "0"))
+    torch.manual_seed(100 + rank)  # ranks differ in global RNG: masks must not depend on it
+    model = tiny_model(arch, seed=0)
+    cb = SparsityCallback(SparsityConfig(sparsity=0.75, init_method="random", seed=42))
+    checker = InvariantChecker(cb)
+    trainer = make_trainer(
+        model,
+        out,
+        [cb, checker],
+        max_steps=5,
+        gradient_accumulation_steps=2,
+        max_grad_norm=1.0,
+        save_strategy="steps",
+        save_steps=5,
+    )
+    trainer.train()
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    result = {
+        "world_size": world,
+        "masks": digest(cb.engine.masks[k] for k in sorted(cb.engine.masks)),
+        "weights": digest(p for _, p in sorted(model.named_parameters())),
+        "checked_steps": checker.checked,
+        "levels": sorted(set(round(v, 6) for v in cb.engine.levels.values())),
+    }
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "llama")

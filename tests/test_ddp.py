@@ -1,0 +1,34 @@
+"""DDP through ``accelerate launch --multi_gpu --num_processes 2`` on CPU (gloo)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hf_sparsity.serialization import load_masks
+
+from .conftest import REPO
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_ddp_masks_identical_on_both_ranks(arch, tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+        str(REPO / "tests" / "scripts" / "ddp_trainer.py"), str(tmp_path), arch,
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0 = json.loads((tmp_path / "rank0.json").read_text())
+    r1 = json.loads((tmp_path / "rank1.json").read_text())
+    assert r0["world_size"] == 2
+    assert r0["masks"] == r1["masks"]  # built independently on each rank, no communication
+    assert r0["weights"] == r1["weights"]  # DDP kept replicas in sync, masked weights included
+    assert r0["checked_steps"] == r1["checked_steps"] == 5  # invariants checked after every step on each rank
+    assert r0["levels"] == [0.75]
+    masks, _ = load_masks(tmp_path / "checkpoint-5")
+    assert all(int((m == 0).sum()) == round(0.75 * m.numel()) for m in masks.values())
