@@ -201,7 +201,8 @@ class IFTResult:
                 f"{_fmt(g['transformed_flops']):>10} {g['ratio']:>7.4f}  {desc}"
             )
         lines.append(
-            f"every transformed layer is within {self.max_layer_deviation:.4%} of its original FLOPs (iso-FLOP)."
+            f"iso-FLOP: the largest relative difference of a transformed layer from its original is "
+            f"{self.max_layer_deviation:.1e}."
         )
         lines.append("")
         lines.append("whole model (per token)        original    transformed     change")
@@ -463,6 +464,12 @@ def sparse_ift(config: Any, sparsity: float, transform: str, *, seq_len: int | N
 
     if transform == "wide":
         new_cfg, changes = _widen_config(base, sparsity)
+        # Provenance only: a wide model is the stock class, but the section marks the config as transformed.
+        setattr(
+            new_cfg,
+            IFT_SECTION,
+            {"transform": "wide", "sparsity": sparsity, "widths": {k: list(v) for k, v in changes.items()}},
+        )
         new_model = build_meta_model(new_cfg)
         new_params = dict(new_model.named_parameters())
         specs = {}
