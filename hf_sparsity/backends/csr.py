@@ -1,0 +1,113 @@
+"""``csr``: compressed sparse rows, for inference on CPU and GPU.
+
+Two kernels behind one format:
+
+* ``native`` (CPU, float32 compute): the row-parallel kernel of
+  :mod:`hf_sparsity.backends._native`, 16-bit column indices, made for batch-1
+  decoding; batched inputs run one AXPY of the batch per nonzero.
+* ``torch`` (any device and dtype torch.sparse supports): ``torch.sparse_csr_tensor``
+  with int32 indices and ``torch.sparse.mm``.
+
+``kernel="auto"`` (default) picks ``native`` for CPU weights when it builds and
+``torch`` otherwise. The values are a snapshot taken by ``from_dense``
+(``capabilities.training`` is False); gradients still flow (``grad x`` through the
+masked dense weight, ``grad W`` at kept positions only).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from ..utils import SparsityError
+from . import _native
+from .base import BackendCapabilities, SparseBackend
+
+KERNELS = ("auto", "native", "torch")
+
+
+def _csr_parts(weight: torch.Tensor, mask: torch.Tensor):
+    """(rowptr int64, cols int64, values) of ``weight`` at the mask's kept positions, row-major order."""
+    m = mask.bool()
+    rows, cols = m.nonzero(as_tuple=True)
+    counts = torch.bincount(rows, minlength=weight.shape[0])
+    rowptr = torch.zeros(weight.shape[0] + 1, dtype=torch.int64, device=weight.device)
+    torch.cumsum(counts, 0, out=rowptr[1:])
+    return rowptr, cols, weight.detach()[rows, cols]
+
+
+class CSRBackend(SparseBackend):
+    """CSR storage; native batch-1 kernel on CPU, torch.sparse CSR elsewhere.
+
+    Options: ``kernel`` (``auto`` | ``native`` | ``torch``), ``threads`` (native
+    kernel threads, default ``torch.get_num_threads()``).
+    """
+
+    name = "csr"
+    aliases = ("sparse_csr",)
+    capabilities = BackendCapabilities(
+        devices=("cpu", "cuda"),
+        dtypes=(torch.float32, torch.float64, torch.float16, torch.bfloat16),
+        training=False,
+        description="CSR for inference: native 16-bit-index row-parallel kernel on CPU, torch.sparse elsewhere",
+    )
+
+    def _prepare(self) -> None:
+        kernel = self.options.get("kernel", "auto")
+        if kernel not in KERNELS:
+            raise SparsityError(f"csr: unknown kernel {kernel!r}; use one of {', '.join(KERNELS)}.")
+        self.threads = self.options.get("threads")
+        w = self.weight
+        rowptr, cols, values = _csr_parts(w, self.mask)
+        native_ok = w.device.type == "cpu" and w.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        if kernel == "native" and not native_ok:
+            raise SparsityError(
+                f"csr: the native kernel runs on CPU for float32/float16/bfloat16 weights, not {w.dtype} on "
+                f"{w.device}. Use kernel='torch'."
+            )
+        if kernel == "native" and _native.load() is None:
+            raise SparsityError(f"csr: the native kernel is unavailable here: {_native.error()}")
+        self._native = None
+        self._torch = None
+        if kernel in ("auto", "native") and native_ok and _native.load() is not None:
+            self.kernel = "native"
+            self._native = _native.NativeCSR(rowptr, cols, values, w.shape)
+        else:
+            self.kernel = "torch"
+            if w.device.type == "cpu" and w.dtype in (torch.float16, torch.bfloat16):
+                values = values.float()  # torch's CPU CSR matmul (MKL) has no half-precision kernels
+            with warnings.catch_warnings():  # "Sparse CSR tensor support is in beta state"
+                warnings.simplefilter("ignore", UserWarning)
+                self._torch = torch.sparse_csr_tensor(
+                    rowptr.to(torch.int32), cols.to(torch.int32), values, size=tuple(w.shape)
+                )
+        self._dense_cache = None
+
+    @property
+    def index_bytes(self) -> int:
+        """Bytes of column indices plus row pointers."""
+        if self._native is not None:
+            return self._native.index_bytes
+        t = self._torch
+        return t.col_indices().numel() * 4 + t.crow_indices().numel() * 4
+
+    def _forward(self, x2d: torch.Tensor) -> torch.Tensor:
+        self._count("forward", x2d.shape[0])
+        if self._native is not None:
+            y = self._native.matmul(x2d, self.threads)
+            return y if x2d.dtype == torch.float32 else y.to(x2d.dtype)
+        x = x2d.to(self._torch.dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.sparse.mm(self._torch, x.t()).t().to(x2d.dtype)
+
+    def to_dense(self) -> torch.Tensor:
+        if self._native is not None:
+            n = self._native
+            rows = torch.repeat_interleave(torch.arange(n.rows), n.rowptr.diff())
+            cols = n.idx.to(torch.int64) & 0xFFFF if n.idx.dtype == torch.int16 else n.idx.to(torch.int64)
+            out = torch.zeros(n.rows, n.cols_n, dtype=self.weight.dtype)
+            out[rows, cols] = n.values.to(self.weight.dtype)
+            return out
+        return self._torch.to_dense().to(self.weight.dtype)

@@ -1,0 +1,359 @@
+"""Sparse backends: registry, parity with the emulator (forward and backward), emulator counters and order."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from hf_sparsity import masks as M
+from hf_sparsity.backends import (
+    EmulatorBackend,
+    MachineSpec,
+    SparseBackend,
+    _native,
+    available_backends,
+    backend_table,
+    check_nm,
+    get_backend,
+    normalize_name,
+    register_backend,
+)
+from hf_sparsity.utils import SparsityError
+
+CUDA = torch.cuda.is_available()
+NATIVE = _native.load() is not None
+
+# (backend, options, device): every backend and kernel this machine can run; GPU ones skip without CUDA.
+gpu = pytest.mark.gpu
+CASES = [
+    pytest.param("masked_dense", {}, "cpu", id="masked_dense"),
+    pytest.param(
+        "csr",
+        {"kernel": "native"},
+        "cpu",
+        id="csr-native",
+        marks=pytest.mark.skipif(not NATIVE, reason="native kernel did not build"),
+    ),
+    pytest.param("csr", {"kernel": "torch"}, "cpu", id="csr-torch"),
+    pytest.param(
+        "masked_dense",
+        {},
+        "cuda",
+        id="masked_dense-cuda",
+        marks=[gpu, pytest.mark.skipif(not CUDA, reason="no CUDA")],
+    ),
+    pytest.param(
+        "csr", {}, "cuda", id="csr-cuda", marks=[gpu, pytest.mark.skipif(not CUDA, reason="no CUDA")]
+    ),
+]
+
+# (batch, out, in): batch 1 (decoding) and odd sizes; GPT-2-small layers in test_parity_gpt2_small_shapes.
+SHAPES = [(1, 1, 1), (1, 33, 17), (3, 64, 48), (7, 130, 257)]
+LEVELS = [0.0, 0.5, 0.9, 0.99]
+DTYPES = [torch.float32, torch.float64, torch.bfloat16]
+TOL = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.float64: dict(rtol=1e-10, atol=1e-10),
+    torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+    torch.float16: dict(rtol=2e-3, atol=2e-3),
+}
+
+
+def _problem(batch, out_f, in_f, level, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed + 1000 * out_f + in_f)
+    w = (torch.randn(out_f, in_f, generator=g) / math.sqrt(in_f)).to(dtype)
+    x = torch.randn(batch, in_f, generator=g).to(dtype)
+    gy = torch.randn(batch, out_f, generator=g).to(dtype)
+    mask = M.random_mask((out_f, in_f), level, seed, f"{out_f}x{in_f}")
+    return w.to(device), mask.to(device), x.to(device), gy.to(device)
+
+
+def _run(backend, w, mask, x, gy, **opts):
+    """Forward + backward through ``backend``; returns (y, grad x, grad w)."""
+    w = w.clone().requires_grad_(True)
+    x = x.clone().requires_grad_(True)
+    b = get_backend(backend).from_dense(w, mask, **opts)
+    y = b.linear(x)
+    y.backward(gy)
+    return y.detach(), x.grad, w.grad, b
+
+
+def _reference(w, mask, x, gy):
+    return _run("emulator", w.cpu(), mask.cpu(), x.cpu(), gy.cpu(), float64_accumulator=True)
+
+
+# ---------------------------------------------------------------------------- registry
+def test_registry_names_aliases_and_errors():
+    assert {"masked_dense", "csr", "emulator", "semi_structured"} <= set(available_backends(all=True))
+    assert {"masked_dense", "csr", "emulator"} <= set(available_backends())
+    assert normalize_name(" Masked-Dense ") == "masked_dense"
+    assert get_backend("Masked-Dense").name == "masked_dense"
+    assert get_backend("reference") is EmulatorBackend
+    with pytest.raises(SparsityError, match="Unknown sparse backend 'nope'.*Registered"):
+        get_backend("nope")
+
+    class Dup(SparseBackend):
+        name = "csr"
+
+    with pytest.raises(SparsityError, match="already registered"):
+        register_backend(Dup)
+    with pytest.raises(SparsityError, match="already registered"):
+        register_backend(Dup, name="mine", aliases=("emulator",))
+    assert "mine" not in available_backends(all=True)
+    rows = {r["name"]: r for r in backend_table()}
+    assert rows["masked_dense"]["training"] and rows["emulator"]["training"] and not rows["csr"]["training"]
+    assert rows["semi_structured"]["structure"] == "2:4"
+
+
+@pytest.mark.skipif(CUDA, reason="checks the CPU-only message")
+def test_semi_structured_unavailable_without_cuda_is_clear():
+    assert "semi_structured" not in available_backends()
+    with pytest.raises(SparsityError, match="semi_structured.*CUDA"):
+        get_backend("semi_structured")
+    with pytest.raises(SparsityError, match="CUDA"):
+        get_backend("semi_structured", check_available=False).from_dense(torch.ones(4, 4))
+
+
+def test_import_does_not_initialize_cuda():
+    code = (
+        "import torch, hf_sparsity.backends, hf_sparsity.inference, hf_sparsity.cli.bench, hf_sparsity.import_utils\n"
+        "hf_sparsity.backends.get_backend('csr')\n"
+        "assert not torch.cuda.is_initialized(), 'CUDA initialized on import'\n"
+        "print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+# ---------------------------------------------------------------------------- parity
+@pytest.mark.parametrize("backend,opts,device", CASES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_parity_with_emulator(backend, opts, device, dtype, level, shape):
+    if opts.get("kernel") == "native" and dtype == torch.float64:
+        pytest.skip("native kernel computes in float32; float64 uses the torch kernel")
+    w, mask, x, gy = _problem(*shape, level, dtype, device)
+    y, gx, gw, b = _run(backend, w, mask, x, gy, **opts)
+    ry, rgx, rgw, ref = _reference(w, mask, x, gy)
+    tol = TOL[dtype]
+    torch.testing.assert_close(y.cpu(), ry, **tol)
+    torch.testing.assert_close(gx.cpu(), rgx, **tol)
+    torch.testing.assert_close(gw.cpu(), rgw, **tol)
+    assert y.dtype == gx.dtype == gw.dtype == dtype
+    assert torch.all(gw.cpu()[mask.cpu() == 0] == 0), "a pruned weight received a gradient"
+    torch.testing.assert_close(b.to_dense().cpu(), ref.to_dense(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend,opts,device", CASES)
+@pytest.mark.parametrize("shape", [(1, 768, 3072), (4, 2304, 768)], ids=lambda s: "x".join(map(str, s)))
+def test_parity_gpt2_small_shapes(backend, opts, device, shape):
+    w, mask, x, gy = _problem(*shape, 0.9, torch.float32, device)
+    y, gx, gw, _ = _run(backend, w, mask, x, gy, **opts)
+    ry, rgx, rgw, _ = _reference(w, mask, x, gy)
+    for got, want in ((y, ry), (gx, rgx), (gw, rgw)):
+        torch.testing.assert_close(got.cpu(), want, **TOL[torch.float32])
+
+
+def test_parity_leading_dims_bias_and_random_shapes():
+    g = torch.Generator().manual_seed(7)
+    for _ in range(6):
+        out_f, in_f = (int(v) for v in torch.randint(1, 200, (2,), generator=g))
+        level = float(torch.rand((), generator=g))
+        w, mask, _, _ = _problem(1, out_f, in_f, level, torch.float32)
+        x = torch.randn(2, 3, in_f, generator=g)
+        bias = torch.randn(out_f, generator=g)
+        ref = get_backend("emulator").from_dense(w, mask, float64_accumulator=True).linear(x, bias)
+        for name in ("masked_dense", "csr"):
+            got = get_backend(name).from_dense(w, mask).linear(x, bias)
+            assert got.shape == (2, 3, out_f)
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_mask_wins_over_weight_and_default_mask_is_zeros():
+    w = torch.randn(8, 12)
+    mask = M.random_mask((8, 12), 0.5, 0, "w")
+    x = torch.randn(2, 12)
+    want = x @ (w * mask).t()
+    for name in available_backends():
+        if name == "semi_structured":
+            continue
+        torch.testing.assert_close(get_backend(name).from_dense(w, mask).linear(x), want)
+    wz = w * mask
+    assert get_backend("csr").from_dense(wz).nnz == int(mask.sum())
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
+def test_native_kernel_wide_batch_and_wide_input():
+    # batch > 64 exercises the accumulator tiling; in > 65536 the 32-bit index path
+    for batch, out_f, in_f in [(130, 40, 50), (2, 5, 70000), (1, 3, 70000)]:
+        w, mask, x, _ = _problem(batch, out_f, in_f, 0.9, torch.float32)
+        b = get_backend("csr").from_dense(w, mask, kernel="native")
+        assert b.kernel == "native"
+        ref = get_backend("emulator").from_dense(w, mask, float64_accumulator=True).linear(x)
+        torch.testing.assert_close(b.linear(x), ref, rtol=1e-5, atol=1e-5)
+        for threads in (1, 3):
+            torch.testing.assert_close(
+                get_backend("csr").from_dense(w, mask, threads=threads).linear(x), ref, rtol=1e-5, atol=1e-5
+            )
+
+
+def test_native_kernel_falls_back_cleanly_when_disabled(tmp_path):
+    code = (
+        "import torch\n"
+        "from hf_sparsity.backends import get_backend\n"
+        "b = get_backend('csr').from_dense(torch.eye(4))\n"
+        "print(b.kernel)\n"
+        "try:\n"
+        "    get_backend('csr').from_dense(torch.eye(4), kernel='native')\n"
+        "except Exception as e:\n"
+        "    print(type(e).__name__)\n"
+    )
+    env = dict(os.environ, HF_SPARSITY_NO_NATIVE="1", HF_SPARSITY_CACHE=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["torch", "SparsityError"]
+
+
+def test_from_dense_rejects_bad_input():
+    w = torch.randn(4, 8)
+    with pytest.raises(SparsityError, match="does not match weight shape"):
+        get_backend("csr").from_dense(w, torch.ones(8, 4, dtype=torch.uint8))
+    with pytest.raises(SparsityError, match="2-D"):
+        get_backend("csr").from_dense(torch.randn(4))
+    with pytest.raises(SparsityError, match="unknown kernel"):
+        get_backend("csr").from_dense(w, kernel="fast")
+    with pytest.raises(SparsityError, match="native kernel"):
+        get_backend("csr").from_dense(w.double(), kernel="native")
+    with pytest.raises(SparsityError, match="expects 8"):
+        get_backend("emulator").from_dense(w).linear(torch.randn(2, 5))
+
+
+def test_check_nm_accepts_2_4_and_rejects_unstructured():
+    score = torch.rand(8, 16)
+    check_nm(M.nm_mask(score, 2, 4, dim=1), 2, 4)
+    with pytest.raises(SparsityError, match='structure="2:4"'):
+        check_nm(M.random_mask((8, 16), 0.5, 0, "x"), 2, 4)
+    with pytest.raises(SparsityError, match="multiple of 4"):
+        check_nm(torch.ones(8, 6, dtype=torch.uint8), 2, 4)
+
+
+# ---------------------------------------------------------------------------- emulator
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("batch", [1, 5])
+def test_emulator_counters_are_exact(level, batch):
+    out_f, in_f = 37, 29
+    w, mask, x, gy = _problem(batch, out_f, in_f, level, torch.float32)
+    _, _, _, b = _run("emulator", w, mask, x, gy)
+    nnz = int(mask.sum())
+    assert b.nnz == nnz == out_f * in_f - M.num_zeros(level, out_f * in_f)
+    for phase in ("forward", "backward_input", "backward_weight"):
+        c = b.counters[phase]
+        assert c.calls == 1
+        assert c.macs == nnz * batch
+        assert c.macs_skipped == (out_f * in_f - nnz) * batch
+        assert c.weight_bytes == nnz * 4
+        assert c.index_bytes == nnz * 2 + (out_f + 1) * 4
+    b.linear(x)
+    assert b.counters["forward"].macs == 2 * nnz * batch and b.counters["forward"].calls == 2
+    b.reset_counters()
+    assert b.counters["forward"].macs == 0
+
+
+def test_emulator_follows_the_documented_order_exactly():
+    """float64 accumulation equals a scalar loop: each row from 0, nonzeros in ascending column order."""
+    w, mask, x, gy = _problem(3, 9, 11, 0.5, torch.float32)
+    b = get_backend("emulator").from_dense(w, mask, float64_accumulator=True)
+    y = b.linear(x.double()).numpy()
+    wd, xd = w.double().numpy(), x.double().numpy()
+    for bi in range(3):
+        for r in range(9):
+            acc = 0.0
+            for c in range(11):
+                if mask[r, c]:
+                    acc = acc + wd[r, c] * xd[bi, c]
+            assert y[bi, r] == acc
+    # float32 accumulation, same order
+    yf = get_backend("emulator").from_dense(w, mask).linear(x)
+    for r in range(9):
+        acc = torch.zeros((), dtype=torch.float32)
+        for c in range(11):
+            if mask[r, c]:
+                acc = acc + w[r, c] * x[0, c]
+        assert yf[0, r] == acc
+
+
+def test_emulator_cycle_model():
+    spec = MachineSpec(pes=4, axpy_width=8)
+    out_f, in_f = 10, 16
+    mask = torch.zeros(out_f, in_f, dtype=torch.uint8)
+    mask[0, :] = 1  # all nonzeros on PE 0 -> load imbalance
+    mask[5, :3] = 1
+    w = torch.randn(out_f, in_f)
+    b = get_backend("emulator").from_dense(w, mask, machine=spec)
+    b.linear(torch.randn(9, in_f))  # 9 rows -> 2 AXPY cycles per nonzero
+    c = b.counters["forward"]
+    assert c.cycles == 16 * 2  # PE 0 owns rows 0, 4, 8: 16 nonzeros; PE 1 owns row 5: 3
+    assert c.dense_cycles == math.ceil(out_f / 4) * in_f * 2
+    assert b.modeled_speedup() == pytest.approx(c.dense_cycles / c.cycles)
+    dense = get_backend("emulator").from_dense(w, torch.ones_like(mask), machine=spec)
+    dense.linear(torch.randn(1, in_f))
+    assert dense.modeled_speedup() == 1.0
+
+
+def test_emulator_handles_gpt2_small_layers_in_seconds():
+    t = time.perf_counter()
+    for out_f, in_f in [(2304, 768), (768, 3072)]:
+        w, mask, x, gy = _problem(8, out_f, in_f, 0.9, torch.float32)
+        _run("emulator", w, mask, x, gy)
+    assert time.perf_counter() - t < 20
+
+
+def test_masked_dense_grad_is_masked_by_autograd():
+    w, mask, x, gy = _problem(4, 16, 8, 0.75, torch.float32)
+    _, _, gw, b = _run("masked_dense", w, mask, x, gy)
+    assert torch.all(gw[mask == 0] == 0)
+    assert b.counters["forward"].macs == int(mask.sum()) * 4
+
+
+# ---------------------------------------------------------------------------- semi-structured (GPU)
+@gpu
+@pytest.mark.skipif(not CUDA, reason="no CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("batch,out_f,in_f", [(1, 768, 768), (64, 3072, 768), (13, 256, 512)])
+def test_semi_structured_parity_gpu(dtype, batch, out_f, in_f):
+    if not get_backend("semi_structured", check_available=False).is_available():
+        pytest.skip("semi_structured unavailable on this GPU")
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(out_f, in_f, generator=g) / math.sqrt(in_f)).to(dtype)
+    mask = M.nm_mask(w.abs(), 2, 4, dim=1)
+    x = torch.randn(batch, in_f, generator=g).to(dtype)
+    gy = torch.randn(batch, out_f, generator=g).to(dtype)
+    y, gx, gw, _ = _run("semi_structured", w.cuda(), mask.cuda(), x.cuda(), gy.cuda())
+    ry, rgx, rgw, _ = _reference(w, mask, x, gy)
+    torch.testing.assert_close(y.cpu(), ry, **TOL[dtype])
+    torch.testing.assert_close(gx.cpu(), rgx, **TOL[dtype])
+    torch.testing.assert_close(gw.cpu(), rgw, **TOL[dtype])
+
+
+# ---------------------------------------------------------------------------- CLI
+def test_cli_bench_layer_json(capsys):
+    from hf_sparsity.cli import main
+
+    rc = main(["bench", "--backend", "csr", "--sparsity", "0.9", "--shape", "96x80", "--batch", "1",
+               "--repeats", "3", "--json"])  # fmt: skip
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out)
+    for key in ("dense_ms", "backend_ms", "ratio", "max_abs_err"):
+        assert key in res
+    assert res["max_abs_err"] < 1e-5 and res["sparsity"] == pytest.approx(0.9, abs=1e-3)
+    assert main(["bench", "--backend", "nope"]) == 2
+    assert main(["bench", "--shape", "12by4"]) == 2
+    assert "unknown sparse backend" in capsys.readouterr().err.lower()
