@@ -35,6 +35,7 @@ and during training, :class:`FlopAccountant`.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -53,6 +54,7 @@ from .utils import SparsityError
 TRAINING_MULTIPLIER = 3
 """Forward + backward = 3x forward (the backward pass computes input and weight gradients)."""
 
+logger = logging.getLogger(__name__)
 _BLOCK_INDEX_RE = re.compile(r"\.\d+\.")
 
 
@@ -82,11 +84,10 @@ class LayerFlops:
         return self.dense_flops_per_token * (1.0 - self.sparsity)
 
     def dense_forward_flops_per_token(self, seq_len: int) -> float:
-        return (
-            self.forward_flops_per_token(seq_len)
-            if self.kind in ("attention", "embedding")
-            else (self.dense_flops_per_token)
-        )
+        """Forward FLOPs per token of this term if it were dense."""
+        if self.kind in ("attention", "embedding"):
+            return self.forward_flops_per_token(seq_len)
+        return self.dense_flops_per_token
 
     @property
     def group(self) -> str:
@@ -586,12 +587,8 @@ class FlopAccountant:
                 self._fixed += t.dense_forward_flops_per_token(self.seq_len)
             # embeddings: excluded from FLOPs, as in the seeds
         self._dense_forward = self._fixed + sum(self._linear.values())
-        self.targets: set[str] = set(targets or ())
-        unknown = self.targets - set(self._linear)
-        if unknown:
-            raise SparsityError(
-                f"FlopAccountant targets that are not linear layers of the model: {sorted(unknown)[:3]}."
-            )
+        self._ignored: set[str] = set()
+        self.targets: set[str] = self._known(targets or ())
         self.tokens = 0
         self.training_flops = 0.0
         self.dense_training_flops = 0.0
@@ -601,20 +598,32 @@ class FlopAccountant:
     def forward_flops_per_token(self, levels: Mapping[str, float] | None = None) -> float:
         """Forward FLOPs per token at ``levels`` (name -> sparsity; absent names dense)."""
         levels = levels or {}
-        saved = 0.0
-        for name, lv in levels.items():
-            dense = self._linear.get(name)
-            if dense is None:
-                raise SparsityError(f"Level given for {name!r}, which is not a linear layer of the model.")
-            saved += dense * float(lv)
-        return self._dense_forward - saved
+        known = self._known(levels)
+        return self._dense_forward - sum(self._linear[n] * float(levels[n]) for n in known)
+
+    def _known(self, names: Iterable[str]) -> set[str]:
+        """The names that are linear layers; others (a sparse embedding, say) have no counted FLOPs.
+
+        Called on every step by a training loop, so unknown names warn once instead of raising.
+        """
+        names = set(names)
+        unknown = names - set(self._linear) - self._ignored
+        if unknown:
+            logger.warning(
+                "FLOP accounting ignores sparsity of %d tensor(s) that are not linear layers (e.g. %s): "
+                "their FLOPs are not counted (embeddings) or not adjustable.",
+                len(unknown),
+                sorted(unknown)[0],
+            )
+            self._ignored |= unknown
+        return names & set(self._linear)
 
     def add_tokens(self, n_tokens: int, levels: Mapping[str, float] | None = None) -> float:
         """Account ``n_tokens`` trained at ``levels``; returns the training FLOPs they cost."""
         if n_tokens < 0:
             raise SparsityError(f"n_tokens must be >= 0, got {n_tokens}.")
         levels = dict(levels or {})
-        self.targets.update(levels)
+        self.targets.update(self._known(levels))
         fwd = self.forward_flops_per_token(levels)
         spent = TRAINING_MULTIPLIER * fwd * n_tokens
         self.tokens += int(n_tokens)

@@ -275,8 +275,9 @@ def test_accountant_static_run_matches_report_and_resumes(accountant_parts):
     resumed.load_state_dict(state)
     resumed.add_tokens(512, {})  # densified after resume: the targets are remembered
     assert resumed.effective_sparsity == pytest.approx(0.375)
-    with pytest.raises(SparsityError):
-        acc.add_tokens(1, {"transformer.wte.weight": 0.5})
+    before = acc.training_flops
+    acc.add_tokens(1, {"transformer.wte.weight": 0.5})  # not a matmul: warned about, counted dense
+    assert acc.training_flops - before == pytest.approx(report.dense().training_flops_per_token)
     with pytest.raises(SparsityError):
         acc.add_tokens(-1, {})
 
