@@ -192,3 +192,33 @@ def test_cli_ift(tmp_path, capsys):
         == 2
     )
     assert "already exists" in capsys.readouterr().err
+
+
+def test_transformed_model_trains_with_the_callback(tmp_path):
+    """The transformed config's own sparsity section drives SparsityCallback inside Trainer."""
+    from transformers import Trainer, TrainingArguments
+
+    from hf_sparsity.callback import SparsityCallback
+
+    r = sparse_ift(tiny_config("llama"), 0.75, "doped")
+    torch.manual_seed(0)
+    model = r.build_model()
+    ids = torch.randint(0, 128, (8, 16))
+    data = [{"input_ids": x, "labels": x} for x in ids]
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    callback = SparsityCallback(get_sparsity_config(model.config))
+    Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
+    assert set(callback.engine.masks) == _expected_targets(r)
+    for name, mask in callback.engine.masks.items():
+        assert (model.get_parameter(name).detach()[mask == 0] == 0).all()
+    low_rank = model.model.layers[0].mlp.up_proj.low_rank_b
+    assert (low_rank != 0).any()  # the dense low-rank factor trained (it starts at 0)
