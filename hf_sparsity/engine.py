@@ -13,9 +13,16 @@ Enforcement (DESIGN.md semantics 4), for every target:
 * gradients are masked as they arrive (a tensor hook on the parameter, so gradient
   clipping, DDP all-reduce and gradient accumulation only ever see masked gradients);
   parameters without such a hook (FSDP2 shards) are masked in :meth:`before_step`;
-* after every optimizer step, masked weights are set to exactly 0 and every
-  optimizer state tensor of the weight's shape (Adam moments, momentum) to exactly 0
-  at masked positions, so neither weight decay nor momentum can revive a weight.
+* after every optimizer step, masked weights are set to exactly 0;
+* every optimizer state tensor of the weight's shape (Adam moments, momentum) is 0
+  at masked positions: zeroed whenever masks are set or change, and re-zeroed after
+  every step unless the optimizer is one whose update provably keeps a zero state
+  zero given a zero gradient and a zero weight (SGD, Adam, AdamW, Adagrad, RMSprop,
+  NAdam, RAdam: their moments are sums of products of the gradient, and weight decay
+  scales a zero weight). Any other optimizer (Adamax's ``exp_inf`` picks up ``eps``,
+  for one) is re-masked every step. ``state_masking="always"`` forces that everywhere.
+
+So neither weight decay nor momentum can revive a pruned weight.
 
 FSDP2 (DTensor) parameters are supported: each rank keeps the full mask (cheap,
 deterministic) and applies the slice matching its local shard.
@@ -64,10 +71,26 @@ def _local_slice(mask: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return mask[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
 
 
+# Optimizers whose state stays exactly 0 where gradient, weight and state are 0 (see module docstring).
+ZERO_PRESERVING_OPTIMIZERS = frozenset({"SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "NAdam", "RAdam"})
+
+
+def _mask_grad(g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    try:
+        return g.mul_(m)
+    except RuntimeError:  # an expanded (overlapping) gradient cannot be written in place
+        return g * m
+
+
 class SparsityEngine:
     """Masks for one model under one :class:`SparsityConfig`."""
 
-    def __init__(self, model: nn.Module, config: SparsityConfig, *, strict: bool = True):
+    def __init__(
+        self, model: nn.Module, config: SparsityConfig, *, strict: bool = True, state_masking: str = "auto"
+    ):
+        if state_masking not in ("auto", "always"):
+            raise SparsityError(f"state_masking={state_masking!r}: use 'auto' or 'always'.")
+        self.state_masking = state_masking
         self.model = unwrap_model(model)
         self.config = config
         self.plan: list[TargetDecision] = plan_sparsity(self.model, config, strict=strict)
@@ -217,12 +240,17 @@ class SparsityEngine:
         """Call right after ``optimizer.step()``: weights and optimizer state exactly 0 where masked."""
         for name, p in self._params.items():
             _local(p).mul_(self._dev_masks[name])
-        self._mask_optimizer_state()
+        self._mask_optimizer_state(every_step=True)
         self.optimizer_steps += 1
 
+    def _needs_per_step_state_masking(self, opt: torch.optim.Optimizer) -> bool:
+        return self.state_masking == "always" or type(opt).__name__ not in ZERO_PRESERVING_OPTIMIZERS
+
     @torch.no_grad()
-    def _mask_optimizer_state(self) -> None:
+    def _mask_optimizer_state(self, every_step: bool = False) -> None:
         for opt in self._optimizers:
+            if every_step and not self._needs_per_step_state_masking(opt):
+                continue
             for p, st in opt.state.items():
                 mask = self._mask_by_param.get(id(p))
                 if mask is None:
@@ -238,7 +266,9 @@ class SparsityEngine:
             if _is_dtensor(p) or not p.requires_grad:
                 continue  # FSDP2 writes sharded grads directly; masked in before_step()
             mask = self._dev_masks[name]
-            self._grad_hooks.append(p.register_hook(lambda g, m=mask: g * m))
+            # In place: the incoming gradient of a leaf weight is a fresh matmul output that
+            # nothing else holds, and an out-of-place product would double the traffic.
+            self._grad_hooks.append(p.register_hook(lambda g, m=mask: _mask_grad(g, m)))
             self._hooked.add(name)
 
     def remove_grad_hooks(self) -> None:

@@ -109,3 +109,26 @@ def test_masks_identical_across_processes_without_communication():
         for s in (0, 1)
     }
     assert len(outs) == 1  # different weights and global seeds, same random masks
+
+
+@pytest.mark.parametrize("opt_name", ["Adamax", "Adam_always"])
+def test_optimizers_outside_the_zero_preserving_set_are_masked_every_step(opt_name):
+    model = tiny_model("gpt2")
+    mode = "always" if opt_name.endswith("always") else "auto"
+    eng = SparsityEngine(model, SparsityConfig(sparsity=0.5), state_masking=mode)
+    eng.build_masks()
+    cls = torch.optim.Adamax if opt_name == "Adamax" else torch.optim.Adam
+    opt = cls(model.parameters(), lr=1e-2, weight_decay=0.1)
+    eng.attach(opt)
+    assert eng._needs_per_step_state_masking(opt)
+    for _ in range(3):
+        x = torch.randint(0, 128, (2, 8))
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        for name, mask in eng.masks.items():
+            p = model.get_parameter(name)
+            assert torch.count_nonzero(p.detach()[mask == 0]) == 0
+            for v in opt.state[p].values():
+                if v.shape == p.shape:  # Adamax's exp_inf would hold eps here without re-masking
+                    assert torch.count_nonzero(v[mask == 0]) == 0
