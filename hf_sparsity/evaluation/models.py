@@ -1,0 +1,173 @@
+"""Load a model folder for evaluation (applying its masks) and describe its sparsity."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..constants import SPARSITY_MASKS_NAME
+from ..utils import SparsityError
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+_DTYPES.update({"float16": torch.float16, "fp16": torch.float16})
+
+
+def resolve_device(device: str | torch.device | None = None) -> torch.device:
+    """``None``/``"auto"`` -> CUDA when available, else CPU."""
+    if device is None or str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if str(dtype) not in _DTYPES:
+        raise SparsityError(f"Unknown dtype {dtype!r}; use one of {', '.join(sorted(_DTYPES))}.")
+    return _DTYPES[str(dtype)]
+
+
+def apply_masks(model: nn.Module, masks: dict[str, torch.Tensor]) -> int:
+    """Multiply each masked weight by its mask in place; returns how many tensors were masked."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, mask in masks.items():
+            p = params[name]
+            p.mul_(mask.to(device=p.device, dtype=p.dtype))
+    return len(masks)
+
+
+def load_masks_for(model: nn.Module, path: str | os.PathLike) -> dict[str, torch.Tensor] | None:
+    """Masks stored in model folder ``path`` (checked against ``model``'s shapes), or ``None`` when it has none."""
+    from ..serialization import load_masks
+
+    if not (Path(path) / SPARSITY_MASKS_NAME).is_file():
+        return None
+    expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    masks, _ = load_masks(path, expected_shapes=expected)
+    return masks
+
+
+def load_model_for_eval(
+    path: str | os.PathLike,
+    *,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    tokenizer: str | os.PathLike | None = None,
+) -> tuple[nn.Module, Any, dict[str, torch.Tensor] | None]:
+    """Load a causal LM folder for evaluation.
+
+    A sparse folder (``sparsity_masks.safetensors`` next to the weights) gets its masks
+    applied (weights multiplied by the mask) before anything is scored; a vanilla or
+    finalized folder is used as is. Returns ``(model, tokenizer, masks_or_None)``; the
+    model is in eval mode on ``device``.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise SparsityError(
+            f"{str(path)!r} is not a model folder (no config.json). Pass a folder written by save_pretrained, "
+            "e.g. a checkpoint-N/ folder or the output of `hf_sparsity convert`."
+        )
+    kwargs = {}
+    if dtype is not None:
+        kwargs["dtype"] = resolve_dtype(dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    masks = load_masks_for(model, path)
+    if masks is not None:
+        apply_masks(model, masks)
+        logger.info("applied %d masks from %s", len(masks), path / SPARSITY_MASKS_NAME)
+    try:
+        tok = AutoTokenizer.from_pretrained(tokenizer or path)
+    except Exception as e:  # a folder saved without its tokenizer
+        raise SparsityError(
+            f"No tokenizer could be loaded from {str(tokenizer or path)!r} ({type(e).__name__}: {e}). "
+            "Save the tokenizer into the model folder or pass --tokenizer DIR."
+        ) from None
+    model.to(resolve_device(device)).eval()
+    return model, tok, masks
+
+
+def sparsity_summary(model: nn.Module, masks: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """Per-layer and total sparsity of ``model`` as it will be scored.
+
+    With ``masks`` the layers are the masked tensors; without, the default targets
+    (projection and FFN weights, see :func:`hf_sparsity.targeting.plan_sparsity`). Each
+    layer's ``sparsity`` is the measured fraction of exact zeros in the weight, so a
+    finalized checkpoint reports the same numbers as its masked original. Also counts
+    total and nonzero parameters (tied weights once) and, when ``hf_sparsity.flops`` is
+    available, inference FLOPs per token.
+    """
+    from ..config import SparsityConfig
+    from ..targeting import plan_sparsity
+
+    params = dict(model.named_parameters())
+    if masks:
+        names = list(masks)
+        source = "masks"
+    else:
+        plan = plan_sparsity(model, SparsityConfig(sparsity=0.5), strict=False)
+        names = [d.name for d in plan if d.sparsify]
+        source = "default targets (weights measured)"
+    layers = []
+    tz = tn = 0
+    for name in names:
+        w = params[name].detach()
+        zeros = int((w == 0).sum())
+        row = {"name": name, "shape": list(w.shape), "numel": w.numel(), "zeros": zeros}
+        row["sparsity"] = zeros / max(w.numel(), 1)
+        if masks:
+            row["mask_sparsity"] = 1.0 - float(masks[name].sum(dtype=torch.int64)) / max(
+                masks[name].numel(), 1
+            )
+        layers.append(row)
+        tz += zeros
+        tn += w.numel()
+    total_params = sum(p.numel() for p in params.values())
+    out: dict[str, Any] = {
+        "source": source,
+        "targeted_params": tn,
+        "targeted_zeros": tz,
+        "sparsity": tz / max(tn, 1),
+        "total_params": total_params,
+        "nonzero_params": total_params - tz,
+        "layers": layers,
+    }
+    out.update(flops_summary(model, {r["name"]: r["sparsity"] for r in layers}))
+    return out
+
+
+def flops_summary(model: nn.Module, levels: dict[str, float]) -> dict[str, Any]:
+    """Inference FLOPs per token from ``hf_sparsity.flops`` when that module exists; else ``{}``."""
+    try:
+        from .. import flops as flops_mod  # written by another part of the project; optional here
+    except ImportError:
+        return {}
+    try:
+        return _call_flops(flops_mod, model, levels)
+    except Exception as e:  # never fail an evaluation over its FLOPs stamp
+        logger.warning(
+            "FLOPs module present but failed (%s: %s); results carry no FLOPs.", type(e).__name__, e
+        )
+        return {"flops_error": f"{type(e).__name__}: {e}"}
+
+
+def _call_flops(flops_mod: Any, model: nn.Module, levels: dict[str, float]) -> dict[str, Any]:
+    # Filled in against the FLOPs module's API (see its docstrings).
+    fn = getattr(flops_mod, "model_flops", None)
+    if fn is None:
+        return {}
+    return {"flops": fn(model, levels)}
