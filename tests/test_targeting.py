@@ -106,3 +106,14 @@ def test_debug_log_lists_the_plan(caplog):
     with caplog.at_level(logging.DEBUG, logger="hf_sparsity"):
         SparsityEngine(tiny_model("gpt2"), SparsityConfig(sparsity=0.5))
     assert "transformer.h.0.attn.c_attn.weight" in caplog.text and "default: Conv1D weight" in caplog.text
+
+
+def test_trainer_debug_log_level_logs_the_plan(tmp_path, caplog):
+    from hf_sparsity import SparsityCallback
+
+    from .trainer_utils import make_trainer
+
+    cb = SparsityCallback(SparsityConfig(sparsity=0.5))
+    with caplog.at_level(logging.DEBUG, logger="hf_sparsity"):
+        make_trainer(tiny_model("llama"), tmp_path, [cb], max_steps=1, log_level="debug").train()
+    assert "model.layers.1.mlp.down_proj.weight" in caplog.text and "default: skip embedding" in caplog.text
