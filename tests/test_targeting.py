@@ -113,7 +113,18 @@ def test_trainer_debug_log_level_logs_the_plan(tmp_path, caplog):
 
     from .trainer_utils import make_trainer
 
-    cb = SparsityCallback(SparsityConfig(sparsity=0.5))
-    with caplog.at_level(logging.DEBUG, logger="hf_sparsity"):
-        make_trainer(tiny_model("llama"), tmp_path, [cb], max_steps=1, log_level="debug").train()
-    assert "model.layers.1.mlp.down_proj.weight" in caplog.text and "default: skip embedding" in caplog.text
+    pkg = logging.getLogger("hf_sparsity")
+    try:
+        make_trainer(
+            tiny_model("llama"), tmp_path / "a", [SparsityCallback(SparsityConfig(sparsity=0.5))], max_steps=1
+        ).train()
+        assert "model.layers.1.mlp.down_proj.weight" not in caplog.text  # quiet by default
+        make_trainer(
+            tiny_model("llama"), tmp_path / "b", [SparsityCallback(SparsityConfig(sparsity=0.5))], max_steps=1,
+            log_level="debug",
+        ).train()  # fmt: skip
+        assert (
+            "model.layers.1.mlp.down_proj.weight" in caplog.text and "default: skip embedding" in caplog.text
+        )
+    finally:
+        pkg.setLevel(logging.NOTSET)
