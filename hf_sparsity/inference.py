@@ -140,9 +140,9 @@ def sparsify_for_inference(
     """
     model_u = unwrap_model(model)
     klass = get_backend(backend)
-    found = _resolve_masks(model_u, masks, config)
     if any(isinstance(m, SparseLinear) for m in model_u.modules()):
         raise SparsityError("The model is already sparsified for inference; call restore_dense(model) first.")
+    found = _resolve_masks(model_u, masks, config)
     swapped = 0
     for name, mask in found.items():
         module_name, _, attr = name.rpartition(".")

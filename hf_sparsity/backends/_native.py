@@ -4,7 +4,7 @@ Why: torch.sparse CSR reaches only ~1.2x dense at 90% sparsity for a batch-1
 matvec on CPU. Decoding is memory-bound, so the format must read few bytes per
 nonzero and the kernel must use every core: float32 values with 16-bit column
 indices (6 bytes per nonzero instead of 4 bytes per dense weight, or 12 for int64
-CSR), rows split across threads into nnz-balanced contiguous ranges.
+CSR), rows handed to threads in contiguous chunks, dynamically (robust to a preempted thread).
 
 The source is plain C11 + OpenMP (no torch headers), so it builds with the system
 C compiler in well under a second (``cc -O3 -march=native -fopenmp -shared``) into
@@ -34,20 +34,17 @@ logger = logging.getLogger(__name__)
 SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
-/* y[r] = sum_j v[j] * x[idx[j]] for rows in [bounds[t], bounds[t+1]) on thread t.
+/* y[r] = sum_j v[j] * x[idx[j]]. Rows go to threads in chunks of `chunk` contiguous rows,
+   handed out dynamically: a thread the OS preempts (2 shared cores) holds up at most one chunk.
    Four accumulators hide the FMA latency; rows are independent so threads never share output. */
 #define SPMV(NAME, ITYPE)                                                                  \
-void NAME(const int64_t* bounds, int nthreads, const int64_t* rowptr, const ITYPE* idx,    \
-          const float* v, const float* x, float* y) {                                      \
-  _Pragma("omp parallel num_threads(nthreads)")                                            \
-  {                                                                                        \
-    int t = 0;                                                                             \
-    TID(t);                                                                                \
-    for (int64_t r = bounds[t]; r < bounds[t + 1]; r++) {                                  \
+void NAME(int64_t rows, int64_t chunk, int nthreads, const int64_t* rowptr,                \
+          const ITYPE* idx, const float* v, const float* x, float* y) {                   \
+  _Pragma("omp parallel for schedule(dynamic, 1) num_threads(nthreads)")                   \
+  for (int64_t c0 = 0; c0 < rows; c0 += chunk) {                                           \
+    int64_t c1 = c0 + chunk < rows ? c0 + chunk : rows;                                    \
+    for (int64_t r = c0; r < c1; r++) {                                                    \
       int64_t j = rowptr[r], e = rowptr[r + 1];                                            \
       float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;                                        \
       for (; j + 4 <= e; j += 4) {                                                         \
@@ -63,14 +60,13 @@ void NAME(const int64_t* bounds, int nthreads, const int64_t* rowptr, const ITYP
 /* Batched: xt is X^T ([in, B] row-major), y is [B, rows]. One AXPY of length B per
    nonzero into a per-row accumulator tile of 64, contiguous in xt so it vectorizes. */
 #define SPMM(NAME, ITYPE)                                                                  \
-void NAME(const int64_t* bounds, int nthreads, const int64_t* rowptr, const ITYPE* idx,    \
-          const float* v, const float* xt, float* y, int64_t rows, int64_t B) {            \
-  _Pragma("omp parallel num_threads(nthreads)")                                            \
-  {                                                                                        \
-    int t = 0;                                                                             \
-    TID(t);                                                                                \
+void NAME(int64_t rows, int64_t chunk, int nthreads, const int64_t* rowptr,                \
+          const ITYPE* idx, const float* v, const float* xt, float* y, int64_t B) {        \
+  _Pragma("omp parallel for schedule(dynamic, 1) num_threads(nthreads)")                   \
+  for (int64_t c0 = 0; c0 < rows; c0 += chunk) {                                           \
     float acc[64];                                                                         \
-    for (int64_t r = bounds[t]; r < bounds[t + 1]; r++) {                                  \
+    int64_t c1 = c0 + chunk < rows ? c0 + chunk : rows;                                    \
+    for (int64_t r = c0; r < c1; r++) {                                                    \
       for (int64_t b0 = 0; b0 < B; b0 += 64) {                                             \
         int64_t bw = B - b0 < 64 ? B - b0 : 64;                                            \
         memset(acc, 0, sizeof(acc));                                                       \
@@ -84,12 +80,6 @@ void NAME(const int64_t* bounds, int nthreads, const int64_t* rowptr, const ITYP
     }                                                                                      \
   }                                                                                        \
 }
-
-#ifdef _OPENMP
-#define TID(t) t = omp_get_thread_num(); if (t >= nthreads) t = nthreads - 1
-#else
-#define TID(t) t = 0
-#endif
 
 SPMV(hfs_spmv_u16, uint16_t)
 SPMV(hfs_spmv_i32, int32_t)
@@ -110,6 +100,8 @@ _FLAG_SETS = (
     ["-O3", "-fopenmp", "-std=gnu11", "-shared", "-fPIC"],
     ["-O3", "-std=gnu11", "-shared", "-fPIC"],  # no OpenMP: single-threaded, still narrow indices
 )
+
+MIN_WORK_PER_THREAD = 32768  # multiply-adds; below this a parallel region costs more than it saves
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -180,9 +172,9 @@ def load() -> ctypes.CDLL | None:
             lib = ctypes.CDLL(_build(cc))
             vp, i64, ci = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
             for fn in (lib.hfs_spmv_u16, lib.hfs_spmv_i32):
-                fn.argtypes, fn.restype = [vp, ci, vp, vp, vp, vp, vp], None
+                fn.argtypes, fn.restype = [i64, i64, ci, vp, vp, vp, vp, vp], None
             for fn in (lib.hfs_spmm_u16, lib.hfs_spmm_i32):
-                fn.argtypes, fn.restype = [vp, ci, vp, vp, vp, vp, vp, i64, i64], None
+                fn.argtypes, fn.restype = [i64, i64, ci, vp, vp, vp, vp, vp, i64], None
             lib.hfs_openmp.restype = ci
             _lib = lib
         except Exception as e:  # any failure means: fall back to torch.sparse
@@ -196,15 +188,6 @@ def load() -> ctypes.CDLL | None:
 def error() -> str | None:
     """Why :func:`load` returned ``None`` (after it was called)."""
     return _error
-
-
-def balanced_bounds(rowptr: torch.Tensor, nthreads: int) -> torch.Tensor:
-    """Row boundaries (int64, ``nthreads + 1``) splitting the rows into nnz-balanced contiguous ranges."""
-    rows = rowptr.numel() - 1
-    nnz = int(rowptr[-1])
-    targets = torch.arange(1, nthreads, dtype=torch.float64) * (nnz / nthreads)
-    cuts = torch.searchsorted(rowptr.to(torch.float64), targets).clamp_(0, rows)
-    return torch.cat([torch.tensor([0]), cuts.to(torch.int64), torch.tensor([rows])]).contiguous()
 
 
 class NativeCSR:
@@ -225,37 +208,35 @@ class NativeCSR:
             self.idx = cols.to(torch.int32).contiguous()
             self._spmv, self._spmm = lib.hfs_spmv_i32, lib.hfs_spmm_i32
         self.values = values.to(torch.float32).contiguous()
-        self._bounds: dict[int, torch.Tensor] = {}
+        self.nnz = int(self.values.numel())
+        # ~16 chunks per thread: fine enough for dynamic balancing, coarse enough to stream rows
+        self.chunk = max(8, -(-self.rows // (16 * max(1, torch.get_num_threads()))))
 
     @property
     def index_bytes(self) -> int:
         return self.idx.numel() * self.idx.element_size() + self.rowptr.numel() * 8
 
-    def _b(self, nthreads: int) -> torch.Tensor:
-        b = self._bounds.get(nthreads)
-        if b is None:
-            b = self._bounds[nthreads] = balanced_bounds(self.rowptr, nthreads)
-        return b
-
     def matmul(self, x2d: torch.Tensor, nthreads: int | None = None) -> torch.Tensor:
         """``x2d @ W^T`` for float32 ``x2d`` of shape ``[B, in]``; returns ``[B, out]`` float32."""
-        nt = max(1, int(nthreads or torch.get_num_threads()))
         x2d = x2d.to(torch.float32)
         batch = x2d.shape[0]
+        if nthreads:
+            nt = max(1, int(nthreads))
+        else:  # small products run on one thread: waking the pool costs more than it saves
+            nt = max(1, min(torch.get_num_threads(), (self.nnz * batch) // MIN_WORK_PER_THREAD))
         y = torch.empty(batch, self.rows, dtype=torch.float32)
         if batch == 0 or self.rows == 0:
             return y.zero_()
-        bounds = self._b(nt)
         if batch == 1:
             x = x2d.contiguous()
             self._spmv(
-                bounds.data_ptr(), nt, self.rowptr.data_ptr(), self.idx.data_ptr(),
+                self.rows, self.chunk, nt, self.rowptr.data_ptr(), self.idx.data_ptr(),
                 self.values.data_ptr(), x.data_ptr(), y.data_ptr(),
             )  # fmt: skip
         else:
             xt = x2d.t().contiguous()
             self._spmm(
-                bounds.data_ptr(), nt, self.rowptr.data_ptr(), self.idx.data_ptr(),
-                self.values.data_ptr(), xt.data_ptr(), y.data_ptr(), self.rows, batch,
+                self.rows, self.chunk, nt, self.rowptr.data_ptr(), self.idx.data_ptr(),
+                self.values.data_ptr(), xt.data_ptr(), y.data_ptr(), batch,
             )  # fmt: skip
         return y
