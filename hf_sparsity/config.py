@@ -34,7 +34,7 @@ from .utils import SparsityError, library_version
 logger = logging.getLogger(__name__)
 
 INIT_METHODS = ("random", "topk")
-ALGORITHMS = ("static",)
+ALGORITHMS = ("static", "gmp", "set", "rigl")
 PATTERN_OVERRIDE_KEYS = ("sparsity", "init_method", "seed", "structure")
 _META_KEYS = ("hf_sparsity_version", "_state")
 # Top-level keys of a Cerebras params file that are not part of the sparsity section.
@@ -102,7 +102,37 @@ class SparsityConfig:
         default=None,
         metadata={"help": "Glob(s) matched against whole parameter names (later Cerebras form)."},
     )
-    algorithm: str = field(default="static", metadata={"help": "Sparsity algorithm: static."})
+    algorithm: str = field(
+        default="static",
+        metadata={
+            "help": "static (fixed masks, or the level changes a `schedule` lists), gmp (cubic pruning), "
+            "set or rigl (dynamic sparsity: drop and regrow every `update.freq` steps)."
+        },
+    )
+    schedule: list[dict[str, Any]] | dict[str, Any] | None = field(
+        default=None,
+        metadata={
+            "help": "static only: events in optimizer steps, [{step: 100, sparsity: 0.9}, {step: 200, densify: true}], "
+            "or an IMP spec {type: imp, prune_fraction: 0.2, iterations: 5, dense_steps: N, every: N, rewind_to: R}."
+        },
+    )
+    update: dict[str, int] | None = field(
+        default=None,
+        metadata={
+            "help": "gmp/set/rigl: {freq: N, start: N, stop: N} in optimizer steps; stop defaults to the last step."
+        },
+    )
+    drop_fraction: float | dict[str, Any] | None = field(
+        default=None,
+        metadata={
+            "help": "set/rigl: fraction of active weights dropped and regrown per update, cosine-decayed to 0 at "
+            "update.stop (default 0.3); or {type: cosine|constant, init: 0.3, half_period: N}."
+        },
+    )
+    init_sparsity: float | None = field(
+        default=None,
+        metadata={"help": "gmp: the level at update.start (default 0.0); `sparsity` is the final level."},
+    )
     structure: str | None = field(
         default=None,
         metadata={"help": "Optional N:M structure, e.g. '2:4' (for the semi-structured backend)."},
@@ -125,6 +155,7 @@ class SparsityConfig:
                 f"`algorithm` = {self.algorithm!r} is not supported. Use one of: {', '.join(ALGORITHMS)}."
             )
         check_structure(self.structure)
+        self._check_schedule_keys()
         self.param_name_patterns = _normalize_patterns(self.param_name_patterns)
         if self.param_filter is not None:
             filters = [self.param_filter] if isinstance(self.param_filter, str) else list(self.param_filter)
@@ -146,6 +177,44 @@ class SparsityConfig:
                 "No sparsity level given. Set `sparsity: 0.75` (or a level for every pattern in a "
                 "`param_name_patterns` dict)."
             )
+
+    def _check_schedule_keys(self) -> None:
+        from .schedules import validate_drop_fraction, validate_schedule, validate_update
+
+        self.schedule = validate_schedule(self.schedule)
+        self.update = validate_update(self.update)
+        self.drop_fraction = validate_drop_fraction(self.drop_fraction)
+        if self.init_sparsity is not None:
+            self.init_sparsity = check_level(self.init_sparsity, "init_sparsity")
+        algo = self.algorithm
+        if self.schedule is not None and algo != "static":
+            raise SparsityError(
+                f"`schedule` is for algorithm static (explicit events or IMP); algorithm {algo!r} is driven by "
+                "`update: {freq, start, stop}`. Remove one of them."
+            )
+        if algo == "static" and (self.update is not None or self.drop_fraction is not None):
+            raise SparsityError(
+                "`update` / `drop_fraction` need `algorithm: gmp`, `set` or `rigl`; with static masks use a "
+                "`schedule` list instead."
+            )
+        if self.drop_fraction is not None and algo not in ("set", "rigl"):
+            raise SparsityError(f"`drop_fraction` is for set/rigl, not {algo!r}.")
+        if self.init_sparsity is not None and algo != "gmp":
+            raise SparsityError(f"`init_sparsity` is for algorithm gmp, not {algo!r}.")
+        if algo == "gmp" and self.sparsity is not None and (self.init_sparsity or 0.0) > self.sparsity:
+            raise SparsityError(
+                f"gmp prunes from `init_sparsity` ({self.init_sparsity}) up to `sparsity` ({self.sparsity}); "
+                "the final level must be the higher one."
+            )
+
+    @property
+    def has_schedule(self) -> bool:
+        """True when masks change during training (a schedule, GMP, SET or RigL)."""
+        return (
+            self.algorithm != "static"
+            or self.schedule is not None
+            or any(g.algorithm != "static" or g.schedule is not None for g in (self.groups or []))
+        )
 
     def _has_level(self) -> bool:
         if self.sparsity is not None:

@@ -26,6 +26,11 @@ So neither weight decay nor momentum can revive a pruned weight.
 
 FSDP2 (DTensor) parameters are supported: each rank keeps the full mask (cheap,
 deterministic) and applies the slice matching its local shard.
+
+Scheduled events (prune, regrow, densify, SET/RigL updates, LR rewind; see
+:mod:`hf_sparsity.schedules` and :mod:`hf_sparsity.events`) fire inside
+:meth:`after_step`, once the step count reaches their step, on every rank alike
+(they depend only on the weights, the schedule and seeds, never on rank-local RNG).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from torch import nn
 from . import masks as M
 from .config import SparsityConfig, check_structure, set_sparsity_config
 from .constants import SPARSITY_MASKS_NAME
+from .schedules import Schedule, compile_schedule
 from .serialization import check_mask_names, load_masks, save_masks
 from .targeting import TargetDecision, log_plan, plan_sparsity, unwrap_model
 from .utils import SparsityError
@@ -86,7 +92,13 @@ class SparsityEngine:
     """Masks for one model under one :class:`SparsityConfig`."""
 
     def __init__(
-        self, model: nn.Module, config: SparsityConfig, *, strict: bool = True, state_masking: str = "auto"
+        self,
+        model: nn.Module,
+        config: SparsityConfig,
+        *,
+        strict: bool = True,
+        state_masking: str = "auto",
+        total_steps: int | None = None,
     ):
         if state_masking not in ("auto", "always"):
             raise SparsityError(f"state_masking={state_masking!r}: use 'auto' or 'always'.")
@@ -108,6 +120,18 @@ class SparsityEngine:
         self._optimizers: list[torch.optim.Optimizer] = []
         self._opt_hooks: list[Any] = []
         self._orig_save_pretrained = None
+        # Schedules (events.py): compiled against the real number of optimizer steps.
+        self.total_steps = total_steps
+        self.schedule: Schedule | None = None
+        self.densified: set[str] = set()
+        self.pending_rewind: int | None = None  # LR step to rewind to, applied after the scheduler's step
+        self.listeners: list[Any] = []  # called with each event record
+        self.extra_state: dict[str, Any] = {}  # callers' state carried in the mask file (FLOP counts, ...)
+        self.restored_state: dict[str, Any] = {}
+        self._lr_scheduler = None
+        self._hooks_enabled = False
+        self._capture_grads = False  # RigL: keep the dense gradient of the coming update step
+        self._captured: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ masks
     def _param(self, name: str) -> torch.Tensor:
@@ -117,6 +141,11 @@ class SparsityEngine:
         """Create masks for ``names`` (default: every target) from the config: random, topk or N:M."""
         for name in names if names is not None else self.targets:
             d = self.targets[name]
+            level = self.target_level(name)
+            if level is None:  # densified at this point of the schedule
+                self.masks.pop(name, None)
+                self.levels.pop(name, None)
+                continue
             param = self._param(name)
             shape = tuple(param.shape)
             if d.structure is not None:
@@ -128,12 +157,37 @@ class SparsityEngine:
                 )
                 mask = M.nm_mask(score, n, m, dim=d.input_dim)
             elif d.init_method == "topk":
-                mask = M.topk_mask(_full_tensor(param.detach()), d.sparsity)
+                mask = M.topk_mask(_full_tensor(param.detach()), level)
             else:
-                mask = M.random_mask(shape, d.sparsity, d.seed, name)
+                mask = M.random_mask(shape, level, d.seed, name)
             self.masks[name] = mask
             self.levels[name] = M.mask_level(mask)
         self.refresh()
+
+    # ------------------------------------------------------------------ schedule
+    def compile_schedule(self, total_steps: int | None = None) -> Schedule:
+        """Compile the config's schedule for a run of ``total_steps`` optimizer steps (see ``schedules.py``)."""
+        if total_steps is not None:
+            self.total_steps = int(total_steps)
+        self.schedule = compile_schedule(self.config, self.total_steps)
+        if self.schedule.events:
+            logger.info(
+                "Sparsity schedule (%s): %d events, steps %d..%d.",
+                self.schedule.algorithm,
+                len(self.schedule.events),
+                self.schedule.events[0].step,
+                self.schedule.events[-1].step,
+            )
+        return self.schedule
+
+    def target_level(self, name: str, step: int | None = None) -> float | None:
+        """The level ``name`` should have after ``step`` optimizer steps (None: dense, no mask)."""
+        configured = self.targets[name].sparsity
+        if not self.config.has_schedule:
+            return None if name in self.densified else configured
+        if self.schedule is None:
+            self.compile_schedule()
+        return self.schedule.level_at(self.optimizer_steps if step is None else step, configured)
 
     def set_masks(self, masks: dict[str, torch.Tensor]) -> None:
         expected = {n: tuple(self._param(n).shape) for n in self.targets}
@@ -143,7 +197,9 @@ class SparsityEngine:
             self.levels[name] = M.mask_level(self.masks[name])
         self.refresh()
 
-    def restore(self, path: str | os.PathLike, reconcile: bool = True) -> dict[str, str]:
+    def restore(
+        self, path: str | os.PathLike, reconcile: bool = True, step: int | None = None
+    ) -> dict[str, str]:
         """Load masks from a checkpoint folder or mask file.
 
         With ``reconcile`` (the seeds' resume semantics), a mask whose level differs from
@@ -151,7 +207,9 @@ class SparsityEngine:
         regrown (random positions, starting from 0); targets the file lacks get fresh
         masks from the current weights; masks for parameters no longer targeted are
         dropped (those weights become dense, keeping their zeros). Returns what was done
-        per parameter.
+        per parameter. With a schedule, "configured" means the level the schedule gives
+        at ``step`` (default: the step recorded in the file), so resuming mid-schedule
+        changes nothing, and a tensor the schedule has densified gets no mask.
         """
         shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
         loaded, meta = load_masks(path, expected_shapes=shapes)
@@ -162,6 +220,11 @@ class SparsityEngine:
             state = json.loads(state) if isinstance(state, str) else state
             self.optimizer_steps = int(state.get("optimizer_steps", 0))
             self.events = list(state.get("events", []))
+            self.densified = set(state.get("densified", []))
+            self.pending_rewind = state.get("pending_rewind")
+            self.restored_state = dict(state)
+        if step is not None:
+            self.optimizer_steps = int(step)
         actions: dict[str, str] = {}
         for name in list(loaded):
             if name not in self.targets:
@@ -170,14 +233,20 @@ class SparsityEngine:
                 )
                 loaded.pop(name)
                 actions[name] = "dropped"
+        for name in list(loaded):
+            if self.target_level(name) is None:
+                loaded.pop(name)
+                self.masks.pop(name, None)
+                self.levels.pop(name, None)
+                actions[name] = "densified"
         self.masks.update(loaded)
-        missing = [n for n in self.targets if n not in loaded]
+        missing = [n for n in self.targets if n not in loaded and self.target_level(n) is not None]
         if missing:
             self.build_masks(missing)
             actions.update(dict.fromkeys(missing, "built"))
         for name in loaded:
             actions[name] = "restored"
-            want = self.targets[name].sparsity
+            want = self.target_level(name)
             have = M.mask_level(loaded[name])
             if reconcile and M.num_zeros(want, loaded[name].numel()) != int((loaded[name] == 0).sum()):
                 w = _full_tensor(self._param(name).detach())
@@ -193,6 +262,62 @@ class SparsityEngine:
             logger.info("Resumed masks at a new level: %d tensors changed.", len(changed))
         self.refresh()
         return actions
+
+    @torch.no_grad()
+    def change_masks(self, new_masks: dict[str, torch.Tensor | None]) -> dict[str, dict[str, Any]]:
+        """Replace masks mid-training (every event goes through here); ``None`` densifies a tensor.
+
+        Newly masked positions: weight and weight-shaped optimizer state set to 0.
+        Regrown positions (masked before, trainable now) and, on densify, every
+        previously masked position: weight and optimizer state set to 0 too, so they start
+        from 0 whatever happened to them while masked. Returns, per tensor, the counts.
+        """
+        changes: dict[str, dict[str, Any]] = {}
+        for name, new in new_masks.items():
+            if name not in self.targets:
+                raise SparsityError(
+                    f"{name!r} is not a sparsity target of this model; cannot change its mask."
+                )
+            old = self.masks.get(name)
+            before = self.levels.get(name) if old is not None else None
+            if new is None:
+                if old is None:
+                    continue
+                revived = old == 0
+                self.masks.pop(name)
+                self.levels.pop(name, None)
+                self.densified.add(name)
+            else:
+                new = new.detach().to("cpu", M.MASK_DTYPE).contiguous()
+                if tuple(new.shape) != tuple(self._param(name).shape):
+                    raise SparsityError(
+                        f"New mask for {name!r} has shape {list(new.shape)}, the weight another."
+                    )
+                revived = (old == 0) & (new == 1) if old is not None else None
+                self.masks[name] = new
+                self.levels[name] = M.mask_level(new)
+                self.densified.discard(name)
+            if revived is not None and bool(revived.any()):
+                self._zero_positions(name, revived)
+            changes[name] = {
+                "before": before,
+                "after": self.levels.get(name),
+                "regrown": int(revived.sum()) if revived is not None else 0,
+            }
+        self.refresh()
+        self._rehook()
+        self.apply()  # newly masked positions: weights and optimizer state to 0
+        return changes
+
+    def _zero_positions(self, name: str, where: torch.Tensor) -> None:
+        """Weight and weight-shaped optimizer state of ``name`` set to 0 where ``where`` (a full-shape bool)."""
+        p = self._param(name)
+        keep = _local_slice((~where).to(M.MASK_DTYPE), p).to(_local(p).device)
+        _local(p).mul_(keep)
+        for opt in self._optimizers:
+            for v in opt.state.get(p, {}).values():
+                if torch.is_tensor(v) and v.shape == p.shape:
+                    _local(v).mul_(keep)
 
     # ------------------------------------------------------------------ device views
     def refresh(self) -> None:
@@ -231,8 +356,17 @@ class SparsityEngine:
                 _local(p.grad).mul_(self._dev_masks[name])
 
     def before_step(self) -> None:
-        """Call right before ``optimizer.step()``: masks gradients the hooks could not reach."""
+        """Call right before ``optimizer.step()``: masks gradients the hooks could not reach.
+
+        A pending LR rewind (from an event after the previous step) is applied here, after
+        the scheduler's own step, when :meth:`attach` was given the scheduler.
+        """
         self._check_params()
+        if self.pending_rewind is not None and self._lr_scheduler is not None:
+            from .events import rewind_lr
+
+            rewind_lr(self._lr_scheduler, self.pending_rewind)
+            self.pending_rewind = None
         self.mask_gradients(only_unhooked=True)
 
     @torch.no_grad()
@@ -242,6 +376,10 @@ class SparsityEngine:
             _local(p).mul_(self._dev_masks[name])
         self._mask_optimizer_state(every_step=True)
         self.optimizer_steps += 1
+        if self.config.has_schedule:
+            from .events import fire_due_events
+
+            fire_due_events(self)
 
     def _needs_per_step_state_masking(self, opt: torch.optim.Optimizer) -> bool:
         return self.state_masking == "always" or type(opt).__name__ not in ZERO_PRESERVING_OPTIMIZERS
@@ -268,8 +406,14 @@ class SparsityEngine:
             mask = self._dev_masks[name]
             # In place: the incoming gradient of a leaf weight is a fresh matmul output that
             # nothing else holds, and an out-of-place product would double the traffic.
-            self._grad_hooks.append(p.register_hook(lambda g, m=mask: _mask_grad(g, m)))
+            self._grad_hooks.append(p.register_hook(lambda g, m=mask, n=name: self._on_grad(n, g, m)))
             self._hooked.add(name)
+
+    def _on_grad(self, name: str, g: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self._capture_grads:  # RigL scores regrowth by the dense gradient, before masking
+            prev = self._captured.get(name)
+            self._captured[name] = g.detach().float().clone() if prev is None else prev + g.detach().float()
+        return _mask_grad(g, mask)
 
     def remove_grad_hooks(self) -> None:
         for h in self._grad_hooks:
@@ -277,17 +421,28 @@ class SparsityEngine:
         self._grad_hooks, self._hooked = [], set()
 
     def _rehook(self) -> None:
-        if self._grad_hooks:
+        if self._grad_hooks or self._hooks_enabled:
             self.register_grad_hooks()
 
-    def attach(self, optimizer: torch.optim.Optimizer | None = None, *, step_hooks: bool = True) -> None:
+    def attach(
+        self,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        step_hooks: bool = True,
+        lr_scheduler: Any = None,
+    ) -> None:
         """Start enforcing: gradient hooks, and (with ``step_hooks``) a post-step hook on ``optimizer``.
 
         ``step_hooks=False`` is for callers that call :meth:`before_step` / :meth:`after_step`
         themselves (the Trainer callback does, from its optimizer-step events).
+        ``lr_scheduler``: needed for schedules with ``rewind_to`` in a plain loop (the
+        rewind is applied in :meth:`before_step`; Trainer's callback applies it itself).
         """
-        if not self.masks:
+        if not self.masks and not self.densified and not self.config.has_schedule:
             raise SparsityError("No masks yet: call build_masks() or restore(dir) before attach().")
+        if lr_scheduler is not None:
+            self._lr_scheduler = lr_scheduler
+        self._hooks_enabled = True
         self.register_grad_hooks()
         if optimizer is not None:
             inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
@@ -297,6 +452,10 @@ class SparsityEngine:
                 self._opt_hooks.append(inner.register_step_pre_hook(lambda *_: self.before_step()))
                 self._opt_hooks.append(inner.register_step_post_hook(lambda *_: self.after_step()))
         self.apply()
+        if self.config.has_schedule:
+            from .events import arm_gradient_capture
+
+            arm_gradient_capture(self)
 
     def detach(self) -> None:
         self.remove_grad_hooks()
@@ -307,7 +466,17 @@ class SparsityEngine:
 
     # ------------------------------------------------------------------ saving
     def state(self) -> dict[str, Any]:
-        return {"optimizer_steps": self.optimizer_steps, "events": self.events}
+        """JSON-simple state saved with the masks: step count, event history, densified tensors."""
+        out = dict(self.extra_state)
+        out.update(
+            {
+                "optimizer_steps": self.optimizer_steps,
+                "events": self.events,
+                "densified": sorted(self.densified),
+                "pending_rewind": self.pending_rewind,
+            }
+        )
+        return out
 
     def save(self, directory: str | os.PathLike, extra_metadata: dict[str, Any] | None = None) -> str:
         meta = {"state": self.state()}
@@ -369,6 +538,8 @@ class SparsityEngine:
                 f"{r['name']:<{w}}  {'x'.join(map(str, r['shape'])):<12} {r['mask_level']:>10.4f} "
                 f"{r['weight_level']:>12.4f}"
             )
+        if self.densified:
+            lines.append(f"densified (no mask): {len(self.densified)} tensors")
         tn = sum(m.numel() for m in self.masks.values())
         tz = sum(int((m == 0).sum()) for m in self.masks.values())
         lines.append(f"total: {len(rows)} tensors, {tn:,} targeted parameters, level {tz / max(tn, 1):.4f}")
