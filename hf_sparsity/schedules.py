@@ -281,9 +281,9 @@ def compile_schedule(config: Any, total_steps: int | None = None) -> Schedule:
             return Schedule(algo, total_steps, [])
         if isinstance(sched, dict):
             return _compile_imp(sched, total_steps)
+        _check_in_run(sched[-1]["step"], total_steps, "last event")
         events = []
         for e in sched:
-            _check_in_run(e["step"], total_steps, "event")
             if e.get("densify"):
                 events.append(ScheduledEvent(e["step"], "densify", rewind_to=e.get("rewind_to")))
             else:
@@ -307,7 +307,7 @@ def compile_schedule(config: Any, total_steps: int | None = None) -> Schedule:
         raise SparsityError(f"`update.start` ({start}) must be before the last step ({stop}).")
     if algo == "gmp":
         init = float(config.init_sparsity or 0.0)
-        steps = sorted({t for t in range(max(start, 1), stop, freq)} | {stop})
+        steps = sorted({t for t in range(start, stop, freq) if t >= 1} | {stop})
         events = []
         for t in steps:
             p = 1.0 - (1.0 - (t - start) / (stop - start)) ** 3
@@ -321,7 +321,7 @@ def compile_schedule(config: Any, total_steps: int | None = None) -> Schedule:
         d0, kind, half = float(drop), "cosine", None
     period = half or (stop - start)
     events = []
-    for t in range(max(start, 1), stop, freq):
+    for t in (t for t in range(start, stop, freq) if t >= 1):
         d = (
             d0
             if kind == "constant"
@@ -358,9 +358,9 @@ def _compile_imp(spec: dict, total_steps: int | None) -> Schedule:
         if dense is None:
             dense = max(total_steps - n * every, 1)
     levels = imp_levels(spec.get("prune_fraction"), n, spec.get("final_sparsity"))
+    _check_in_run(dense + (n - 1) * every, total_steps, f"last IMP prune ({n}/{n})")
     events = []
     for k, lv in enumerate(levels):
         t = dense + k * every
-        _check_in_run(t, total_steps, f"IMP prune {k + 1}/{n}")
         events.append(ScheduledEvent(t, "set_level", level=lv, rewind_to=spec.get("rewind_to")))
     return Schedule("imp", total_steps, events, init_level=0.0)
