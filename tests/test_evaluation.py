@@ -335,6 +335,7 @@ def test_cli_eval_report_and_compare(model_dirs, tmp_path):
         assert rc == 0
     r = json.loads((tmp_path / "r_sparse/results.json").read_text())
     assert r["sparsity"]["sparsity"] == pytest.approx(0.5, abs=1e-3)
+    assert r["sparsity"]["flops"]["inference_flop_reduction"] > 1.0
     assert {"pile", "wikitext103"} <= set(r["metrics"])
     assert r["metrics"]["wikitext103"]["original_tokens"] == count_original_tokens(text.read_text())
     assert {"torch", "transformers", "hf_sparsity"} <= set(r["versions"])
@@ -360,7 +361,7 @@ def test_cli_eval_report_and_compare(model_dirs, tmp_path):
 
 def test_eval_callback_logs_metrics(tmp_path, model_dirs, gpt2_tokenizer):
     from datasets import Dataset
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer, TrainingArguments, default_data_collator
 
     from hf_sparsity.evaluation import EvalCallback
 
@@ -380,6 +381,7 @@ def test_eval_callback_logs_metrics(tmp_path, model_dirs, gpt2_tokenizer):
         eval_dataset=ds,
         processing_class=gpt2_tokenizer,
         callbacks=[cb],
+        data_collator=default_data_collator,
     )
     cb.bind(trainer)
     trainer.train()

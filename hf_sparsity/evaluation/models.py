@@ -101,7 +101,9 @@ def load_model_for_eval(
     return model, tok, masks
 
 
-def sparsity_summary(model: nn.Module, masks: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+def sparsity_summary(
+    model: nn.Module, masks: dict[str, torch.Tensor] | None = None, seq_len: int | None = None
+) -> dict[str, Any]:
     """Per-layer and total sparsity of ``model`` as it will be scored.
 
     With ``masks`` the layers are the masked tensors; without, the default targets
@@ -109,7 +111,7 @@ def sparsity_summary(model: nn.Module, masks: dict[str, torch.Tensor] | None = N
     layer's ``sparsity`` is the measured fraction of exact zeros in the weight, so a
     finalized checkpoint reports the same numbers as its masked original. Also counts
     total and nonzero parameters (tied weights once) and, when ``hf_sparsity.flops`` is
-    available, inference FLOPs per token.
+    available, inference FLOPs per token at ``seq_len`` (default: the model's context).
     """
     from ..config import SparsityConfig
     from ..targeting import plan_sparsity
@@ -146,28 +148,35 @@ def sparsity_summary(model: nn.Module, masks: dict[str, torch.Tensor] | None = N
         "nonzero_params": total_params - tz,
         "layers": layers,
     }
-    out.update(flops_summary(model, {r["name"]: r["sparsity"] for r in layers}))
+    out.update(flops_summary(model, {r["name"]: r["sparsity"] for r in layers}, masks, seq_len))
     return out
 
 
-def flops_summary(model: nn.Module, levels: dict[str, float]) -> dict[str, Any]:
-    """Inference FLOPs per token from ``hf_sparsity.flops`` when that module exists; else ``{}``."""
+def flops_summary(
+    model: nn.Module,
+    levels: dict[str, float],
+    masks: dict[str, torch.Tensor] | None = None,
+    seq_len: int | None = None,
+) -> dict[str, Any]:
+    """Inference FLOPs per token from :mod:`hf_sparsity.flops` (Chinchilla App. F, embeddings excluded).
+
+    Returns ``{"flops": {...}}`` with the sparse and dense inference FLOPs per token and
+    their ratio, or ``{}`` when the FLOPs module is not available.
+    """
     try:
-        from .. import flops as flops_mod  # written by another part of the project; optional here
+        from ..flops import count_flops
     except ImportError:
         return {}
     try:
-        return _call_flops(flops_mod, model, levels)
+        if masks:
+            report = count_flops(model, masks=masks, seq_len=seq_len)
+        else:
+            report = count_flops(model, levels={k: v for k, v in levels.items() if v > 0}, seq_len=seq_len)
     except Exception as e:  # never fail an evaluation over its FLOPs stamp
-        logger.warning(
-            "FLOPs module present but failed (%s: %s); results carry no FLOPs.", type(e).__name__, e
-        )
-        return {"flops_error": f"{type(e).__name__}: {e}"}
-
-
-def _call_flops(flops_mod: Any, model: nn.Module, levels: dict[str, float]) -> dict[str, Any]:
-    # Filled in against the FLOPs module's API (see its docstrings).
-    fn = getattr(flops_mod, "model_flops", None)
-    if fn is None:
-        return {}
-    return {"flops": fn(model, levels)}
+        logger.warning("FLOP count failed (%s: %s); results carry no FLOPs.", type(e).__name__, e)
+        return {"flops": {"error": f"{type(e).__name__}: {e}"}}
+    summary = report.summary()
+    dense = report.dense().inference_flops_per_token
+    summary["dense_inference_flops_per_token"] = dense
+    summary["inference_flop_reduction"] = dense / max(report.inference_flops_per_token, 1e-30)
+    return {"flops": summary}

@@ -86,8 +86,13 @@ def format_markdown(results: dict[str, Any]) -> str:
             f"{sp.get('targeted_params', 0):,} targeted weights; nonzero parameters "
             f"{sp.get('nonzero_params', 0):,} of {sp.get('total_params', 0):,}."
         )
-        if "flops" in sp:
-            lines.append(f"Inference FLOPs: `{json.dumps(sp['flops'], default=str)}`.")
+        f = sp.get("flops") or {}
+        if "inference_flops_per_token" in f:
+            lines.append(
+                f"Inference FLOPs per token (seq {f.get('seq_len')}): {f['inference_flops_per_token']:.4g} "
+                f"(dense {f.get('dense_inference_flops_per_token', 0):.4g}, "
+                f"{f.get('inference_flop_reduction', 1):.2f}x fewer)."
+            )
     s = results.get("settings", {})
     lines.append(
         f"Settings: limit={s.get('limit')}, batch size {s.get('batch_size')}, context {s.get('context') or 'model'}, "
@@ -142,7 +147,9 @@ def compare_markdown(results: Sequence[dict[str, Any]], labels: Sequence[str]) -
     )
     lines.append("| nonzero params | " + " | ".join(f"{s.get('nonzero_params', 0):,}" for s in sp) + " |")
     if any("flops" in s for s in sp):
-        lines.append("| inference FLOPs | " + " | ".join(_flops_cell(s.get("flops")) for s in sp) + " |")
+        lines.append(
+            "| inference FLOPs/token | " + " | ".join(_flops_cell(s.get("flops")) for s in sp) + " |"
+        )
     lines.append(
         "| wall time (s) | "
         + " | ".join(str(r.get("wall_time_s", {}).get("total", "–")) for r in results)
@@ -153,7 +160,7 @@ def compare_markdown(results: Sequence[dict[str, Any]], labels: Sequence[str]) -
 
 def _flops_cell(f: Any) -> str:
     if isinstance(f, dict):
-        for k in ("flops_per_token", "inference_flops_per_token", "total"):
+        for k in ("inference_flops_per_token",):
             if isinstance(f.get(k), (int, float)):
                 return f"{f[k]:.4g}"
         return "see json"

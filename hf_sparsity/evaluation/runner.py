@@ -180,7 +180,7 @@ def evaluate(
         },
         "data": {"data_dir": str(Path(data_dir).resolve()) if data_dir else None},
         "wall_time_s": {"load": round(load_s, 2)},
-        "sparsity": sparsity_summary(model, masks),
+        "sparsity": sparsity_summary(model, masks, seq_len=context),
         "versions": versions(),
     }
     metrics = results["metrics"]
