@@ -442,9 +442,6 @@ def run_stage(
     if is_main_process():
         tokenizer.save_pretrained(str(final))
     levels = _levels(metrics_cb) if sparsity is not None else {"total": 0.0}
-    seg_blocks = {}
-    for k, seg in enumerate(train_data.segments):
-        seg_blocks[k] = sorted({b for b, s in zip(train_data.order, train_data.segment_of) if s == k})
     result = StageResult(
         name=name,
         steps=steps,
@@ -458,7 +455,7 @@ def run_stage(
         data={
             "samples": len(train_data),
             "unique_blocks": len(set(train_data.order)),
-            "segments": len(seg_blocks),
+            "segments": len(train_data.segments),
         },
     )
     if is_main_process():
