@@ -226,8 +226,12 @@ def plot_comparison(
     for k in low:
         ax = axes[ax_i]
         ax_i += 1
-        for j, f in enumerate(flats):
-            ax.bar(j, f.get(k[0], float("nan")), 0.7, color=colors[j % len(colors)])
+        vals = [f.get(k[0], float("nan")) for f in flats]
+        for j, v in enumerate(vals):
+            ax.bar(j, v, 0.7, color=colors[j % len(colors)])
+        finite = [v for v in vals if v == v and 0 < v < float("inf")]
+        if finite and max(finite) / min(finite) > 20:  # perplexities that differ by orders of magnitude
+            ax.set_yscale("log")
         ax.set_xticks([])
         ax.set_title(k[1] + " ↓", fontsize=8)
         ax.grid(axis="y", alpha=0.3)
