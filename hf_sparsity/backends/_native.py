@@ -56,7 +56,7 @@ SOURCE = r"""
 /* y[r] = sum_j v[j] * x[idx[j]] for rows [r0, r1). Four accumulators hide the FMA latency. */
 #define SPMV_ROWS(NAME, ITYPE)                                                             \
 static void NAME(int64_t r0, int64_t r1, const int64_t* rowptr, const ITYPE* idx,          \
-                 const float* v, const float* x, float* y) {                               \
+                 const float* v, const float* x, float* y, const float* bias) {            \
   for (int64_t r = r0; r < r1; r++) {                                                      \
     int64_t j = rowptr[r], e = rowptr[r + 1];                                              \
     float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;                                          \
@@ -65,7 +65,8 @@ static void NAME(int64_t r0, int64_t r1, const int64_t* rowptr, const ITYPE* idx
       a2 += v[j + 2] * x[idx[j + 2]]; a3 += v[j + 3] * x[idx[j + 3]];                      \
     }                                                                                      \
     for (; j < e; j++) a0 += v[j] * x[idx[j]];                                             \
-    y[r] = (a0 + a1) + (a2 + a3);                                                          \
+    float s = (a0 + a1) + (a2 + a3);                                                       \
+    y[r] = bias ? s + bias[r] : s;                                                         \
   }                                                                                        \
 }
 
@@ -73,7 +74,8 @@ static void NAME(int64_t r0, int64_t r1, const int64_t* rowptr, const ITYPE* idx
    nonzero into a per-row accumulator tile of 64, contiguous in xt so it vectorizes. */
 #define SPMM_ROWS(NAME, ITYPE)                                                             \
 static void NAME(int64_t r0, int64_t r1, const int64_t* rowptr, const ITYPE* idx,          \
-                 const float* v, const float* xt, float* y, int64_t rows, int64_t B) {     \
+                 const float* v, const float* xt, float* y, int64_t rows, int64_t B,       \
+                 const float* bias) {                                                      \
   float acc[64];                                                                           \
   for (int64_t r = r0; r < r1; r++) {                                                      \
     for (int64_t b0 = 0; b0 < B; b0 += 64) {                                               \
@@ -84,7 +86,8 @@ static void NAME(int64_t r0, int64_t r1, const int64_t* rowptr, const ITYPE* idx
         const float* restrict xr = xt + (int64_t)idx[j] * B + b0;                          \
         for (int64_t b = 0; b < bw; b++) acc[b] += w * xr[b];                              \
       }                                                                                    \
-      for (int64_t b = 0; b < bw; b++) y[(b0 + b) * rows + r] = acc[b];                    \
+      const float br = bias ? bias[r] : 0.f;                                               \
+      for (int64_t b = 0; b < bw; b++) y[(b0 + b) * rows + r] = bias ? acc[b] + br : acc[b]; \
     }                                                                                      \
   }                                                                                        \
 }
@@ -105,6 +108,7 @@ typedef struct {
   int kind, active;
   int64_t rows, chunk, nchunks, B;
   const int64_t* rowptr; const void* idx; const float* v; const float* x; float* y;
+  const float* bias;
 } job_t;
 
 static job_t g_job;
@@ -119,10 +123,10 @@ static pthread_mutex_t g_run = PTHREAD_MUTEX_INITIALIZER;
 static void run_chunk(const job_t* j, int64_t c) {
   int64_t r0 = c * j->chunk, r1 = r0 + j->chunk < j->rows ? r0 + j->chunk : j->rows;
   switch (j->kind) {
-    case 0: spmv_u16(r0, r1, j->rowptr, (const uint16_t*)j->idx, j->v, j->x, j->y); break;
-    case 1: spmv_i32(r0, r1, j->rowptr, (const int32_t*)j->idx, j->v, j->x, j->y); break;
-    case 2: spmm_u16(r0, r1, j->rowptr, (const uint16_t*)j->idx, j->v, j->x, j->y, j->rows, j->B); break;
-    default: spmm_i32(r0, r1, j->rowptr, (const int32_t*)j->idx, j->v, j->x, j->y, j->rows, j->B); break;
+    case 0: spmv_u16(r0, r1, j->rowptr, (const uint16_t*)j->idx, j->v, j->x, j->y, j->bias); break;
+    case 1: spmv_i32(r0, r1, j->rowptr, (const int32_t*)j->idx, j->v, j->x, j->y, j->bias); break;
+    case 2: spmm_u16(r0, r1, j->rowptr, (const uint16_t*)j->idx, j->v, j->x, j->y, j->rows, j->B, j->bias); break;
+    default: spmm_i32(r0, r1, j->rowptr, (const int32_t*)j->idx, j->v, j->x, j->y, j->rows, j->B, j->bias);
   }
 }
 
@@ -186,14 +190,16 @@ static void run(job_t* j, int nthreads) {
   pthread_mutex_unlock(&g_run);
 }
 
+/* y = x W^T (+ bias): kind 0/1 batch-1 with 16/32-bit indices, 2/3 batched (x transposed). */
 void hfs_matmul(int kind, int64_t rows, int64_t chunk, int nthreads, const int64_t* rowptr,
-                const void* idx, const float* v, const float* x, float* y, int64_t B) {
-  job_t j = {kind, 0, rows, chunk, 0, B, rowptr, idx, v, x, y};
+                const void* idx, const float* v, const float* x, float* y, int64_t B,
+                const float* bias) {
+  job_t j = {kind, 0, rows, chunk, 0, B, rowptr, idx, v, x, y, bias};
   run(&j, nthreads);
 }
 
 void hfs_set_spin(int64_t spin) { g_spin = spin; }
-int hfs_version(void) { return 2; }
+int hfs_version(void) { return 3; }
 """
 
 _FLAG_SETS = (
@@ -269,7 +275,7 @@ def load() -> ctypes.CDLL | None:
                 raise RuntimeError("no C compiler found (set $CC) or HF_SPARSITY_NO_NATIVE is set")
             lib = ctypes.CDLL(_build(cc))
             vp, i64, ci = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-            lib.hfs_matmul.argtypes = [ci, i64, i64, ci, vp, vp, vp, vp, vp, i64]
+            lib.hfs_matmul.argtypes = [ci, i64, i64, ci, i64, i64, i64, i64, i64, i64, vp]
             lib.hfs_matmul.restype = None
             lib.hfs_set_spin.argtypes, lib.hfs_set_spin.restype = [i64], None
             _lib = lib
@@ -305,6 +311,7 @@ class NativeCSR:
             self._kind = 1
         self.values = values.to(torch.float32).contiguous()
         self.nnz = int(self.values.numel())
+        self._ptrs = (self.rowptr.data_ptr(), self.idx.data_ptr(), self.values.data_ptr())
         # ~16 chunks per thread: fine enough for dynamic balancing, coarse enough to stream rows
         self.chunk = max(8, -(-self.rows // (16 * max(1, torch.get_num_threads()))))
 
@@ -312,23 +319,28 @@ class NativeCSR:
     def index_bytes(self) -> int:
         return self.idx.numel() * self.idx.element_size() + self.rowptr.numel() * 8
 
-    def matmul(self, x2d: torch.Tensor, nthreads: int | None = None) -> torch.Tensor:
-        """``x2d @ W^T`` for float32 ``x2d`` of shape ``[B, in]``; returns ``[B, out]`` float32."""
-        x2d = x2d.to(torch.float32)
+    def matmul(
+        self, x2d: torch.Tensor, nthreads: int | None = None, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``x2d @ W^T (+ bias)`` for ``x2d`` of shape ``[B, in]``; returns ``[B, out]`` float32."""
+        if x2d.dtype != torch.float32:
+            x2d = x2d.float()
         batch = x2d.shape[0]
         if nthreads:
-            nt = max(1, int(nthreads))
-        else:  # small products run on one thread: waking the pool costs more than it saves
-            nt = max(1, min(torch.get_num_threads(), (self.nnz * batch) // MIN_WORK_PER_THREAD))
+            nt = int(nthreads)
+        else:  # small products run on one thread: waking a helper costs more than it saves
+            nt = min(torch.get_num_threads(), (self.nnz * batch) // MIN_WORK_PER_THREAD)
         y = torch.empty(batch, self.rows, dtype=torch.float32)
         if batch == 0 or self.rows == 0:
-            return y.zero_()
+            return y if bias is None else y.copy_(bias.float().expand_as(y))
         if batch == 1:
             kind, x = self._kind, x2d.contiguous()
         else:
             kind, x = self._kind + 2, x2d.t().contiguous()
+        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+            bias = bias.float().contiguous()
         self.lib.hfs_matmul(
-            kind, self.rows, self.chunk, nt, self.rowptr.data_ptr(), self.idx.data_ptr(),
-            self.values.data_ptr(), x.data_ptr(), y.data_ptr(), batch,
+            kind, self.rows, self.chunk, nt, self._ptrs[0], self._ptrs[1], self._ptrs[2],
+            x.data_ptr(), y.data_ptr(), batch, None if bias is None else bias.data_ptr(),
         )  # fmt: skip
         return y

@@ -92,6 +92,27 @@ class CSRBackend(SparseBackend):
         t = self._torch
         return t.col_indices().numel() * 4 + t.crow_indices().numel() * 4
 
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W^T (+ bias)``; inference calls on the native kernel add the bias inside it."""
+        nat = self._native
+        if (
+            nat is None
+            or x.dtype != torch.float32
+            or x.shape[-1] != self.in_features
+            or (
+                torch.is_grad_enabled()
+                and (
+                    x.requires_grad or self.weight.requires_grad or (bias is not None and bias.requires_grad)
+                )
+            )
+        ):
+            return super().linear(x, bias)
+        x2d = x.reshape(-1, self.in_features)
+        self._count("forward", x2d.shape[0])
+        return nat.matmul(x2d, self.threads, bias).view(*x.shape[:-1], self.out_features)
+
+    __call__ = linear
+
     def _forward(self, x2d: torch.Tensor) -> torch.Tensor:
         self._count("forward", x2d.shape[0])
         if self._native is not None:
