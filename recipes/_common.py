@@ -576,6 +576,17 @@ def plot_stages(
         offset += st.steps
     if baseline is not None:
         ax.axhline(baseline, color="k", lw=0.8, label="dense baseline")
+    # Zoom on the part worth reading: skip the first 15% of each stage (the initial drop from ~ln V).
+    late = [
+        h.get("eval_loss", h.get("loss"))
+        for st in stages
+        for h in st.log_history
+        if ("eval_loss" in h or "loss" in h) and h["step"] > 0.15 * st.steps
+    ]
+    if late:
+        lo, hi = min(late + ([baseline] if baseline else [])), max(late + ([baseline] if baseline else []))
+        pad = 0.08 * (hi - lo or 1.0)
+        ax.set_ylim(lo - pad, hi + 3 * pad)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy loss")
     ax.set_title(title, fontsize=10)
