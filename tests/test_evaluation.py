@@ -143,7 +143,8 @@ def _manual_pile_loss(model, tok, docs, context):
         w = torch.tensor([ids[s : s + context + 1]])
         if w.shape[1] < 2:
             break
-        logits = model(input_ids=w[:, :-1]).logits
+        with torch.no_grad():
+            logits = model(input_ids=w[:, :-1]).logits
         total += float(torch.nn.functional.cross_entropy(logits[0].float(), w[0, 1:], reduction="sum"))
         n += w.shape[1] - 1
     return total / n, n
