@@ -398,7 +398,6 @@ def run_stage(
         use_cpu=not torch.cuda.is_available(),
         disable_tqdm=True,
         include_num_input_tokens_seen=True,
-        dataloader_drop_last=True,
         ddp_find_unused_parameters=False,
     )
     if sparsity is not None:
