@@ -65,14 +65,15 @@ def load_model_for_eval(
     *,
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
-    tokenizer: str | os.PathLike | None = None,
+    tokenizer: Any = None,
 ) -> tuple[nn.Module, Any, dict[str, torch.Tensor] | None]:
     """Load a causal LM folder for evaluation.
 
     A sparse folder (``sparsity_masks.safetensors`` next to the weights) gets its masks
     applied (weights multiplied by the mask) before anything is scored; a vanilla or
     finalized folder is used as is. Returns ``(model, tokenizer, masks_or_None)``; the
-    model is in eval mode on ``device``.
+    model is in eval mode on ``device``. ``tokenizer`` is a folder, a tokenizer object,
+    or ``None`` for the model folder's own.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -91,7 +92,8 @@ def load_model_for_eval(
         apply_masks(model, masks)
         logger.info("applied %d masks from %s", len(masks), path / SPARSITY_MASKS_NAME)
     try:
-        tok = AutoTokenizer.from_pretrained(tokenizer or path)
+        is_path = tokenizer is None or isinstance(tokenizer, (str, os.PathLike))
+        tok = AutoTokenizer.from_pretrained(tokenizer or path) if is_path else tokenizer
     except Exception as e:  # a folder saved without its tokenizer
         raise SparsityError(
             f"No tokenizer could be loaded from {str(tokenizer or path)!r} ({type(e).__name__}: {e}). "
