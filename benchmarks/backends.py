@@ -17,21 +17,28 @@ The LM head (38.6M dense parameters, tied to the embedding) and attention stay d
 they bound the whole-model speedup (see docs/backends.md).
 
 Timings on a shared 2-core machine are noisy: rerun, compare ratios, not absolute times.
+Unless ``OMP_WAIT_POLICY`` is set, this script sets it to ``PASSIVE`` before importing
+torch: with libgomp's default spin-then-sleep policy, every parallel torch op (dense
+matmuls included) stalls for a scheduler slice when other processes share the cores,
+which swamps what is being measured. Both dense and sparse runs use the same setting.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp; see the docstring
 
-from hf_sparsity.backends import _native, get_backend
-from hf_sparsity.cli.bench import decode_tok_s, interleaved_ms
-from hf_sparsity.masks import random_mask
+import torch  # noqa: E402
+
+from hf_sparsity.backends import _native, get_backend  # noqa: E402
+from hf_sparsity.cli.bench import decode_tok_s, interleaved_ms  # noqa: E402
+from hf_sparsity.masks import random_mask  # noqa: E402
 
 SHAPES = [(768, 768), (3072, 768), (768, 3072)]
 LEVELS = [0.5, 0.75, 0.9, 0.95]
@@ -126,7 +133,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="write raw results here")
     args = p.parse_args(argv)
     t0 = time.time()
-    print(f"torch {torch.__version__}, native kernel: "
+    print(f"torch {torch.__version__}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, native kernel: "
           f"{'available' if _native.load() is not None else 'unavailable (' + str(_native.error()) + ')'}")  # fmt: skip
     out: dict = {"threads": torch.get_num_threads()}
     if not args.skip_layers:

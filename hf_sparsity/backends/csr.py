@@ -25,6 +25,9 @@ from . import _native
 from .base import BackendCapabilities, SparseBackend
 
 KERNELS = ("auto", "native", "torch")
+NATIVE_MAX_BATCH = 16
+"""Above this many rows of ``x`` (prefill, batched scoring) ``kernel="auto"`` hands the product to
+torch.sparse CSR (built lazily, int32 indices): the native kernel is made for decoding."""
 
 
 def _csr_parts(weight: torch.Tensor, mask: torch.Tensor):
@@ -108,6 +111,8 @@ class CSRBackend(SparseBackend):
         ):
             return super().linear(x, bias)
         x2d = x.reshape(-1, self.in_features)
+        if x2d.shape[0] > NATIVE_MAX_BATCH and self.options.get("kernel", "auto") == "auto":
+            return super().linear(x, bias)
         self._count("forward", x2d.shape[0])
         return nat.matmul(x2d, self.threads, bias).view(*x.shape[:-1], self.out_features)
 
@@ -115,9 +120,19 @@ class CSRBackend(SparseBackend):
 
     def _forward(self, x2d: torch.Tensor) -> torch.Tensor:
         self._count("forward", x2d.shape[0])
-        if self._native is not None:
-            y = self._native.matmul(x2d, self.threads)
+        nat = self._native
+        if nat is not None and (x2d.shape[0] <= NATIVE_MAX_BATCH or self.options.get("kernel") == "native"):
+            y = nat.matmul(x2d, self.threads)
             return y if x2d.dtype == torch.float32 else y.to(x2d.dtype)
+        if self._torch is None:  # batched input on a native-prepared weight: build the torch CSR once
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                self._torch = torch.sparse_csr_tensor(
+                    nat.rowptr.to(torch.int32),
+                    nat.idx.to(torch.int32) & 0xFFFF if nat.idx.dtype == torch.int16 else nat.idx,
+                    nat.values,
+                    size=(nat.rows, nat.cols_n),
+                )
         x = x2d.to(self._torch.dtype)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
