@@ -31,22 +31,48 @@ def __getattr__(name):
         from . import checkpoint
 
         return getattr(checkpoint, name)
+    if name in ("sparsify_for_inference", "restore_dense"):
+        from . import inference
+
+        return getattr(inference, name)
+    if name in ("SparseBackend", "get_backend", "register_backend", "available_backends"):
+        from . import backends
+
+        return getattr(backends, name)
+    if name in ("count_flops", "count_flops_from_config", "FlopAccountant"):
+        from . import flops
+
+        return getattr(flops, name)
+    if name == "sparse_ift":
+        from .ift import sparse_ift
+
+        return sparse_ift
     raise AttributeError(f"module 'hf_sparsity' has no attribute {name!r}")
 
 
 __all__ = [
+    "FlopAccountant",
+    "SparseBackend",
     "SparsityCallback",
     "SparsityConfig",
     "SparsityConfigMixin",
     "SparsityEngine",
     "SparsityError",
+    "available_backends",
+    "count_flops",
+    "count_flops_from_config",
     "finalize_checkpoint",
     "format_plan",
     "from_sentinel",
+    "get_backend",
     "get_sparsity_config",
     "inspect_checkpoint",
     "load_sparse_model",
     "plan_sparsity",
+    "register_backend",
+    "restore_dense",
     "set_sparsity_config",
+    "sparse_ift",
+    "sparsify_for_inference",
     "to_sentinel",
 ]
