@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(PY) examples/static_sparse_trainer.py --output_dir outputs/static_sparse
+	$(VENV)/bin/accelerate launch recipes/spdf.py --output_dir outputs/spdf
 
 test: $(STAMP)
 	$(PY) -m pytest -q
