@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/accelerate launch recipes/spdf.py --output_dir outputs/spdf
+	$(VENV)/bin/accelerate launch recipes/spdf.py --output_dir outputs/spdf --overwrite true
 
 test: $(STAMP)
 	$(PY) -m pytest -q
