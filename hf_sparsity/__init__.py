@@ -43,6 +43,10 @@ def __getattr__(name):
         from . import flops
 
         return getattr(flops, name)
+    if name in ("EvalCallback", "evaluate_model"):
+        from . import evaluation
+
+        return evaluation.EvalCallback if name == "EvalCallback" else evaluation.evaluate
     if name == "sparse_ift":
         from .ift import sparse_ift
 
@@ -51,6 +55,7 @@ def __getattr__(name):
 
 
 __all__ = [
+    "EvalCallback",
     "FlopAccountant",
     "SparseBackend",
     "SparsityCallback",
@@ -61,6 +66,7 @@ __all__ = [
     "available_backends",
     "count_flops",
     "count_flops_from_config",
+    "evaluate_model",
     "finalize_checkpoint",
     "format_plan",
     "from_sentinel",
