@@ -375,7 +375,7 @@ def run_stage(
         log(f"[{name}] already done: eval loss {saved['final_eval_loss']:.4f} (from {done})")
         return StageResult(**{k: v for k, v in saved.items() if k in StageResult.__dataclass_fields__})
     t0 = time.time()
-    eval_steps = eval_steps or max(steps // 4, 1)
+    eval_steps = eval_steps or max(steps // (4 if steps >= 40 else 2), 1)
     targs = TrainingArguments(
         output_dir=str(out),
         max_steps=steps,
