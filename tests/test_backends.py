@@ -213,6 +213,25 @@ def test_native_kernel_wide_batch_and_wide_input():
             )
 
 
+@pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
+@pytest.mark.parametrize("in_f", [48, 70000], ids=["16-bit-indices", "32-bit-indices"])
+def test_native_kernel_every_row_length(in_f):
+    # row r keeps r weights: covers the 16-wide and 8-wide vector steps and every scalar tail
+    g = torch.Generator().manual_seed(3)
+    out_f = 41
+    mask = torch.zeros(out_f, in_f, dtype=torch.uint8)
+    for r in range(out_f):
+        mask[r, torch.randperm(in_f, generator=g)[:r]] = 1
+    w = torch.randn(out_f, in_f, generator=g) * mask
+    x = torch.randn(1, in_f, generator=g)
+    bias = torch.randn(out_f, generator=g)
+    ref = get_backend("emulator").from_dense(w, mask, float64_accumulator=True).linear(x, bias)
+    b = get_backend("csr").from_dense(w, mask, kernel="native")
+    for threads in (1, 2):
+        b.threads = threads
+        torch.testing.assert_close(b.linear(x, bias), ref, rtol=1e-5, atol=1e-5)
+
+
 def test_native_kernel_falls_back_cleanly_when_disabled(tmp_path):
     code = (
         "import torch\n"
@@ -228,6 +247,26 @@ def test_native_kernel_falls_back_cleanly_when_disabled(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["torch", "SparsityError"]
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
+def test_native_kernel_portable_build_matches_emulator(tmp_path):
+    # without -march=native the kernel takes its scalar path; same results
+    code = (
+        "import torch\n"
+        "from hf_sparsity.backends import _native, get_backend\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "w = torch.randn(37, 300, generator=g); m = (torch.rand(37, 300, generator=g) < 0.2).to(torch.uint8)\n"
+        "x = torch.randn(1, 300, generator=g)\n"
+        "ref = get_backend('emulator').from_dense(w, m, float64_accumulator=True).linear(x)\n"
+        "b = get_backend('csr').from_dense(w, m, kernel='native')\n"
+        "torch.testing.assert_close(b.linear(x), ref, rtol=1e-5, atol=1e-5)\n"
+        "print(_native.simd())\n"
+    )
+    env = dict(os.environ, HF_SPARSITY_NATIVE_PORTABLE="1", HF_SPARSITY_CACHE=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False"]
 
 
 def test_from_dense_rejects_bad_input():

@@ -53,7 +53,66 @@ SOURCE = r"""
 #define CPU_RELAX() ((void)0)
 #endif
 
-/* y[r] = sum_j v[j] * x[idx[j]] for rows [r0, r1). Four accumulators hide the FMA latency. */
+/* y[r] = sum_j v[j] * x[idx[j]] for rows [r0, r1).
+
+   With AVX2 + FMA: eight nonzeros at a time. Their x values are loaded one by one and
+   inserted into a vector (vinsertps), then one FMA against eight contiguous values; two
+   vector accumulators hide the FMA latency. On AMD Zen this beats both the scalar loop
+   (three loads per nonzero) and the hardware gather (microcoded, ~1 element per cycle):
+   measured on a 2-core EPYC VM, 48 GPT-2-small layers at 90%, 2.8 ms vs 3.5 ms scalar and
+   3.8 ms vpgatherdd. 16-bit indices are read four at a time (one 64-bit load). Without
+   AVX2, four scalar accumulators. Summation order: lane-wise partial sums, then a fixed
+   reduction; the result differs from the sequential sum by rounding only. */
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+static inline float hsum8(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#define LDX(q, sh) _mm_load_ss(x + (((q) >> (sh)) & 0xffff))
+static inline __m256 gather8_u16(const float* x, const uint16_t* ix) {
+  uint64_t q0, q1;
+  memcpy(&q0, ix, 8);
+  memcpy(&q1, ix + 4, 8);
+  __m128 lo = LDX(q0, 0), hi = LDX(q1, 0);
+  lo = _mm_insert_ps(lo, LDX(q0, 16), 0x10); hi = _mm_insert_ps(hi, LDX(q1, 16), 0x10);
+  lo = _mm_insert_ps(lo, LDX(q0, 32), 0x20); hi = _mm_insert_ps(hi, LDX(q1, 32), 0x20);
+  lo = _mm_insert_ps(lo, LDX(q0, 48), 0x30); hi = _mm_insert_ps(hi, LDX(q1, 48), 0x30);
+  return _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1);
+}
+static inline __m256 gather8_i32(const float* x, const int32_t* ix) {
+  __m128 lo = _mm_load_ss(x + ix[0]), hi = _mm_load_ss(x + ix[4]);
+  lo = _mm_insert_ps(lo, _mm_load_ss(x + ix[1]), 0x10); hi = _mm_insert_ps(hi, _mm_load_ss(x + ix[5]), 0x10);
+  lo = _mm_insert_ps(lo, _mm_load_ss(x + ix[2]), 0x20); hi = _mm_insert_ps(hi, _mm_load_ss(x + ix[6]), 0x20);
+  lo = _mm_insert_ps(lo, _mm_load_ss(x + ix[3]), 0x30); hi = _mm_insert_ps(hi, _mm_load_ss(x + ix[7]), 0x30);
+  return _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1);
+}
+#define SPMV_ROWS(NAME, ITYPE, GATHER)                                                     \
+static void NAME(int64_t r0, int64_t r1, const int64_t* rowptr, const ITYPE* idx,          \
+                 const float* v, const float* x, float* y, const float* bias) {            \
+  for (int64_t r = r0; r < r1; r++) {                                                      \
+    int64_t j = rowptr[r], e = rowptr[r + 1];                                              \
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();                             \
+    for (; j + 16 <= e; j += 16) {                                                         \
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(v + j), GATHER(x, idx + j), a0);                \
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(v + j + 8), GATHER(x, idx + j + 8), a1);        \
+    }                                                                                      \
+    if (j + 8 <= e) {                                                                      \
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(v + j), GATHER(x, idx + j), a0);                \
+      j += 8;                                                                              \
+    }                                                                                      \
+    float t = 0.f;                                                                         \
+    for (; j < e; j++) t += v[j] * x[idx[j]];                                              \
+    float s = hsum8(_mm256_add_ps(a0, a1)) + t;                                            \
+    y[r] = bias ? s + bias[r] : s;                                                         \
+  }                                                                                        \
+}
+SPMV_ROWS(spmv_u16, uint16_t, gather8_u16)
+SPMV_ROWS(spmv_i32, int32_t, gather8_i32)
+#define HFS_SIMD 1
+#else
 #define SPMV_ROWS(NAME, ITYPE)                                                             \
 static void NAME(int64_t r0, int64_t r1, const int64_t* rowptr, const ITYPE* idx,          \
                  const float* v, const float* x, float* y, const float* bias) {            \
@@ -69,6 +128,10 @@ static void NAME(int64_t r0, int64_t r1, const int64_t* rowptr, const ITYPE* idx
     y[r] = bias ? s + bias[r] : s;                                                         \
   }                                                                                        \
 }
+SPMV_ROWS(spmv_u16, uint16_t)
+SPMV_ROWS(spmv_i32, int32_t)
+#define HFS_SIMD 0
+#endif
 
 /* Batched: xt is X^T ([in, B] row-major), y is [B, rows]. One AXPY of length B per
    nonzero into a per-row accumulator tile of 64, contiguous in xt so it vectorizes. */
@@ -92,8 +155,6 @@ static void NAME(int64_t r0, int64_t r1, const int64_t* rowptr, const ITYPE* idx
   }                                                                                        \
 }
 
-SPMV_ROWS(spmv_u16, uint16_t)
-SPMV_ROWS(spmv_i32, int32_t)
 SPMM_ROWS(spmm_u16, uint16_t)
 SPMM_ROWS(spmm_i32, int32_t)
 
@@ -199,7 +260,8 @@ void hfs_matmul(int kind, int64_t rows, int64_t chunk, int nthreads, const int64
 }
 
 void hfs_set_spin(int64_t spin) { g_spin = spin; }
-int hfs_version(void) { return 3; }
+int hfs_version(void) { return 4; }
+int hfs_simd(void) { return HFS_SIMD; }
 """
 
 _FLAG_SETS = (
@@ -237,7 +299,9 @@ def _cpu_id() -> str:
 def _build(cc: str) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     last = ""
-    for flags in _FLAG_SETS:
+    # HF_SPARSITY_NATIVE_PORTABLE=1: skip -march=native (the scalar path; for machines that share a cache)
+    flag_sets = _FLAG_SETS[1:] if os.environ.get("HF_SPARSITY_NATIVE_PORTABLE") == "1" else _FLAG_SETS
+    for flags in flag_sets:
         key = hashlib.sha256("|".join([SOURCE, " ".join(flags), version, _cpu_id()]).encode()).hexdigest()[
             :16
         ]
@@ -278,6 +342,7 @@ def load() -> ctypes.CDLL | None:
             lib.hfs_matmul.argtypes = [ci, i64, i64, ci, i64, i64, i64, i64, i64, i64, vp]
             lib.hfs_matmul.restype = None
             lib.hfs_set_spin.argtypes, lib.hfs_set_spin.restype = [i64], None
+            lib.hfs_simd.argtypes, lib.hfs_simd.restype = [], ci
             _lib = lib
         except Exception as e:  # any failure means: fall back to torch.sparse
             _error = str(e)
@@ -285,6 +350,12 @@ def load() -> ctypes.CDLL | None:
             _lib = None
         _tried = True
     return _lib
+
+
+def simd() -> bool:
+    """Whether the loaded kernel uses the AVX2/FMA batch-1 path (False: scalar fallback or no kernel)."""
+    lib = load()
+    return bool(lib is not None and lib.hfs_simd())
 
 
 def error() -> str | None:
