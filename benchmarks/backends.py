@@ -14,7 +14,11 @@ Part 2: greedy decoding of a GPT-2-small-shaped model (random weights, 124M
 parameters) with every projection / FFN weight at 90% sparsity: tokens/s, dense vs
 ``csr`` (native) vs ``csr`` (torch.sparse), interleaved rounds, medians and ratios.
 The LM head (38.6M dense parameters, tied to the embedding) and attention stay dense:
-they bound the whole-model speedup (see docs/backends.md).
+they bound the whole-model speedup (see docs/backends.md). A second pass splits each
+token's time (timing hooks on a plain cached decode loop) into the 48 sparse-able
+layers, the LM head and the rest, and prints the Amdahl bounds that split allows: the
+whole-model speedup if the sparse layers were exactly 1/density faster than dense,
+and if they took no time at all.
 
 Timings on a shared 2-core machine are noisy: rerun, compare ratios, not absolute times.
 Unless ``OMP_WAIT_POLICY`` is set, this script sets it to ``PASSIVE`` before importing
@@ -37,7 +41,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgom
 import torch  # noqa: E402
 
 from hf_sparsity.backends import _native, get_backend  # noqa: E402
-from hf_sparsity.cli.bench import decode_tok_s, interleaved_ms  # noqa: E402
+from hf_sparsity.cli.bench import decode_breakdown, decode_tok_s, interleaved_ms, speedup_bounds  # noqa: E402
 from hf_sparsity.masks import random_mask  # noqa: E402
 
 SHAPES = [(768, 768), (3072, 768), (768, 3072)]
@@ -119,8 +123,39 @@ def model_decode(rounds: int, new_tokens: int, level: float = 0.9) -> dict:
     for k, v in med.items():
         runs = ", ".join(f"{t:.1f}" for t in tok_s[k])
         print(f"{k:>11}: {v:7.2f} tok/s  ({v / med['dense']:.2f}x dense)   rounds: {runs}")
+
+    # Where the time goes: per-token ms of a cached decode loop, split by timing hooks.
+    layer_names = sorted({n.rpartition(".")[0] for n in eng.masks})
+    parts: dict[str, list[dict]] = {k: [] for k in variants}
+    for _ in range(rounds):
+        for name, opts in variants.items():
+            if opts is not None:
+                sparsify_for_inference(model, "csr", masks=eng.masks, **opts)
+            parts[name].append(decode_breakdown(model, ids, new_tokens, layer_names))
+            if opts is not None:
+                restore_dense(model)
+    br = {k: {f: statistics.median(p[f] for p in v) for f in v[0]} for k, v in parts.items()}
+    print(
+        f"\n== per token, ms (plain cached decode loop, inference_mode, timing hooks; medians of {rounds}) =="
+    )
+    print(f"{'':>11}  {'total':>6}  {'48 layers':>9}  {'LM head':>7}  {'rest':>6}  {'x dense':>7}")
+    for k, b in br.items():
+        print(f"{k:>11}  {b['total_ms']:6.2f}  {b['layers_ms']:9.2f}  {b['lm_head_ms']:7.2f}  {b['rest_ms']:6.2f}  "
+              f"{br['dense']['total_ms'] / b['total_ms']:7.2f}")  # fmt: skip
+    density = sum(int(m.sum()) for m in eng.masks.values()) / sum(m.numel() for m in eng.masks.values())
+    bounds = speedup_bounds(br["dense"], density)
+    best = "csr-native" if "csr-native" in br else "csr-torch"
+    print(
+        f"48 sparse layers vs dense ({best}): {br['dense']['layers_ms'] / br[best]['layers_ms']:.2f}x; "
+        f"the dense LM head and the rest ({br['dense']['total_ms'] - br['dense']['layers_ms']:.1f} ms) stay."
+    )
+    print(
+        f"whole-model bound with these dense parts: {bounds['bound_layers_ideal']:.2f}x if the sparse layers "
+        f"were {1 / density:.0f}x faster than dense (every skipped multiply-add free), "
+        f"{bounds['bound_layers_free']:.2f}x if they took no time at all."
+    )
     return {"level": level, "new_tokens": new_tokens, "tok_s": tok_s, "median_tok_s": med,
-            "ratio": {k: v / med["dense"] for k, v in med.items()}}  # fmt: skip
+            "ratio": {k: v / med["dense"] for k, v in med.items()}, "breakdown_ms": br, **bounds}  # fmt: skip
 
 
 def main(argv=None) -> int:

@@ -162,7 +162,29 @@ def test_cli_bench_model_with_emulator(tmp_path, capsys):
         ["bench", "--model", str(tmp_path / "m"), "--backend", "csr", "--new-tokens", "2", "--rounds", "1"]
     )
     assert rc == 0
-    assert "backend_tok_s" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "backend_tok_s" in out and "dense_breakdown_ms" in out and "bound_layers_free" in out
     model.save_pretrained(tmp_path / "nomask")
     assert main(["bench", "--model", str(tmp_path / "nomask"), "--backend", "csr"]) == 2
     assert "--masks zeros" in capsys.readouterr().err
+
+
+def test_decode_breakdown_times_the_named_layers_and_leaves_no_hooks():
+    from hf_sparsity.cli.bench import decode_breakdown, speedup_bounds
+
+    model, eng = _masked("gpt2", level=0.9)
+    names = sorted({n.rpartition(".")[0] for n in eng.masks})
+    ids = torch.randint(0, model.config.vocab_size, (1, 4))
+    sparsify_for_inference(model, "csr", masks=eng.masks)
+    b = decode_breakdown(model, ids, 3, names)
+    assert b["layers_ms"] > 0 and b["lm_head_ms"] > 0 and b["rest_ms"] > 0
+    assert b["total_ms"] == pytest.approx(b["layers_ms"] + b["lm_head_ms"] + b["rest_ms"])
+    none = decode_breakdown(model, ids, 3, [])
+    assert none["layers_ms"] == 0 and none["lm_head_ms"] > 0
+    for m in model.modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks
+    restore_dense(model)
+    # Amdahl: 40 ms per token, 20 of them in the sparse layers, 10% of their weights kept
+    bounds = speedup_bounds({"total_ms": 40.0, "layers_ms": 20.0}, 0.1)
+    assert bounds["bound_layers_free"] == pytest.approx(2.0)
+    assert bounds["bound_layers_ideal"] == pytest.approx(40 / 22)

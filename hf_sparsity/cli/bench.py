@@ -173,7 +173,7 @@ def build_masks_for(
 def decode_tok_s(model, ids: torch.Tensor, new_tokens: int) -> float:
     """Tokens/s of greedy ``generate`` producing exactly ``new_tokens`` tokens after the prompt."""
     t = time.perf_counter()
-    with torch.no_grad():
+    with torch.inference_mode():  # as inference should run; dense and backend alike
         model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
@@ -183,6 +183,64 @@ def decode_tok_s(model, ids: torch.Tensor, new_tokens: int) -> float:
             pad_token_id=getattr(model.generation_config, "pad_token_id", None) or 0,
         )
     return new_tokens / (time.perf_counter() - t)
+
+
+def decode_breakdown(model, ids: torch.Tensor, new_tokens: int, layers) -> dict[str, float]:
+    """Per-token milliseconds of greedy decoding, split into ``layers``, the LM head and the rest.
+
+    Runs a plain cached decode loop (prefill, then one token per forward, under
+    ``torch.inference_mode``) with timing hooks on the modules named in ``layers`` (the
+    sparsified ones, whether currently dense or swapped) and on the output embedding.
+    ``rest`` is everything else: attention, norms, activations, the KV cache, Python.
+    The hooks add about a microsecond per call to what they time.
+    """
+    head = model.get_output_embeddings() or torch.nn.Identity()  # no LM head: its share reads 0
+    mods = [model.get_submodule(n) for n in layers]
+    acc = {"layers": 0.0, "head": 0.0}
+    start: dict[int, float] = {}
+
+    def pre(m, args):
+        start[id(m)] = time.perf_counter()
+
+    def post_fn(key):
+        def post(m, args, out):
+            acc[key] += time.perf_counter() - start[id(m)]
+
+        return post
+
+    handles = [m.register_forward_pre_hook(pre) for m in [*mods, head]]
+    handles += [m.register_forward_hook(post_fn("layers")) for m in mods]
+    handles.append(head.register_forward_hook(post_fn("head")))
+    try:
+        with torch.inference_mode():
+            out = model(ids, use_cache=True)
+            past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            acc["layers"] = acc["head"] = 0.0
+            t = time.perf_counter()
+            for _ in range(new_tokens):
+                out = model(nxt, past_key_values=past, use_cache=True)
+                past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            total = time.perf_counter() - t
+    finally:
+        for h in handles:
+            h.remove()
+    ms = 1e3 / new_tokens
+    return {
+        "total_ms": total * ms,
+        "layers_ms": acc["layers"] * ms,
+        "lm_head_ms": acc["head"] * ms,
+        "rest_ms": (total - acc["layers"] - acc["head"]) * ms,
+    }
+
+
+def speedup_bounds(dense: dict[str, float], density: float) -> dict[str, float]:
+    """What a dense per-token breakdown allows: the whole-model speedup if the sparse layers took no
+    time at all, and if they were exactly ``1 / density`` times faster than dense (the multiply-add bound)."""
+    fixed = dense["total_ms"] - dense["layers_ms"]
+    return {
+        "bound_layers_free": dense["total_ms"] / fixed,
+        "bound_layers_ideal": dense["total_ms"] / (fixed + dense["layers_ms"] * density),
+    }
 
 
 def modeled_model_speedup(model, machine=None) -> dict[str, Any]:
@@ -315,7 +373,17 @@ def bench_model(
         out["emulated_macs"] = sum(c.macs for c in fwd)
         out["emulated_macs_skipped"] = sum(c.macs_skipped for c in fwd)
     out.update(modeled_model_speedup(model))
-    restore_dense(model)
+    if not emulated:  # where the time goes, per token; what the dense parts leave to gain
+        back_b = decode_breakdown(model, ids, new_tokens, list(layers))
+        restore_dense(model)
+        dense_b = decode_breakdown(model, ids, new_tokens, list(layers))
+        out["dense_breakdown_ms"] = {k: round(v, 3) for k, v in dense_b.items()}
+        out["backend_breakdown_ms"] = {k: round(v, 3) for k, v in back_b.items()}
+        out["sparse_layers_speedup"] = round(dense_b["layers_ms"] / max(back_b["layers_ms"], 1e-9), 3)
+        bounds = speedup_bounds(dense_b, nnz / max(numel, 1))
+        out.update({k: round(v, 3) for k, v in bounds.items()})
+    else:
+        restore_dense(model)
     return out
 
 
