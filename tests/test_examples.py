@@ -14,7 +14,14 @@ from .conftest import REPO
 @pytest.mark.slow
 def test_accelerate_loop_example(tmp_path):
     out = tmp_path / "model"
-    cmd = [sys.executable, str(REPO / "examples" / "accelerate_loop.py"), "--steps", "4", "--output_dir", str(out)]
+    cmd = [
+        sys.executable,
+        str(REPO / "examples" / "accelerate_loop.py"),
+        "--steps",
+        "4",
+        "--output_dir",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "level 0.7500" in proc.stdout
