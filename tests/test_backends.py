@@ -232,6 +232,14 @@ def test_native_kernel_every_row_length(in_f):
         torch.testing.assert_close(b.linear(x, bias), ref, rtol=1e-5, atol=1e-5)
 
 
+def _run_fresh(code: str, cache, **env) -> list[str]:
+    """Run ``code`` in a new interpreter with its own kernel cache and ``env``; its stdout words."""
+    env = dict(os.environ, HF_SPARSITY_CACHE=str(cache), **env)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
 def test_native_kernel_falls_back_cleanly_when_disabled(tmp_path):
     code = (
         "import torch\n"
@@ -243,10 +251,7 @@ def test_native_kernel_falls_back_cleanly_when_disabled(tmp_path):
         "except Exception as e:\n"
         "    print(type(e).__name__)\n"
     )
-    env = dict(os.environ, HF_SPARSITY_NO_NATIVE="1", HF_SPARSITY_CACHE=str(tmp_path))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["torch", "SparsityError"]
+    assert _run_fresh(code, tmp_path, HF_SPARSITY_NO_NATIVE="1") == ["torch", "SparsityError"]
 
 
 @pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
@@ -263,10 +268,7 @@ def test_native_kernel_portable_build_matches_emulator(tmp_path):
         "torch.testing.assert_close(b.linear(x), ref, rtol=1e-5, atol=1e-5)\n"
         "print(_native.simd())\n"
     )
-    env = dict(os.environ, HF_SPARSITY_NATIVE_PORTABLE="1", HF_SPARSITY_CACHE=str(tmp_path))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["False"]
+    assert _run_fresh(code, tmp_path, HF_SPARSITY_NATIVE_PORTABLE="1") == ["False"]
 
 
 def test_from_dense_rejects_bad_input():
