@@ -269,7 +269,7 @@ _FLAG_SETS = (
     ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread"],
 )
 
-MIN_WORK_PER_THREAD = 32768  # multiply-adds; below this, waking a helper costs more than it saves
+MIN_WORK_PER_THREAD = 16384  # multiply-adds; below this, waking a helper costs more than it saves
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
