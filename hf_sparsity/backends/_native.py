@@ -60,7 +60,7 @@ SOURCE = r"""
    vector accumulators hide the FMA latency. On AMD Zen this beats both the scalar loop
    (three loads per nonzero) and the hardware gather (microcoded, ~1 element per cycle):
    measured on a 2-core EPYC VM, 48 GPT-2-small layers at 90%, 2.8 ms vs 3.5 ms scalar and
-   3.8 ms vpgatherdd. 16-bit indices are read four at a time (one 64-bit load). Without
+   3.8 ms vgatherdps. 16-bit indices are read four at a time (one 64-bit load). Without
    AVX2, four scalar accumulators. Summation order: lane-wise partial sums, then a fixed
    reduction; the result differs from the sequential sum by rounding only. */
 #if defined(__AVX2__) && defined(__FMA__)

@@ -194,7 +194,9 @@ def decode_breakdown(model, ids: torch.Tensor, new_tokens: int, layers) -> dict[
     ``rest`` is everything else: attention, norms, activations, the KV cache, Python.
     The hooks add about a microsecond per call to what they time.
     """
-    head = model.get_output_embeddings() or torch.nn.Identity()  # no LM head: its share reads 0
+    head = model.get_output_embeddings()
+    if head is None:  # no LM head: its share reads 0
+        head = torch.nn.Identity()
     mods = [model.get_submodule(n) for n in layers]
     acc = {"layers": 0.0, "head": 0.0}
     start: dict[int, float] = {}
