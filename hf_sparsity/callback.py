@@ -38,7 +38,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .config import SparsityConfig, set_sparsity_config
 from .constants import SPARSITY_MASKS_NAME
-from .engine import SparsityEngine, _is_dtensor, _local
+from .engine import SparsityEngine
+from .modeling import context_length, sparsity_table
+from .serialization import has_masks
 from .targeting import unwrap_model
 from .utils import SparsityError
 
@@ -142,7 +144,7 @@ class SparsityCallback(TrainerCallback, ExportableState):
             # A model loaded from a sparse folder (an earlier run's output) carries its masks.
             candidates += [self.resume_from, getattr(model.config, "_name_or_path", None)]
         for c in candidates:
-            if c and os.path.isfile(os.path.join(str(c), SPARSITY_MASKS_NAME)):
+            if c and os.path.isdir(str(c)) and has_masks(c):
                 return str(c)
         if state.global_step > 0:
             raise SparsityError(
@@ -179,7 +181,7 @@ class SparsityCallback(TrainerCallback, ExportableState):
     def _init_flops(self, model, state) -> None:
         from .flops import FlopAccountant
 
-        seq_len = self.seq_len or _context_length(model.config)
+        seq_len = self.seq_len or context_length(model.config)
         try:
             self.flops = FlopAccountant(model, targets=self.engine.targets, seq_len=seq_len)
         except Exception as e:  # an architecture the FLOP counter does not know: train anyway
@@ -237,19 +239,10 @@ class SparsityCallback(TrainerCallback, ExportableState):
     def metrics(self) -> dict[str, float]:
         """Measured sparsity of the weights (per layer and total) and the FLOP counts, as log scalars."""
         out: dict[str, float] = {}
-        zeros = total = 0
-        for name in self.engine.targets:
-            p = self.engine.model.get_parameter(name)
-            if _is_dtensor(p):  # no collective in a logging hook: report the mask's level
-                mask = self.engine.masks.get(name)
-                z = int((mask == 0).sum()) if mask is not None else 0
-            else:
-                z = int((_local(p).detach() == 0).sum())
-            n = p.numel()
-            zeros, total = zeros + z, total + n
-            if self.log_layers:
-                out[f"sparsity/layer/{name}"] = z / max(n, 1)
-        out["sparsity/total"] = zeros / max(total, 1)
+        rows = sparsity_table(self.engine.model, self.engine.targets, self.engine.masks)
+        if self.log_layers:
+            out.update({f"sparsity/layer/{r['name']}": r["sparsity"] for r in rows})
+        out["sparsity/total"] = sum(r["zeros"] for r in rows) / max(sum(r["numel"] for r in rows), 1)
         if self.flops is not None:
             out.update(self.flops.log_dict())
         return out
@@ -282,14 +275,6 @@ def _enable_debug_logging() -> None:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("[hf_sparsity] %(message)s"))
         pkg.addHandler(handler)
-
-
-def _context_length(config) -> int:
-    for key in ("n_positions", "max_position_embeddings", "n_ctx", "seq_length"):
-        v = getattr(config, key, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    return 2048
 
 
 def move_to_front(trainer, callback) -> None:

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from .constants import CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, SPARSITY_MASKS_NAME
-from .serialization import read_mask_metadata, unpack_mask
+from .modeling import apply_masks
+from .serialization import load_masks_for, read_mask_metadata, unpack_mask
 from .utils import SparsityError
 
 
@@ -56,19 +57,47 @@ class MaskReader:
             return unpack_mask(f.get_tensor(name), self.info[name]["shape"])
 
 
-def iter_tensors(model_dir: str | os.PathLike) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """Yield (shard_path, name, tensor) one tensor at a time, shard by shard."""
+def iter_shards(
+    model_dir: str | os.PathLike, progress: bool = False
+) -> Iterator[tuple[str, dict[str, str], Iterator[tuple[str, torch.Tensor]]]]:
+    """Yield ``(shard_path, shard_metadata, tensors)`` per weight shard; ``tensors`` yields
+    ``(name, tensor)`` one at a time. A truncated or corrupt shard raises a clear error.
+    The one place that walks a folder's shards (inspection and every conversion use it)."""
     from safetensors import safe_open
 
-    for shard in weight_shards(model_dir):
+    shards = weight_shards(model_dir)
+    if progress and len(shards) > 1:
+        from tqdm.auto import tqdm
+
+        shards = tqdm(shards, desc="shards")
+    for shard in shards:
         try:
             with safe_open(shard, framework="pt") as f:
-                for name in f.keys():
-                    yield shard, name, f.get_tensor(name)
+                meta = f.metadata() or {"format": "pt"}
+                names = list(f.keys())
+
+                def tensors(f=f, names=names, shard=shard):
+                    for name in names:
+                        try:
+                            t = f.get_tensor(name)
+                        except Exception as e:
+                            raise SparsityError(
+                                f"Cannot read {shard!r} ({e}); the file is truncated or corrupt."
+                            ) from None
+                        yield name, t
+
+                yield shard, meta, tensors()
         except SparsityError:
             raise
         except Exception as e:
             raise SparsityError(f"Cannot read {shard!r} ({e}); the file is truncated or corrupt.") from None
+
+
+def iter_tensors(model_dir: str | os.PathLike) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """Yield (shard_path, name, tensor) one tensor at a time, shard by shard."""
+    for shard, _, tensors in iter_shards(model_dir):
+        for name, t in tensors:
+            yield shard, name, t
 
 
 def inspect_checkpoint(model_dir: str | os.PathLike) -> dict[str, Any]:
@@ -161,15 +190,7 @@ def load_sparse_model(model_dir: str | os.PathLike, **from_pretrained_kwargs):
     """
     from transformers import AutoModelForCausalLM
 
-    from .serialization import load_masks
-
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), **from_pretrained_kwargs)
-    masks: dict[str, torch.Tensor] = {}
-    if os.path.isfile(os.path.join(str(model_dir), SPARSITY_MASKS_NAME)):
-        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-        masks, _ = load_masks(model_dir, expected_shapes=shapes)
-        with torch.no_grad():
-            for name, m in masks.items():
-                p = model.get_parameter(name)
-                p.mul_(m.to(p.device))
+    masks = load_masks_for(model, model_dir) or {}
+    apply_masks(model, masks)
     return model, masks

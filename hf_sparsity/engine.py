@@ -46,6 +46,7 @@ from torch import nn
 from . import masks as M
 from .config import SparsityConfig, check_structure, set_sparsity_config
 from .constants import SPARSITY_MASKS_NAME
+from .modeling import full_tensor, is_dtensor, local, sparsity_table
 from .schedules import Schedule, compile_schedule
 from .serialization import check_mask_names, load_masks, save_masks
 from .targeting import TargetDecision, log_plan, plan_sparsity, unwrap_model
@@ -54,17 +55,7 @@ from .utils import SparsityError
 logger = logging.getLogger(__name__)
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "DTensor" or hasattr(t, "to_local") and hasattr(t, "placements")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if _is_dtensor(t) else t
-
-
-def _full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor, gathering DTensor shards (a collective: every rank must call it)."""
-    return t.full_tensor() if _is_dtensor(t) else t
+_is_dtensor, _local, _full_tensor = is_dtensor, local, full_tensor  # kept for older imports
 
 
 def _local_slice(mask: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -132,6 +123,7 @@ class SparsityEngine:
         self._hooks_enabled = False
         self._capture_grads = False  # RigL: keep the dense gradient of the coming update step
         self._captured: dict[str, torch.Tensor] = {}
+        self._pending_zero: dict[str, torch.Tensor] = {}  # restored masked positions, zeroed in attach()
 
     # ------------------------------------------------------------------ masks
     def _param(self, name: str) -> torch.Tensor:
@@ -254,6 +246,10 @@ class SparsityEngine:
                 kind = "pruned" if want > have else "regrown"
                 actions[name] = f"{kind} {have:.4f} -> {want:.4f}"
             self.levels[name] = M.mask_level(self.masks[name])
+            # Positions the file masks start from 0 (weight now, optimizer state once attached),
+            # whether they stay masked or are regrown: a checkpoint's stale values never revive.
+            self._zero_positions(name, loaded[name] == 0)
+            self._pending_zero[name] = loaded[name] == 0
         changed = {n: a for n, a in actions.items() if a.startswith(("pruned", "regrown"))}
         if changed:
             self.events.append(
@@ -309,6 +305,7 @@ class SparsityEngine:
         self.apply()  # newly masked positions: weights and optimizer state to 0
         return changes
 
+    @torch.no_grad()
     def _zero_positions(self, name: str, where: torch.Tensor) -> None:
         """Weight and weight-shaped optimizer state of ``name`` set to 0 where ``where`` (a full-shape bool)."""
         p = self._param(name)
@@ -451,6 +448,10 @@ class SparsityEngine:
             if step_hooks:
                 self._opt_hooks.append(inner.register_step_pre_hook(lambda *_: self.before_step()))
                 self._opt_hooks.append(inner.register_step_post_hook(lambda *_: self.after_step()))
+        for name, where in self._pending_zero.items():
+            if name in self.masks:
+                self._zero_positions(name, where)
+        self._pending_zero = {}
         self.apply()
         if self.config.has_schedule:
             from .events import arm_gradient_capture
@@ -514,20 +515,16 @@ class SparsityEngine:
     # ------------------------------------------------------------------ reporting
     def report(self) -> list[dict[str, Any]]:
         """Per-tensor measured sparsity of the *weights* (not just the masks)."""
-        rows = []
-        for name, mask in self.masks.items():
-            w = _local(self._params[name]).detach()
-            zeros = int((w == 0).sum())
-            rows.append(
-                {
-                    "name": name,
-                    "shape": list(mask.shape),
-                    "mask_level": self.levels[name],
-                    "weight_zeros": zeros,
-                    "weight_level": zeros / max(w.numel(), 1),
-                }
-            )
-        return rows
+        return [
+            {
+                "name": r["name"],
+                "shape": r["shape"],
+                "mask_level": self.levels[r["name"]],
+                "weight_zeros": r["zeros"],
+                "weight_level": r["sparsity"],
+            }
+            for r in sparsity_table(self.model, self.masks, self.masks)
+        ]
 
     def format_report(self) -> str:
         rows = self.report()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import MaskReader, read_config, weight_shards
+from .checkpoint import MaskReader, iter_shards, read_config
 from .config import SparsityConfig
 from .constants import CONFIG_NAME, CONFIG_SECTION, SAFE_WEIGHTS_INDEX_NAME, SPARSITY_MASKS_NAME
 from .serialization import save_masks
@@ -54,27 +54,14 @@ def _write_config(src: Path, dst: Path, section: dict | None) -> None:
 
 def _rewrite_shards(src: Path, dst: Path, transform) -> set[str]:
     """Rewrite each shard with ``transform(name, tensor) -> tensor``; returns the tensor names seen."""
-    from safetensors import safe_open
     from safetensors.torch import save_file
 
     seen = set()
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover
-        tqdm = None
-    shards = weight_shards(src)
-    for shard in tqdm(shards, desc="shards", disable=len(shards) < 2) if tqdm else shards:
+    for shard, meta, tensors in iter_shards(src, progress=True):
         out = {}
-        try:
-            with safe_open(shard, framework="pt") as f:
-                meta = f.metadata() or {"format": "pt"}
-                for name in f.keys():
-                    out[name] = transform(name, f.get_tensor(name)).contiguous()
-                    seen.add(name)
-        except SparsityError:
-            raise
-        except Exception as e:
-            raise SparsityError(f"Cannot read {shard!r} ({e}); the file is truncated or corrupt.") from None
+        for name, t in tensors:
+            out[name] = transform(name, t).contiguous()
+            seen.add(name)
         save_file(out, str(dst / Path(shard).name), metadata=meta)
         del out
     return seen

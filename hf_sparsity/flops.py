@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -48,6 +47,8 @@ from torch import nn
 
 from .config import SparsityConfig, get_sparsity_config
 from .constants import CONFIG_NAME, SPARSITY_MASKS_NAME
+from .modeling import context_length, linear_dims, meta_causal_lm
+from .serialization import mask_levels
 from .targeting import plan_sparsity, unwrap_model
 from .utils import SparsityError
 
@@ -194,15 +195,6 @@ class FlopReport:
 
 
 # ---------------------------------------------------------------------- counting
-def _linear_shape(module: nn.Module) -> tuple[int, int] | None:
-    """(d_in, d_out) of a linear-like module, or None."""
-    if isinstance(module, nn.Linear):
-        return module.in_features, module.out_features
-    if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:  # GPT-2: (in, out)
-        return int(module.weight.shape[0]), int(module.weight.shape[1])
-    return None
-
-
 def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Top-level self-attention modules (one per block), found by class name."""
     found: list[tuple[str, nn.Module]] = []
@@ -237,14 +229,6 @@ def attention_flops_coefficient(heads: int, head_dim: int) -> float:
     return 2 * heads * head_dim + 3 * heads + 2 * heads * head_dim
 
 
-def _default_seq_len(config: Any) -> int:
-    for key in ("n_positions", "max_position_embeddings", "n_ctx", "seq_length", "max_seq_len"):
-        v = getattr(config, key, None) if config is not None else None
-        if isinstance(v, int) and v > 0:
-            return v
-    return 2048
-
-
 def _levels_from_masks(masks: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
     """name -> (numel, zeros)."""
     out = {}
@@ -277,7 +261,7 @@ def count_flops(
     """
     model = unwrap_model(model)
     config = getattr(model, "config", None)
-    seq_len = int(seq_len or _default_seq_len(config))
+    seq_len = int(seq_len or context_length(config))
     if seq_len <= 0:
         raise SparsityError(f"`seq_len` must be a positive integer, got {seq_len}.")
 
@@ -310,7 +294,7 @@ def count_flops(
 
     for mname, mod in model.named_modules():
         prefix = f"{mname}." if mname else ""
-        shape = _linear_shape(mod)
+        shape = linear_dims(mod)
         if shape is not None and mod.weight is not None:
             w = mod.weight
             wname = param_names.get(id(w), prefix + "weight")
@@ -423,44 +407,21 @@ def load_config(source: Any):
 
 
 def build_meta_model(config: Any) -> nn.Module:
-    """Instantiate the causal LM of ``config`` on the ``meta`` device: real module shapes, no memory.
+    """Instantiate the causal LM of ``config`` (a config, folder or dict) on the ``meta`` device.
 
     A Sparse-IFT config (one with a ``sparse_ift`` section) builds its transformed architecture.
     """
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
     config = load_config(config)
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # meta init warnings are noise here
-    try:
-        with torch.device("meta"):
-            if getattr(config, "sparse_ift", None):
-                from .ift_models import build_ift_model
+    if getattr(config, "sparse_ift", None):
+        from .ift_models import build_ift_model
 
-                return build_ift_model(config)
-            return AutoModelForCausalLM.from_config(config)
-    except SparsityError:
-        raise
-    except Exception as e:
-        raise SparsityError(f"Cannot build a causal LM from the {config.model_type!r} config: {e}") from None
-    finally:
-        hf_logging.set_verbosity(verbosity)
+        return meta_causal_lm(config, build_ift_model)
+    return meta_causal_lm(config)
 
 
 def mask_levels_from_file(path: str | os.PathLike) -> dict[str, float]:
     """Per-tensor levels recorded in a ``sparsity_masks.safetensors`` (metadata only; nothing unpacked)."""
-    from .serialization import read_mask_metadata
-
-    path = str(path)
-    if os.path.isdir(path):
-        path = os.path.join(path, SPARSITY_MASKS_NAME)
-    info = read_mask_metadata(path)["tensors"]
-    out = {}
-    for name, t in info.items():
-        numel = math.prod(int(s) for s in t["shape"])
-        out[name] = 1.0 - int(t["nonzeros"]) / numel if numel else 0.0
-    return out
+    return mask_levels(path)
 
 
 def count_flops_from_config(

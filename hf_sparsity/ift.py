@@ -314,10 +314,9 @@ def _group_layers(layers: list[IFTLayer]) -> list[dict[str, Any]]:
 
 
 def _causal_lm_class(config: Any) -> str:
-    from transformers import AutoModelForCausalLM
+    from .modeling import meta_causal_lm
 
-    with __import__("torch").device("meta"):
-        return type(AutoModelForCausalLM.from_config(config)).__name__
+    return type(meta_causal_lm(config)).__name__
 
 
 def _rope_fraction(config: Any) -> float | None:

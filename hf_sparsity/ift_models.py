@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .modeling import linear_dims as _dims
 from .utils import SparsityError
 
 TRANSFORMS = ("wide", "parallel", "factorized", "doped")
@@ -136,10 +137,9 @@ class DopedLinear(nn.Module):
 # ---------------------------------------------------------------------- putting them in a model
 def linear_dims(module: nn.Module) -> tuple[int, int, bool]:
     """(d_in, d_out, has_bias) of an ``nn.Linear`` or GPT-2 ``Conv1D``."""
-    if isinstance(module, nn.Linear):
-        return module.in_features, module.out_features, module.bias is not None
-    if type(module).__name__ == "Conv1D":
-        return int(module.weight.shape[0]), int(module.weight.shape[1]), module.bias is not None
+    dims = _dims(module)
+    if dims is not None:
+        return dims[0], dims[1], module.bias is not None
     raise SparsityError(f"Sparse-IFT can only transform linear layers, not {type(module).__name__}.")
 
 

@@ -84,9 +84,8 @@ class SparseLinear(nn.Module):
 
 def _resolve_masks(model: nn.Module, masks: Any, config: Any) -> dict[str, torch.Tensor]:
     from .constants import SPARSITY_MASKS_NAME
-    from .serialization import load_masks
+    from .serialization import load_masks_for
 
-    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     if isinstance(masks, dict):
         return dict(masks)
     if isinstance(masks, str) and masks == "zeros":
@@ -98,8 +97,8 @@ def _resolve_masks(model: nn.Module, masks: Any, config: Any) -> dict[str, torch
         return {n: (model.get_parameter(n).detach() != 0).to(torch.uint8).cpu() for n in names}
     if masks is None:
         src = getattr(getattr(model, "config", None), "_name_or_path", None) or ""
-        if src and os.path.isfile(os.path.join(src, SPARSITY_MASKS_NAME)):
-            loaded, _ = load_masks(src, expected_shapes=shapes)
+        loaded = load_masks_for(model, src) if src else None
+        if loaded is not None:
             return loaded
         raise SparsityError(
             f"No masks for sparsify_for_inference: the model's folder ({src or 'unknown'}) holds no "
@@ -107,8 +106,7 @@ def _resolve_masks(model: nn.Module, masks: Any, config: Any) -> dict[str, torch
             'finalized checkpoint, masks="zeros" to use the exact zeros of the targeted weights.'
         )
     if isinstance(masks, (str, os.PathLike)):
-        loaded, _ = load_masks(masks, expected_shapes=shapes)
-        return loaded
+        return load_masks_for(model, masks, required=True)
     raise SparsityError(f"masks must be None, a path, a dict or 'zeros', not {type(masks).__name__}.")
 
 

@@ -159,6 +159,50 @@ def load_masks(
     return masks, meta
 
 
+def has_masks(directory: str | os.PathLike | None) -> bool:
+    """True when ``directory`` is a folder holding a mask file (or is a mask file)."""
+    if not directory:
+        return False
+    path = str(directory)
+    return os.path.isfile(os.path.join(path, SPARSITY_MASKS_NAME)) or (
+        os.path.isfile(path) and path.endswith(".safetensors")
+    )
+
+
+def load_masks_for(
+    model: torch.nn.Module,
+    directory: str | os.PathLike,
+    *,
+    required: bool = False,
+    with_metadata: bool = False,
+) -> Any:
+    """The masks stored for ``model`` in ``directory`` (a model folder or a mask file): the one way
+    every part of the library loads them (callback, engine, evaluation, inference, checkpoint tools).
+
+    Names and shapes are checked against ``model``'s parameters. Returns name -> uint8 mask, or
+    ``None`` when the folder has no mask file (an error instead with ``required``);
+    ``with_metadata`` returns ``(masks, metadata)``.
+    """
+    if not has_masks(directory):
+        if required:
+            _resolve(directory)  # raises the "no mask file" error
+        return (None, {}) if with_metadata else None
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    masks, meta = load_masks(directory, expected_shapes=shapes)
+    return (masks, meta) if with_metadata else masks
+
+
+def mask_levels(path: str | os.PathLike) -> dict[str, float]:
+    """Per-tensor levels recorded in a mask file's metadata (nothing unpacked)."""
+    out = {}
+    for name, t in read_mask_metadata(path)["tensors"].items():
+        numel = 1
+        for s in t["shape"]:
+            numel *= int(s)
+        out[name] = 1.0 - int(t["nonzeros"]) / numel if numel else 0.0
+    return out
+
+
 def check_mask_names(
     info: Mapping[str, Any], expected: Mapping[str, tuple[int, ...]], path: str = "masks"
 ) -> None:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .config import SparsityConfig, check_structure
+from .modeling import input_dim, linear_kind
 from .utils import SparsityError
 
 logger = logging.getLogger(__name__)
@@ -64,14 +65,6 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
-def _linear_like(module: nn.Module) -> str | None:
-    if isinstance(module, nn.Linear):
-        return "Linear"
-    if type(module).__name__ == "Conv1D":  # transformers.pytorch_utils.Conv1D (GPT-2 family)
-        return "Conv1D"
-    return None
-
-
 def _embedding_tensors(model: nn.Module) -> set[int]:
     ids: set[int] = set()
     for mod in model.modules():
@@ -106,7 +99,7 @@ def default_rule(
     module_name = name.rsplit(".", 1)[0]
     if _ROUTER_RE.search(module_name.split(".", 1)[-1].rsplit(".", 1)[-1]) and "proj" not in module_name:
         return False, "default: skip MoE router / gate"
-    kind = _linear_like(owner) if owner is not None else None
+    kind = linear_kind(owner) if owner is not None else None
     if kind is None or not name.endswith("weight"):
         owner_name = type(owner).__name__ if owner is not None else "?"
         return False, f"default: skip, owned by {owner_name}, not a linear projection"
@@ -192,7 +185,7 @@ def plan_sparsity(model: nn.Module, config: SparsityConfig, strict: bool = True)
                 init_method=over.get("init_method", group.init_method),
                 seed=int(over.get("seed", group.seed)),
                 structure=structure,
-                input_dim=0 if type(owners.get(name)).__name__ == "Conv1D" else 1,
+                input_dim=input_dim(owners[name]) if name in owners else 1,
             )
             break
         if decision is None:

@@ -80,6 +80,25 @@ class _Probe(TrainerCallback):
         self.seen = True
 
 
+def _dirty_masked_positions(ckpt, masks):
+    from safetensors.torch import save_file
+
+    weights = load_file(os.path.join(ckpt, "model.safetensors"))
+    for name, m in masks.items():
+        weights[name] = weights[name] + 0.1 * (m == 0)
+    save_file(weights, os.path.join(ckpt, "model.safetensors"), metadata={"format": "pt"})
+    opt_path = os.path.join(ckpt, "optimizer.pt")
+    opt = torch.load(opt_path, weights_only=False)
+    dirtied = 0
+    for st in opt["state"].values():
+        for k, v in st.items():
+            if torch.is_tensor(v) and v.dim() == 2:
+                st[k] = v + 0.5
+                dirtied += 1
+    assert dirtied > 0
+    torch.save(opt, opt_path)
+
+
 def test_resume_at_another_level_prunes_or_regrows(tmp_path):
     _, _, first = _run("llama", tmp_path / "a", SparsityConfig(sparsity=0.5, init_method="topk"))
     old = {n: m.clone() for n, m in first.engine.masks.items()}
@@ -92,6 +111,9 @@ def test_resume_at_another_level_prunes_or_regrows(tmp_path):
         assert int((m == 0).sum()) == round(0.8 * m.numel())
         assert bool(((old[name] == 0) <= (m == 0)).all())
     # Lower level: random masked positions regrow from 0 with zeroed optimizer state, then train.
+    # The checkpoint is first given nonzero weights and optimizer state at its masked positions
+    # (as a hand-edited or foreign checkpoint might have), so the probe can only pass if resume zeroes them.
+    _dirty_masked_positions(ckpt, old)
     probe_cb = SparsityCallback(SparsityConfig(sparsity=0.3, init_method="topk"))
     probe = _Probe(probe_cb, old)
     model = tiny_model("llama")

@@ -6,6 +6,7 @@ accumulation, clipping, bf16 autocast) and in a plain loop with fp16 autocast + 
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from hf_sparsity import SparsityCallback, SparsityConfig, SparsityEngine
 
@@ -54,16 +55,95 @@ def test_invariants_hold_every_step(arch, mode, tmp_path):
         assert not torch.equal(p[mask == 1], before[name][mask == 1])
 
 
+def _dense_grads(model, x):
+    """Gradients of an untouched copy of ``model`` on batch ``x``."""
+    import copy
+
+    ref = copy.deepcopy(model)
+    ref(input_ids=x, labels=x).loss.backward()
+    return {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
+
+
 def test_gradients_are_masked_before_clipping():
-    model = tiny_model("gpt2")
+    """Clipping sees masked gradients: its total norm is that of the masked gradients, not the dense ones."""
+    model = tiny_model("gpt2").eval()  # no dropout: the reference copy sees the same forward
     eng = SparsityEngine(model, SparsityConfig(sparsity=0.5))
     eng.build_masks()
-    eng.register_grad_hooks()
+    eng.apply()
     x = torch.randint(0, 128, (2, 8))
+    dense = _dense_grads(model, x)  # same (masked) weights, no gradient hooks
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    eng.attach(opt)  # the public path: attach registers the gradient hooks
     model(input_ids=x, labels=x).loss.backward()
     for name, mask in eng.masks.items():
         g = model.get_parameter(name).grad
         assert torch.count_nonzero(g[mask == 0]) == 0 and torch.count_nonzero(g[mask == 1]) > 0
+    masked = {n: g * eng.masks[n] if n in eng.masks else g for n, g in dense.items()}
+    want = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in masked.values()]))
+    dense_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in dense.values()]))
+    got = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    assert float(dense_norm - want) > 1e-3  # the dense norm is measurably larger: the check can fail
+
+
+class _GradProbe(TrainerCallback):
+    """Runs before SparsityCallback in ``on_pre_optimizer_step``: after Trainer's clipping, before the engine."""
+
+    def __init__(self, cb):
+        self.cb, self.checked = cb, 0
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+        for name, mask in self.cb.engine.masks.items():
+            g = self.cb.engine.model.get_parameter(name).grad
+            assert torch.count_nonzero(g[mask == 0]) == 0, f"{name}: clipping saw an unmasked gradient"
+        self.checked += 1
+
+
+def test_trainer_clips_masked_gradients(tmp_path):
+    model = tiny_model("llama")
+    cb = SparsityCallback(SparsityConfig(sparsity=0.6, seed=2))
+    probe = _GradProbe(cb)
+    make_trainer(
+        model, tmp_path, [probe, cb], max_steps=3, gradient_accumulation_steps=2, max_grad_norm=0.01
+    ).train()
+    assert probe.checked == 3
+
+
+class _Drift(torch.optim.Optimizer):
+    """Moves every weight by a constant, whatever its gradient: only re-zeroing after the step keeps masks."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"]).add_(group["lr"])
+
+
+def test_masked_weights_rezeroed_after_an_optimizer_that_moves_them(tmp_path):
+    model = tiny_model("gpt2")
+    eng = SparsityEngine(model, SparsityConfig(sparsity=0.5, seed=4))
+    eng.build_masks()
+    opt = _Drift(model.parameters())
+    eng.attach(opt)
+    for _ in range(2):
+        x = torch.randint(0, 128, (2, 8))
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        for name, mask in eng.masks.items():
+            assert torch.count_nonzero(model.get_parameter(name).detach()[mask == 0]) == 0, name
+    # Through Trainer too (its callback drives before_step / after_step itself).
+    model = tiny_model("llama")
+    cb = SparsityCallback(SparsityConfig(sparsity=0.5, seed=4))
+    checker = InvariantChecker(cb)
+    make_trainer(
+        model, tmp_path, [cb, checker], optimizers=(_Drift(model.parameters()), None), max_steps=2
+    ).train()
+    assert checker.checked == 2
 
 
 def test_plain_loop_fp16_autocast_with_grad_scaler():

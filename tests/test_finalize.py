@@ -60,6 +60,28 @@ def test_finalize_gives_a_vanilla_checkpoint_with_identical_logits(arch, shard, 
         assert torch.count_nonzero(vanilla.get_parameter(name).detach()[m == 0]) == 0
 
 
+@pytest.mark.parametrize("shard", [None, "20KB"])
+def test_finalize_zeroes_masked_weights_that_are_nonzero_on_disk(shard, tmp_path):
+    """A folder whose masked weights are still dense (masks written beside untouched weights)."""
+    src, out = tmp_path / "sparse", tmp_path / "final"
+    model = tiny_model("llama")
+    model.save_pretrained(src, **({"max_shard_size": shard} if shard else {}))
+    eng = SparsityEngine(model, SparsityConfig(sparsity=0.6, init_method="random", seed=3))
+    eng.build_masks()  # no apply(): the weights on disk keep their values at masked positions
+    eng.save(src)
+    for name, m in eng.masks.items():
+        assert torch.count_nonzero(model.get_parameter(name).detach()[m == 0]) > 0
+    assert cli(["convert", "--finalize", str(src), str(out)]) == 0
+    vanilla = AutoModelForCausalLM.from_pretrained(out)
+    masked, _ = load_sparse_model(src)
+    for name, m in eng.masks.items():
+        w = vanilla.get_parameter(name).detach()
+        assert torch.count_nonzero(w[m == 0]) == 0
+        assert torch.equal(w[m == 1], model.get_parameter(name).detach()[m == 1])
+    x = torch.randint(0, 128, (2, 12))
+    assert torch.equal(_logits(vanilla, x), _logits(masked, x))
+
+
 def test_finalize_refuses_existing_output_and_is_atomic(tmp_path, capsys):
     src, out = tmp_path / "sparse", tmp_path / "final"
     _sparse_dir("gpt2", src)

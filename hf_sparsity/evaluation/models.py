@@ -11,7 +11,11 @@ import torch
 from torch import nn
 
 from ..constants import SPARSITY_MASKS_NAME
+from ..modeling import apply_masks, sparsity_table
+from ..serialization import load_masks_for
 from ..utils import SparsityError
+
+__all__ = ["apply_masks", "load_masks_for", "load_model_for_eval", "sparsity_summary", "flops_summary"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,27 +41,6 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     if str(dtype) not in _DTYPES:
         raise SparsityError(f"Unknown dtype {dtype!r}; use one of {', '.join(sorted(_DTYPES))}.")
     return _DTYPES[str(dtype)]
-
-
-def apply_masks(model: nn.Module, masks: dict[str, torch.Tensor]) -> int:
-    """Multiply each masked weight by its mask in place; returns how many tensors were masked."""
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, mask in masks.items():
-            p = params[name]
-            p.mul_(mask.to(device=p.device, dtype=p.dtype))
-    return len(masks)
-
-
-def load_masks_for(model: nn.Module, path: str | os.PathLike) -> dict[str, torch.Tensor] | None:
-    """Masks stored in model folder ``path`` (checked against ``model``'s shapes), or ``None`` when it has none."""
-    from ..serialization import load_masks
-
-    if not (Path(path) / SPARSITY_MASKS_NAME).is_file():
-        return None
-    expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    masks, _ = load_masks(path, expected_shapes=expected)
-    return masks
 
 
 def load_model_for_eval(
@@ -126,20 +109,9 @@ def sparsity_summary(
         plan = plan_sparsity(model, SparsityConfig(sparsity=0.5), strict=False)
         names = [d.name for d in plan if d.sparsify]
         source = "default targets (weights measured)"
-    layers = []
-    tz = tn = 0
-    for name in names:
-        w = params[name].detach()
-        zeros = int((w == 0).sum())
-        row = {"name": name, "shape": list(w.shape), "numel": w.numel(), "zeros": zeros}
-        row["sparsity"] = zeros / max(w.numel(), 1)
-        if masks:
-            row["mask_sparsity"] = 1.0 - float(masks[name].sum(dtype=torch.int64)) / max(
-                masks[name].numel(), 1
-            )
-        layers.append(row)
-        tz += zeros
-        tn += w.numel()
+    layers = sparsity_table(model, names, masks)
+    tz = sum(r["zeros"] for r in layers)
+    tn = sum(r["numel"] for r in layers)
     total_params = sum(p.numel() for p in params.values())
     out: dict[str, Any] = {
         "source": source,

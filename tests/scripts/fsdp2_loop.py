@@ -17,12 +17,34 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.distributed.tensor import DTensor, Shard  # noqa: E402
 
 from hf_sparsity import SparsityConfig, SparsityEngine  # noqa: E402
-from hf_sparsity.engine import _is_dtensor, _local, _local_slice  # noqa: E402
 from tests.conftest import tiny_model  # noqa: E402
 
 STEPS = 6
+
+
+def _is_dtensor(t):
+    return isinstance(t, DTensor)
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _local_slice(mask, p):
+    """This rank's part of ``mask``, computed independently of the engine: FSDP2 shards dim 0 like
+    ``torch.chunk`` over the mesh (the last ranks may hold fewer rows, or none)."""
+    if not isinstance(p, DTensor):
+        return mask
+    (placement,) = p.placements
+    assert isinstance(placement, Shard), placement
+    chunks = torch.chunk(mask, p.device_mesh.size(), dim=placement.dim)
+    rank = p.device_mesh.get_local_rank()
+    part = chunks[rank] if rank < len(chunks) else mask.narrow(placement.dim, 0, 0)
+    assert tuple(part.shape) == tuple(p.to_local().shape), (part.shape, p.to_local().shape)
+    return part
 
 
 def check_local(engine, opt):

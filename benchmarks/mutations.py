@@ -1,0 +1,148 @@
+"""Mutation check: put in, one at a time, six bugs the suite must catch, and run the tests that should.
+
+    python benchmarks/mutations.py              # every mutation
+    python benchmarks/mutations.py finalize     # the ones whose name contains "finalize"
+
+Each mutation is a text substitution applied to a temporary copy of the repository (the
+working tree as git sees it); the listed test files then run against that copy. A
+mutation is *caught* when at least one test fails. Not part of the CI suite: it runs the
+relevant tests once per mutation (a few minutes in all).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    what: str
+    edits: tuple[tuple[str, str, str], ...]  # (file, old text, new text); old must occur exactly once
+    tests: tuple[str, ...]
+
+
+MUTATIONS = (
+    Mutation(
+        "grads-masked-late",
+        "gradients masked only in before_step (after clipping and DDP all-reduce), not as produced",
+        (("hf_sparsity/engine.py", "if _is_dtensor(p) or not p.requires_grad:", "if True:"),),
+        ("tests/test_enforcement.py",),
+    ),
+    Mutation(
+        "reader-nonzeros",
+        "the mask reader no longer checks nonzero counts",
+        (("hf_sparsity/serialization.py", 'if nnz != info[name]["nonzeros"]:', "if False:"),),
+        ("tests/test_serialization.py",),
+    ),
+    Mutation(
+        "reader-format",
+        "the mask reader no longer checks the format name and version",
+        (
+            ("hf_sparsity/serialization.py", 'if meta.get("format") != MASK_FORMAT_NAME:', "if False:"),
+            ("hf_sparsity/serialization.py", "if version > MASK_FORMAT_VERSION:", "if False:"),
+        ),
+        ("tests/test_serialization.py",),
+    ),
+    Mutation(
+        "reader-metadata-vs-tensors",
+        "the mask reader no longer checks that metadata and tensors agree",
+        (("hf_sparsity/serialization.py", 'if set(meta["tensors"]) != keys:', "if False:"),),
+        ("tests/test_serialization.py",),
+    ),
+    Mutation(
+        "finalize-no-mask",
+        "convert --finalize no longer applies the mask",
+        (("hf_sparsity/finalize.py", "return t * m.to(t.dtype)", "return t"),),
+        ("tests/test_finalize.py",),
+    ),
+    Mutation(
+        "after-step-no-rezero",
+        "after_step no longer re-zeroes masked weights",
+        (
+            (
+                "hf_sparsity/engine.py",
+                "        for name, p in self._params.items():\n"
+                "            _local(p).mul_(self._dev_masks[name])\n"
+                "        self._mask_optimizer_state(every_step=True)\n",
+                "        self._mask_optimizer_state(every_step=True)\n",
+            ),
+        ),
+        ("tests/test_enforcement.py",),
+    ),
+)
+
+
+def _copy_tree(dst: Path) -> None:
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
+    for f in filter(None, files):
+        src = ROOT / f.decode()
+        if src.is_file():
+            out = dst / f.decode()
+            out.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, out)
+
+
+def run(m: Mutation) -> tuple[bool, str, float]:
+    with tempfile.TemporaryDirectory(prefix="mutation-") as tmp:
+        tmp = Path(tmp)
+        _copy_tree(tmp)
+        for rel, old, new in m.edits:
+            path = tmp / rel
+            text = path.read_text()
+            if text.count(old) != 1:
+                raise SystemExit(
+                    f"{m.name}: {old!r} occurs {text.count(old)} times in {rel}; update the mutation."
+                )
+            path.write_text(text.replace(old, new))
+        env = dict(os.environ, PYTHONPATH=str(tmp), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        env.update(HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        # The copy has no ../shared beside it; point the data fixture at the real one.
+        env.setdefault("HF_SPARSITY_SHARED_DATA", str(ROOT.parent / "shared" / "data"))
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *m.tests],
+            cwd=tmp,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        failed = [ln for ln in proc.stdout.splitlines() if ln.startswith("FAILED")]
+        if proc.returncode not in (0, 1):  # 2-5: the run itself broke (collection, usage, no tests)
+            raise SystemExit(
+                f"{m.name}: pytest exited {proc.returncode}:\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}"
+            )
+        return (
+            proc.returncode == 1,
+            (failed[0] if failed else proc.stdout.strip().splitlines()[-1]),
+            (time.perf_counter() - t0),
+        )
+
+
+def main() -> int:
+    chosen = [m for m in MUTATIONS if not sys.argv[1:] or any(a in m.name for a in sys.argv[1:])]
+    missed = 0
+    for m in chosen:
+        caught, detail, secs = run(m)
+        missed += not caught
+        print(f"{'caught' if caught else 'MISSED'}  {m.name:<28} {secs:6.1f}s  {m.what}\n        {detail}")
+    print(f"{len(chosen) - missed}/{len(chosen)} mutations caught")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

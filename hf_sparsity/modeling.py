@@ -1,0 +1,148 @@
+"""What the library needs to know about a model's modules, in one place.
+
+Linear-like layers (``nn.Linear`` and transformers' GPT-2 ``Conv1D``, which stores its
+weight ``[in, out]``), their dimensions, swapping a submodule, the context length of a
+config, a model built on the ``meta`` device, DTensor (FSDP2) views of a parameter,
+applying masks to weights, and the per-layer sparsity table every report prints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .utils import SparsityError
+
+DEFAULT_CONTEXT_LENGTH = 2048
+_CONTEXT_KEYS = ("n_positions", "max_position_embeddings", "n_ctx", "seq_length", "max_seq_len")
+
+
+# ---------------------------------------------------------------------- linear-like layers
+def is_conv1d(module: nn.Module) -> bool:
+    """True for ``transformers.pytorch_utils.Conv1D`` (GPT-2 family), matched by class name so that
+    copies of it in remote code count too."""
+    return type(module).__name__ == "Conv1D"
+
+
+def linear_kind(module: nn.Module) -> str | None:
+    """``"Linear"``, ``"Conv1D"`` or ``None`` (not a linear-like layer)."""
+    if isinstance(module, nn.Linear):
+        return "Linear"
+    if is_conv1d(module):
+        return "Conv1D"
+    return None
+
+
+def linear_dims(module: nn.Module) -> tuple[int, int] | None:
+    """``(d_in, d_out)`` of a linear-like module, or ``None``."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if is_conv1d(module) and getattr(module, "weight", None) is not None:  # weight is [in, out]
+        return int(module.weight.shape[0]), int(module.weight.shape[1])
+    return None
+
+
+def input_dim(module: nn.Module) -> int:
+    """The weight dimension a linear-like layer multiplies along: 1 for ``nn.Linear``, 0 for ``Conv1D``."""
+    return 0 if is_conv1d(module) else 1
+
+
+def replace_module(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
+    """Put ``new`` at dotted path ``name`` of ``model``; returns the module it replaced."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    old = getattr(parent, child)
+    setattr(parent, child, new)
+    return old
+
+
+# ---------------------------------------------------------------------- configs
+def context_length(config: Any, default: int = DEFAULT_CONTEXT_LENGTH) -> int:
+    """The longest sequence a config's model takes (``n_positions``, ``max_position_embeddings``, ...)."""
+    for key in _CONTEXT_KEYS:
+        v = getattr(config, key, None) if config is not None else None
+        if isinstance(v, int) and v > 0:
+            return v
+    return default
+
+
+def meta_causal_lm(config: Any, build: Any = None) -> nn.Module:
+    """The causal LM of a transformers ``config`` on the ``meta`` device: real shapes, no memory.
+
+    ``build(config)`` makes the model (default ``AutoModelForCausalLM.from_config``).
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # meta init warnings are noise here
+    try:
+        with torch.device("meta"):
+            return (build or AutoModelForCausalLM.from_config)(config)
+    except SparsityError:
+        raise
+    except Exception as e:
+        raise SparsityError(f"Cannot build a causal LM from the {config.model_type!r} config: {e}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+# ---------------------------------------------------------------------- DTensor (FSDP2) parameters
+def is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor" or hasattr(t, "to_local") and hasattr(t, "placements")
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (the tensor itself otherwise)."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor, gathering DTensor shards (a collective: every rank must call it)."""
+    return t.full_tensor() if is_dtensor(t) else t
+
+
+# ---------------------------------------------------------------------- masks on weights
+@torch.no_grad()
+def apply_masks(model: nn.Module, masks: Mapping[str, torch.Tensor]) -> int:
+    """Multiply each masked weight by its mask in place; returns how many tensors were masked."""
+    for name, mask in masks.items():
+        p = model.get_parameter(name)
+        p.mul_(mask.to(device=p.device, dtype=p.dtype))
+    return len(masks)
+
+
+def sparsity_table(
+    model: nn.Module, names: Iterable[str], masks: Mapping[str, torch.Tensor] | None = None
+) -> list[dict[str, Any]]:
+    """Per-layer sparsity of ``model``'s weights ``names``: the one table every report is built from.
+
+    Each row: ``name``, ``shape``, ``numel``, ``zeros`` (exact zeros in the weight) and
+    ``sparsity`` (their fraction); with ``masks``, also ``mask_sparsity`` for the masked
+    tensors. A sharded (DTensor) weight is not gathered (no collective in a report): its
+    mask's zeros stand in for the weight's.
+    """
+    masks = masks or {}
+    rows = []
+    for name in names:
+        p = model.get_parameter(name)
+        mask = masks.get(name)
+        if is_dtensor(p):
+            zeros = int((mask == 0).sum()) if mask is not None else 0
+        else:
+            zeros = int((p.detach() == 0).sum())
+        n = p.numel()
+        row = {
+            "name": name,
+            "shape": list(p.shape),
+            "numel": n,
+            "zeros": zeros,
+            "sparsity": zeros / max(n, 1),
+        }
+        if mask is not None:
+            row["mask_sparsity"] = 1.0 - float(mask.sum(dtype=torch.int64)) / max(mask.numel(), 1)
+        rows.append(row)
+    return rows
