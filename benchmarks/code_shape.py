@@ -45,7 +45,8 @@ def _imports(path: Path, tree: ast.AST, known: set[str]) -> set[str]:
                 up = pkg.split(".")
                 up = up[: len(up) - node.level + 1]
                 base = ".".join(up + ([base] if base else []))
-            names = [base] + [f"{base}.{a.name}" for a in node.names]
+            # ``from pkg import sub`` imports the submodule ``pkg.sub``; any other name is pkg's own.
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
         else:
             continue
         for n in names:

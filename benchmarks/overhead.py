@@ -78,7 +78,7 @@ def main():
     eng = cb.engine
     targeted = sum(m.numel() for m in eng.masks.values())
     storages = {}
-    for t in list(eng.masks.values()) + list(eng._dev_masks.values()):
+    for t in list(eng.masks.values()) + list(eng.enforcer._dev_masks.values()):
         storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     mem_bytes = sum(storages.values())
     eng.save(tmp)

@@ -4,8 +4,6 @@ from hf_sparsity import SparsityConfig, SparsityCallback
 trainer = Trainer(..., callbacks=[SparsityCallback(SparsityConfig(sparsity=0.75))])
 """
 
-__version__ = "0.1.0"
-
 from .config import (  # noqa: E402
     SparsityConfig,
     SparsityConfigMixin,
@@ -14,7 +12,10 @@ from .config import (  # noqa: E402
 )
 from .engine import SparsityEngine  # noqa: E402
 from .targeting import format_plan, plan_sparsity  # noqa: E402
-from .utils import SparsityError  # noqa: E402
+from .utils import (
+    SparsityError,  # noqa: E402
+    __version__,  # noqa: E402,F401
+)
 
 
 def __getattr__(name):

@@ -36,7 +36,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .config import SparsityConfig, set_sparsity_config
+from .config import SparsityConfig
 from .constants import SPARSITY_MASKS_NAME
 from .engine import SparsityEngine
 from .modeling import context_length, sparsity_table
@@ -47,16 +47,23 @@ from .utils import SparsityError
 logger = logging.getLogger("hf_sparsity")
 
 
-def _resume_dir_from_trainer_call() -> str | None:
+TRAINER_FRAMES = ("_inner_training_loop", "train")
+
+
+def resume_dir_from_trainer_frame() -> str | None:
     """The ``resume_from_checkpoint`` folder given to ``Trainer.train``, read from its frame.
 
-    Trainer passes the path to no callback event; it is a local of ``train()`` /
-    ``_inner_training_loop()`` (public argument name), so we read it from there.
+    The one frame read in the library, because there is no public way in: Trainer passes the
+    path to no callback event and keeps it nowhere on ``state`` or ``args``. It is an argument
+    of ``Trainer.train`` and ``Trainer._inner_training_loop`` (:data:`TRAINER_FRAMES`).
+    ``tests/test_checkpoints.py::test_resume_dir_is_read_from_trainer`` fails loudly when a
+    transformers release moves it. Without it, resuming still works when the checkpoint is
+    ``output_dir/checkpoint-<step>`` or is passed as ``SparsityCallback(resume_from=...)``.
     """
     frame = inspect.currentframe()
     try:
         while frame is not None:
-            if frame.f_code.co_name in ("_inner_training_loop", "train"):
+            if frame.f_code.co_name in TRAINER_FRAMES:
                 value = frame.f_locals.get("resume_from_checkpoint")
                 if isinstance(value, (str, os.PathLike)) and os.path.isdir(value):
                     return str(value)
@@ -136,7 +143,7 @@ class SparsityCallback(TrainerCallback, ExportableState):
         if state.global_step > 0:  # resuming a Trainer checkpoint
             candidates += [
                 self.resume_from,
-                _resume_dir_from_trainer_call(),
+                resume_dir_from_trainer_frame(),
                 getattr(args, "resume_from_checkpoint", None),
                 os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"),
             ]
@@ -161,7 +168,7 @@ class SparsityCallback(TrainerCallback, ExportableState):
         model = unwrap_model(model)
         self.engine = SparsityEngine(model, self.config, total_steps=state.max_steps or None)
         self.engine.listeners.extend(self._listeners)
-        self.engine.optimizer_steps = state.global_step
+        self.engine.optimizer_steps = state.global_step  # Trainer's count is the truth on (re)start
         if self.config.has_schedule:
             self.engine.compile_schedule(state.max_steps)
         source = self._find_masks(args, state, model)
@@ -171,11 +178,10 @@ class SparsityCallback(TrainerCallback, ExportableState):
             logger.info("Restored masks for %d tensors from %s", len(actions), source)
         else:
             self.engine.build_masks()
-        self.engine.optimizer_steps = state.global_step
         self.engine.attach(optimizer, step_hooks=False)
         self.engine.install_save_hook()
         self._init_flops(model, state)
-        set_sparsity_config(model.config, self.config, state=self.engine.state())
+        self.engine.stamp_config()
         return control
 
     def _init_flops(self, model, state) -> None:
@@ -219,13 +225,7 @@ class SparsityCallback(TrainerCallback, ExportableState):
         return control
 
     def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):
-        if self.engine.pending_rewind is not None:
-            if lr_scheduler is None:
-                raise SparsityError("The schedule asks for an LR rewind but Trainer passed no lr_scheduler.")
-            from .events import rewind_lr
-
-            rewind_lr(lr_scheduler, self.engine.pending_rewind)
-            self.engine.pending_rewind = None
+        self.engine.apply_pending_rewind(lr_scheduler)  # right after the scheduler's step
         if self.flops is not None:
             self.engine.extra_state["flops"] = self.flops.state_dict()
         return control

@@ -22,14 +22,17 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import math
 import os
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .checks import check_level, check_structure
 from .constants import CONFIG_SECTION
+from .schedules import validate_drop_fraction, validate_schedule, validate_update
 from .utils import SparsityError, library_version
+
+__all__ = ["check_level", "check_structure"]  # re-exported: they used to live here
 
 logger = logging.getLogger(__name__)
 
@@ -41,37 +44,12 @@ _META_KEYS = ("hf_sparsity_version", "_state")
 _RUN_SECTIONS = ("model", "optimizer", "train_input", "eval_input", "runconfig")
 
 
-def check_level(value: Any, key: str = "sparsity") -> float:
-    """A sparsity level must be a number in [0, 1)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise SparsityError(f"`{key}` must be a number in [0, 1), got {value!r}. Example: {key}: 0.75")
-    value = float(value)
-    if not (0.0 <= value < 1.0) or math.isnan(value):
-        raise SparsityError(
-            f"`{key}` = {value} is outside [0, 1). Use a fraction of weights to zero, e.g. 0.75 for 75% sparsity "
-            "(1.0 would remove every weight)."
-        )
-    return value
-
-
 def check_init_method(value: Any, key: str = "init_method") -> str:
     if value not in INIT_METHODS:
         raise SparsityError(
             f"`{key}` = {value!r} is not a known init method. Use one of: {', '.join(INIT_METHODS)}."
         )
     return value
-
-
-def check_structure(value: Any) -> tuple[int, int] | None:
-    """``"n:m"`` -> (n, m): keep n of every m consecutive weights along the input dimension."""
-    if value is None:
-        return None
-    m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", str(value))
-    if not m or not (0 < int(m.group(1)) <= int(m.group(2))):
-        raise SparsityError(
-            f'`structure` = {value!r} is not an N:M pattern. Use e.g. "2:4" (keep 2 of every 4).'
-        )
-    return int(m.group(1)), int(m.group(2))
 
 
 @dataclass
@@ -179,8 +157,6 @@ class SparsityConfig:
             )
 
     def _check_schedule_keys(self) -> None:
-        from .schedules import validate_drop_fraction, validate_schedule, validate_update
-
         self.schedule = validate_schedule(self.schedule)
         self.update = validate_update(self.update)
         self.drop_fraction = validate_drop_fraction(self.drop_fraction)

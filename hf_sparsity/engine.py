@@ -4,83 +4,70 @@ Lifecycle::
 
     engine = SparsityEngine(model, config)   # plan targets (no tensors touched yet)
     engine.build_masks()                     # or engine.restore(checkpoint_dir)
-    engine.attach(optimizer)                 # grad hooks + optimizer step post-hook
+    engine.attach(optimizer)                 # grad hooks + optimizer step hooks
     ... loss.backward(); optimizer.step() ...   # enforcement runs inside the hooks
     engine.save(output_dir)                  # sparsity_masks.safetensors
 
-Enforcement (DESIGN.md semantics 4), for every target:
+Who owns what:
 
-* gradients are masked as they arrive (a tensor hook on the parameter, so gradient
-  clipping, DDP all-reduce and gradient accumulation only ever see masked gradients);
-  parameters without such a hook (FSDP2 shards) are masked in :meth:`before_step`;
-* after every optimizer step, masked weights are set to exactly 0;
-* every optimizer state tensor of the weight's shape (Adam moments, momentum) is 0
-  at masked positions: zeroed whenever masks are set or change, and re-zeroed after
-  every step unless the optimizer is one whose update provably keeps a zero state
-  zero given a zero gradient and a zero weight (SGD, Adam, AdamW, Adagrad, RMSprop,
-  NAdam, RAdam: their moments are sums of products of the gradient, and weight decay
-  scales a zero weight). Any other optimizer (Adamax's ``exp_inf`` picks up ``eps``,
-  for one) is re-masked every step. ``state_masking="always"`` forces that everywhere.
-
-So neither weight decay nor momentum can revive a pruned weight.
-
-FSDP2 (DTensor) parameters are supported: each rank keeps the full mask (cheap,
-deterministic) and applies the slice matching its local shard.
+* :class:`MaskState` (``engine.state_``): masks, levels, the optimizer step count, the
+  event history, densified tensors, a pending LR rewind; ``state_dict`` /
+  ``load_state_dict`` (JSON-simple; it travels in the mask file's metadata).
+* :class:`hf_sparsity.enforcement.MaskEnforcer` (``engine.enforcer``): hooks, optimizer-state
+  zeroing, DTensor slicing; see that module for the enforcement rules.
+* :mod:`hf_sparsity.events`: pure functions giving the new masks of an event.
+* The engine: the one place that changes masks (:meth:`~SparsityEngine.change_masks`),
+  counts steps (:meth:`~SparsityEngine.after_step`), rewinds the LR
+  (:meth:`~SparsityEngine.apply_pending_rewind`) and stamps the config
+  (:meth:`~SparsityEngine.stamp_config`).
 
 Scheduled events (prune, regrow, densify, SET/RigL updates, LR rewind; see
-:mod:`hf_sparsity.schedules` and :mod:`hf_sparsity.events`) fire inside
-:meth:`after_step`, once the step count reaches their step, on every rank alike
-(they depend only on the weights, the schedule and seeds, never on rank-local RNG).
+:mod:`hf_sparsity.schedules`) fire inside :meth:`~SparsityEngine.after_step`, once the
+step count reaches their step, on every rank alike (they depend only on the weights, the
+schedule and seeds, never on rank-local RNG).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
+from . import events as E
 from . import masks as M
 from .config import SparsityConfig, check_structure, set_sparsity_config
 from .constants import SPARSITY_MASKS_NAME
+from .enforcement import ZERO_PRESERVING_OPTIMIZERS, MaskEnforcer, local_slice
+from .mask_state import MaskState, _state_field
 from .modeling import full_tensor, is_dtensor, local, sparsity_table
-from .schedules import Schedule, compile_schedule
-from .serialization import check_mask_names, load_masks, save_masks
+from .schedules import Schedule, ScheduledEvent, compile_schedule
+from .serialization import check_mask_names, load_masks_for, save_masks
 from .targeting import TargetDecision, log_plan, plan_sparsity, unwrap_model
 from .utils import SparsityError
+
+__all__ = ["MaskState", "SparsityEngine", "ZERO_PRESERVING_OPTIMIZERS", "carry_masks_in_save_pretrained"]
+
+# The older private names, still imported by code outside this module.
+_is_dtensor, _local, _full_tensor, _local_slice = is_dtensor, local, full_tensor, local_slice
 
 logger = logging.getLogger(__name__)
 
 
-_is_dtensor, _local, _full_tensor = is_dtensor, local, full_tensor  # kept for older imports
-
-
-def _local_slice(mask: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """The part of a full mask that matches ``param``'s local shard (identity for plain tensors)."""
-    if not _is_dtensor(param):
-        return mask
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return mask[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
-
-
-# Optimizers whose state stays exactly 0 where gradient, weight and state are 0 (see module docstring).
-ZERO_PRESERVING_OPTIMIZERS = frozenset({"SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "NAdam", "RAdam"})
-
-
-def _mask_grad(g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    try:
-        return g.mul_(m)
-    except RuntimeError:  # an expanded (overlapping) gradient cannot be written in place
-        return g * m
-
-
 class SparsityEngine:
     """Masks for one model under one :class:`SparsityConfig`."""
+
+    masks = _state_field("masks", "name -> full uint8 mask (CPU).")
+    levels = _state_field("levels", "name -> mask level.")
+    optimizer_steps = _state_field("optimizer_steps", "Optimizer steps taken (counted in after_step).")
+    events = _state_field("events", "Every event record so far.")
+    densified = _state_field("densified", "Targets the schedule has made dense.")
+    pending_rewind = _state_field("pending_rewind", "LR step to rewind to after the scheduler's next step.")
+    extra_state = _state_field("extra", "Callers' JSON-simple state carried in the mask file.")
 
     def __init__(
         self,
@@ -91,69 +78,61 @@ class SparsityEngine:
         state_masking: str = "auto",
         total_steps: int | None = None,
     ):
-        if state_masking not in ("auto", "always"):
-            raise SparsityError(f"state_masking={state_masking!r}: use 'auto' or 'always'.")
-        self.state_masking = state_masking
         self.model = unwrap_model(model)
+        self.enforcer = MaskEnforcer(self.model, state_masking)
         self.config = config
         self.plan: list[TargetDecision] = plan_sparsity(self.model, config, strict=strict)
         self.targets: dict[str, TargetDecision] = {d.name: d for d in self.plan if d.sparsify}
         log_plan(self.plan)
-        self.masks: dict[str, torch.Tensor] = {}  # full masks, uint8, on CPU
-        self.levels: dict[str, float] = {}
-        self.optimizer_steps = 0
-        self.events: list[dict[str, Any]] = []
-        self._params: dict[str, torch.Tensor] = {}
-        self._dev_masks: dict[str, torch.Tensor] = {}  # local slice on the parameter's device
-        self._mask_by_param: dict[int, torch.Tensor] = {}
-        self._grad_hooks: list[Any] = []
-        self._hooked: set[str] = set()
-        self._optimizers: list[torch.optim.Optimizer] = []
-        self._opt_hooks: list[Any] = []
-        self._orig_save_pretrained = None
-        # Schedules (events.py): compiled against the real number of optimizer steps.
+        self.state_ = MaskState()
+        # Schedules: compiled against the real number of optimizer steps.
         self.total_steps = total_steps
         self.schedule: Schedule | None = None
-        self.densified: set[str] = set()
-        self.pending_rewind: int | None = None  # LR step to rewind to, applied after the scheduler's step
-        self.listeners: list[Any] = []  # called with each event record
-        self.extra_state: dict[str, Any] = {}  # callers' state carried in the mask file (FLOP counts, ...)
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []  # called with each event record
         self.restored_state: dict[str, Any] = {}
         self._lr_scheduler = None
-        self._hooks_enabled = False
-        self._capture_grads = False  # RigL: keep the dense gradient of the coming update step
-        self._captured: dict[str, torch.Tensor] = {}
         self._pending_zero: dict[str, torch.Tensor] = {}  # restored masked positions, zeroed in attach()
+        self._orig_save_pretrained = None
+
+    @property
+    def state_masking(self) -> str:
+        return self.enforcer.state_masking
 
     # ------------------------------------------------------------------ masks
     def _param(self, name: str) -> torch.Tensor:
         return self.model.get_parameter(name)
 
+    def _full_weight(self, name: str) -> torch.Tensor:
+        return full_tensor(self._param(name).detach())
+
     def build_masks(self, names: Iterable[str] | None = None) -> None:
         """Create masks for ``names`` (default: every target) from the config: random, topk or N:M."""
         for name in names if names is not None else self.targets:
-            d = self.targets[name]
-            level = self.target_level(name)
-            if level is None:  # densified at this point of the schedule
-                self.masks.pop(name, None)
-                self.levels.pop(name, None)
-                continue
-            param = self._param(name)
-            shape = tuple(param.shape)
-            if d.structure is not None:
-                n, m = check_structure(d.structure)
-                score = (
-                    M.magnitude_score(_full_tensor(param.detach()))
-                    if d.init_method == "topk"
-                    else torch.rand(shape, generator=M._generator(d.seed, name))
-                )
-                mask = M.nm_mask(score, n, m, dim=d.input_dim)
-            elif d.init_method == "topk":
-                mask = M.topk_mask(_full_tensor(param.detach()), level)
+            self.state_.set(name, self._initial_mask(name))
+        self.refresh()
+
+    def _initial_mask(self, name: str) -> torch.Tensor | None:
+        d = self.targets[name]
+        level = self.target_level(name)
+        if level is None:  # densified at this point of the schedule
+            return None
+        shape = tuple(self._param(name).shape)
+        if d.structure is not None:
+            n, m = check_structure(d.structure)
+            if d.init_method == "topk":
+                score = M.magnitude_score(self._full_weight(name))
             else:
-                mask = M.random_mask(shape, level, d.seed, name)
-            self.masks[name] = mask
-            self.levels[name] = M.mask_level(mask)
+                score = torch.rand(shape, generator=M.generator(d.seed, name))
+            return M.nm_mask(score, n, m, dim=d.input_dim)
+        if d.init_method == "topk":
+            return M.topk_mask(self._full_weight(name), level)
+        return M.random_mask(shape, level, d.seed, name)
+
+    def set_masks(self, masks: dict[str, torch.Tensor]) -> None:
+        expected = {n: tuple(self._param(n).shape) for n in self.targets}
+        check_mask_names({n: {"shape": list(m.shape)} for n, m in masks.items()}, expected)
+        for name, m in masks.items():
+            self.state_.set(name, m)
         self.refresh()
 
     # ------------------------------------------------------------------ schedule
@@ -172,22 +151,26 @@ class SparsityEngine:
             )
         return self.schedule
 
+    def _schedule(self) -> Schedule:
+        return self.schedule if self.schedule is not None else self.compile_schedule()
+
     def target_level(self, name: str, step: int | None = None) -> float | None:
         """The level ``name`` should have after ``step`` optimizer steps (None: dense, no mask)."""
         configured = self.targets[name].sparsity
         if not self.config.has_schedule:
             return None if name in self.densified else configured
-        if self.schedule is None:
-            self.compile_schedule()
-        return self.schedule.level_at(self.optimizer_steps if step is None else step, configured)
+        return self._schedule().level_at(self.optimizer_steps if step is None else step, configured)
 
-    def set_masks(self, masks: dict[str, torch.Tensor]) -> None:
-        expected = {n: tuple(self._param(n).shape) for n in self.targets}
-        check_mask_names({n: {"shape": list(m.shape)} for n, m in masks.items()}, expected)
-        for name, m in masks.items():
-            self.masks[name] = m.detach().to("cpu", M.MASK_DTYPE).contiguous()
-            self.levels[name] = M.mask_level(self.masks[name])
-        self.refresh()
+    # ------------------------------------------------------------------ save / restore
+    def state(self) -> dict[str, Any]:
+        """JSON-simple state saved with the masks: step count, event history, densified tensors."""
+        return self.state_.state_dict()
+
+    def save(self, directory: str | os.PathLike, extra_metadata: dict[str, Any] | None = None) -> str:
+        """Write the masks and the state to ``directory/sparsity_masks.safetensors`` (atomically)."""
+        meta = {"state": self.state()}
+        meta.update(extra_metadata or {})
+        return save_masks(os.path.join(directory, SPARSITY_MASKS_NAME), self.masks, meta)
 
     def restore(
         self, path: str | os.PathLike, reconcile: bool = True, step: int | None = None
@@ -198,22 +181,17 @@ class SparsityEngine:
         the configured one is pruned (magnitude; previously masked stay masked) or
         regrown (random positions, starting from 0); targets the file lacks get fresh
         masks from the current weights; masks for parameters no longer targeted are
-        dropped (those weights become dense, keeping their zeros). Returns what was done
-        per parameter. With a schedule, "configured" means the level the schedule gives
-        at ``step`` (default: the step recorded in the file), so resuming mid-schedule
-        changes nothing, and a tensor the schedule has densified gets no mask.
+        dropped (those weights become dense, keeping their zeros). Every position the
+        file masks starts from 0 (weight now, optimizer state at :meth:`attach`). Returns
+        what was done per parameter. With a schedule, "configured" means the level the
+        schedule gives at ``step`` (default: the step recorded in the file), so resuming
+        mid-schedule changes nothing, and a tensor the schedule has densified gets no mask.
         """
-        shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
-        loaded, meta = load_masks(path, expected_shapes=shapes)
+        loaded, meta = load_masks_for(self.model, path, required=True, with_metadata=True)
         state = meta.get("state")
         if state:
-            import json
-
             state = json.loads(state) if isinstance(state, str) else state
-            self.optimizer_steps = int(state.get("optimizer_steps", 0))
-            self.events = list(state.get("events", []))
-            self.densified = set(state.get("densified", []))
-            self.pending_rewind = state.get("pending_rewind")
+            self.state_.load_state_dict(state)
             self.restored_state = dict(state)
         if step is not None:
             self.optimizer_steps = int(step)
@@ -225,31 +203,22 @@ class SparsityEngine:
                 )
                 loaded.pop(name)
                 actions[name] = "dropped"
-        for name in list(loaded):
-            if self.target_level(name) is None:
+            elif self.target_level(name) is None:
                 loaded.pop(name)
-                self.masks.pop(name, None)
-                self.levels.pop(name, None)
+                self.state_.set(name, None)
                 actions[name] = "densified"
-        self.masks.update(loaded)
         missing = [n for n in self.targets if n not in loaded and self.target_level(n) is not None]
         if missing:
             self.build_masks(missing)
             actions.update(dict.fromkeys(missing, "built"))
-        for name in loaded:
-            actions[name] = "restored"
-            want = self.target_level(name)
-            have = M.mask_level(loaded[name])
-            if reconcile and M.num_zeros(want, loaded[name].numel()) != int((loaded[name] == 0).sum()):
-                w = _full_tensor(self._param(name).detach())
-                self.masks[name] = M.change_level(loaded[name], w, want, self.targets[name].seed, name)
-                kind = "pruned" if want > have else "regrown"
-                actions[name] = f"{kind} {have:.4f} -> {want:.4f}"
-            self.levels[name] = M.mask_level(self.masks[name])
-            # Positions the file masks start from 0 (weight now, optimizer state once attached),
-            # whether they stay masked or are regrown: a checkpoint's stale values never revive.
-            self._zero_positions(name, loaded[name] == 0)
-            self._pending_zero[name] = loaded[name] == 0
+        for name, mask in loaded.items():
+            actions[name] = self._reconcile(name, mask) if reconcile else "restored"
+            if not reconcile:
+                self.state_.set(name, mask)
+            # Positions the file masks start from 0, whether they stay masked or are regrown:
+            # a checkpoint's stale values never revive.
+            self.enforcer.zero_positions(name, mask == 0)
+            self._pending_zero[name] = mask == 0
         changed = {n: a for n, a in actions.items() if a.startswith(("pruned", "regrown"))}
         if changed:
             self.events.append(
@@ -259,6 +228,31 @@ class SparsityEngine:
         self.refresh()
         return actions
 
+    def _reconcile(self, name: str, loaded: torch.Tensor) -> str:
+        """Take ``loaded`` as ``name``'s mask, pruned or regrown to the level wanted now."""
+        want, have = self.target_level(name), M.mask_level(loaded)
+        if M.num_zeros(want, loaded.numel()) == int((loaded == 0).sum()):
+            self.state_.set(name, loaded)
+            return "restored"
+        new = M.change_level(loaded, self._full_weight(name), want, self.targets[name].seed, name)
+        self.state_.set(name, new)
+        return f"{'pruned' if want > have else 'regrown'} {have:.4f} -> {want:.4f}"
+
+    def stamp_config(self) -> None:
+        """Write the config and the current state into ``model.config`` (so ``config.json`` carries them)."""
+        set_sparsity_config(self.model.config, self.config, state=self.state())
+
+    def install_save_hook(self) -> None:
+        """Make ``model.save_pretrained(dir)`` also write the masks and the config section."""
+        if self._orig_save_pretrained is None:
+            self._orig_save_pretrained = carry_masks_in_save_pretrained(self.model, self)
+
+    def uninstall_save_hook(self) -> None:
+        if self._orig_save_pretrained is not None:
+            self.model.__dict__.pop("save_pretrained", None)
+            self._orig_save_pretrained = None
+
+    # ------------------------------------------------------------------ changing masks
     @torch.no_grad()
     def change_masks(self, new_masks: dict[str, torch.Tensor | None]) -> dict[str, dict[str, Any]]:
         """Replace masks mid-training (every event goes through here); ``None`` densifies a tensor.
@@ -280,146 +274,118 @@ class SparsityEngine:
                 if old is None:
                     continue
                 revived = old == 0
-                self.masks.pop(name)
-                self.levels.pop(name, None)
                 self.densified.add(name)
             else:
-                new = new.detach().to("cpu", M.MASK_DTYPE).contiguous()
                 if tuple(new.shape) != tuple(self._param(name).shape):
                     raise SparsityError(
                         f"New mask for {name!r} has shape {list(new.shape)}, the weight another."
                     )
-                revived = (old == 0) & (new == 1) if old is not None else None
-                self.masks[name] = new
-                self.levels[name] = M.mask_level(new)
+                revived = (old == 0) & (new.to(M.MASK_DTYPE) == 1) if old is not None else None
                 self.densified.discard(name)
+            self.state_.set(name, new)
             if revived is not None and bool(revived.any()):
-                self._zero_positions(name, revived)
+                self.enforcer.zero_positions(name, revived)
             changes[name] = {
                 "before": before,
                 "after": self.levels.get(name),
                 "regrown": int(revived.sum()) if revived is not None else 0,
             }
         self.refresh()
-        self._rehook()
-        self.apply()  # newly masked positions: weights and optimizer state to 0
+        self.enforcer.apply()  # newly masked positions: weights and optimizer state to 0
         return changes
 
-    @torch.no_grad()
-    def _zero_positions(self, name: str, where: torch.Tensor) -> None:
-        """Weight and weight-shaped optimizer state of ``name`` set to 0 where ``where`` (a full-shape bool)."""
-        p = self._param(name)
-        keep = _local_slice((~where).to(M.MASK_DTYPE), p).to(_local(p).device)
-        _local(p).mul_(keep)
-        for opt in self._optimizers:
-            for v in opt.state.get(p, {}).values():
-                if torch.is_tensor(v) and v.shape == p.shape:
-                    _local(v).mul_(keep)
+    def apply_event(self, event: ScheduledEvent) -> dict[str, Any]:
+        """Apply one scheduled event; returns (and records, and tells the listeners) what it did."""
+        if event.kind == "update":
+            grads = None
+            if self.config.algorithm == "rigl":
+                grads = E.reduce_gradients(self.enforcer.captured)
+            seeds = {n: d.seed for n, d in self.targets.items()}
+            new_masks = E.dynamic_update(event, self.masks, seeds, self._full_weight, grads)
+            self.enforcer.captured = {}
+        else:
+            new_masks = E.masks_for_level_event(event, self.targets, self.masks, self._full_weight)
+        changes = self.change_masks(new_masks)
+        record = E.event_record(event, changes, self.total_level())
+        if event.rewind_to is not None:
+            self.pending_rewind = event.rewind_to
+        self.events.append(record)
+        logger.info(
+            "Sparsity event at step %d: %s (total level %.4f)",
+            event.step,
+            record["kind"],
+            record["total_level"],
+        )
+        for listener in list(self.listeners):
+            listener(record)
+        return record
 
-    # ------------------------------------------------------------------ device views
-    def refresh(self) -> None:
-        """Re-read parameter objects (after ``.to()``, DDP/FSDP wrapping) and re-place the masks."""
-        self._params = {n: self._param(n) for n in self.masks}
-        self._dev_masks = {}
-        self._mask_by_param = {}
-        for name, mask in self.masks.items():
-            p = self._params[name]
-            local = _local_slice(mask, p).to(_local(p).device)
-            self._dev_masks[name] = local
-            self._mask_by_param[id(p)] = local
+    def fire_due_events(self) -> list[dict[str, Any]]:
+        """Fire every scheduled event at the current step count (``after_step`` calls this)."""
+        records = [self.apply_event(e) for e in self._schedule().events_at(self.optimizer_steps)]
+        self._arm_gradient_capture()
+        return records
 
-    def _check_params(self) -> None:
-        for name, p in self._params.items():
-            if self._param(name) is not p:
-                self.refresh()
-                self._rehook()
-                return
+    def _arm_gradient_capture(self) -> None:
+        """RigL: capture dense gradients during the backward passes of the step before an update."""
+        if self.config.algorithm != "rigl":
+            return
+        nxt = self.optimizer_steps + 1
+        self.enforcer.capture_grads = any(e.kind == "update" for e in self._schedule().events_at(nxt))
+        self.enforcer.captured = {}
+
+    def apply_pending_rewind(self, lr_scheduler: Any) -> None:
+        """The one place an LR rewind happens: call right after the scheduler's own step."""
+        if self.pending_rewind is None:
+            return
+        if lr_scheduler is None:
+            raise SparsityError("The schedule asks for an LR rewind but no lr_scheduler was given.")
+        E.rewind_lr(lr_scheduler, self.pending_rewind)
+        self.pending_rewind = None
+
+    def total_level(self) -> float:
+        n = sum(d.numel for d in self.targets.values())
+        return sum(int((m == 0).sum()) for m in self.masks.values()) / max(n, 1)
 
     # ------------------------------------------------------------------ enforcement
-    @torch.no_grad()
+    def refresh(self) -> None:
+        """Re-read parameter objects (after ``.to()``, DDP/FSDP wrapping) and re-place the masks."""
+        self.enforcer.place(self.masks)
+
     def apply(self) -> None:
         """Zero masked weights and masked optimizer state now (call after building or changing masks)."""
-        self._check_params()
-        for name, p in self._params.items():
-            _local(p).mul_(self._dev_masks[name])
-        self._mask_optimizer_state()
+        self.enforcer.apply()
 
-    @torch.no_grad()
     def mask_gradients(self, only_unhooked: bool = True) -> None:
-        for name, p in self._params.items():
-            if only_unhooked and name in self._hooked:
-                continue
-            if p.grad is not None:
-                _local(p.grad).mul_(self._dev_masks[name])
+        self.enforcer.mask_gradients(only_unhooked)
+
+    def register_grad_hooks(self) -> None:
+        """Mask gradients as they are produced (before clipping, DDP all-reduce and accumulation)."""
+        self.enforcer.register_grad_hooks()
+
+    def remove_grad_hooks(self) -> None:
+        self.enforcer.remove_grad_hooks()
+
+    def _needs_per_step_state_masking(self, opt: torch.optim.Optimizer) -> bool:
+        return self.enforcer.needs_per_step_state_masking(opt)
 
     def before_step(self) -> None:
         """Call right before ``optimizer.step()``: masks gradients the hooks could not reach.
 
-        A pending LR rewind (from an event after the previous step) is applied here, after
-        the scheduler's own step, when :meth:`attach` was given the scheduler.
+        In a plain loop, a pending LR rewind (from an event after the previous step) is
+        applied here, after the scheduler's own step, when :meth:`attach` was given the scheduler.
         """
-        self._check_params()
-        if self.pending_rewind is not None and self._lr_scheduler is not None:
-            from .events import rewind_lr
+        if self._lr_scheduler is not None:
+            self.apply_pending_rewind(self._lr_scheduler)
+        self.enforcer.before_step()
 
-            rewind_lr(self._lr_scheduler, self.pending_rewind)
-            self.pending_rewind = None
-        self.mask_gradients(only_unhooked=True)
-
-    @torch.no_grad()
     def after_step(self) -> None:
-        """Call right after ``optimizer.step()``: weights and optimizer state exactly 0 where masked."""
-        for name, p in self._params.items():
-            _local(p).mul_(self._dev_masks[name])
-        self._mask_optimizer_state(every_step=True)
+        """Call right after ``optimizer.step()``: weights and optimizer state exactly 0 where masked;
+        the one place the step count advances and scheduled events fire."""
+        self.enforcer.after_step()
         self.optimizer_steps += 1
         if self.config.has_schedule:
-            from .events import fire_due_events
-
-            fire_due_events(self)
-
-    def _needs_per_step_state_masking(self, opt: torch.optim.Optimizer) -> bool:
-        return self.state_masking == "always" or type(opt).__name__ not in ZERO_PRESERVING_OPTIMIZERS
-
-    @torch.no_grad()
-    def _mask_optimizer_state(self, every_step: bool = False) -> None:
-        for opt in self._optimizers:
-            if every_step and not self._needs_per_step_state_masking(opt):
-                continue
-            for p, st in opt.state.items():
-                mask = self._mask_by_param.get(id(p))
-                if mask is None:
-                    continue
-                for v in st.values():
-                    if torch.is_tensor(v) and v.shape == p.shape:
-                        _local(v).mul_(mask)
-
-    def register_grad_hooks(self) -> None:
-        """Mask gradients as they are produced (before clipping, DDP all-reduce and accumulation)."""
-        self.remove_grad_hooks()
-        for name, p in self._params.items():
-            if _is_dtensor(p) or not p.requires_grad:
-                continue  # FSDP2 writes sharded grads directly; masked in before_step()
-            mask = self._dev_masks[name]
-            # In place: the incoming gradient of a leaf weight is a fresh matmul output that
-            # nothing else holds, and an out-of-place product would double the traffic.
-            self._grad_hooks.append(p.register_hook(lambda g, m=mask, n=name: self._on_grad(n, g, m)))
-            self._hooked.add(name)
-
-    def _on_grad(self, name: str, g: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        if self._capture_grads:  # RigL scores regrowth by the dense gradient, before masking
-            prev = self._captured.get(name)
-            self._captured[name] = g.detach().float().clone() if prev is None else prev + g.detach().float()
-        return _mask_grad(g, mask)
-
-    def remove_grad_hooks(self) -> None:
-        for h in self._grad_hooks:
-            h.remove()
-        self._grad_hooks, self._hooked = [], set()
-
-    def _rehook(self) -> None:
-        if self._grad_hooks or self._hooks_enabled:
-            self.register_grad_hooks()
+            self.fire_due_events()
 
     def attach(
         self,
@@ -428,7 +394,7 @@ class SparsityEngine:
         step_hooks: bool = True,
         lr_scheduler: Any = None,
     ) -> None:
-        """Start enforcing: gradient hooks, and (with ``step_hooks``) a post-step hook on ``optimizer``.
+        """Start enforcing: gradient hooks, and (with ``step_hooks``) step hooks on ``optimizer``.
 
         ``step_hooks=False`` is for callers that call :meth:`before_step` / :meth:`after_step`
         themselves (the Trainer callback does, from its optimizer-step events).
@@ -439,78 +405,21 @@ class SparsityEngine:
             raise SparsityError("No masks yet: call build_masks() or restore(dir) before attach().")
         if lr_scheduler is not None:
             self._lr_scheduler = lr_scheduler
-        self._hooks_enabled = True
-        self.register_grad_hooks()
+        self.enforcer.enable()
         if optimizer is not None:
-            inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
-            if inner not in self._optimizers:
-                self._optimizers.append(inner)
-            if step_hooks:
-                self._opt_hooks.append(inner.register_step_pre_hook(lambda *_: self.before_step()))
-                self._opt_hooks.append(inner.register_step_post_hook(lambda *_: self.after_step()))
+            hooks = (self.before_step, self.after_step) if step_hooks else (None, None)
+            self.enforcer.add_optimizer(optimizer, *hooks)
         for name, where in self._pending_zero.items():
             if name in self.masks:
-                self._zero_positions(name, where)
+                self.enforcer.zero_positions(name, where)
         self._pending_zero = {}
-        self.apply()
+        self.enforcer.apply()
         if self.config.has_schedule:
-            from .events import arm_gradient_capture
-
-            arm_gradient_capture(self)
+            self._arm_gradient_capture()
 
     def detach(self) -> None:
-        self.remove_grad_hooks()
-        for h in self._opt_hooks:
-            h.remove()
-        self._opt_hooks = []
+        self.enforcer.disable()
         self.uninstall_save_hook()
-
-    # ------------------------------------------------------------------ saving
-    def state(self) -> dict[str, Any]:
-        """JSON-simple state saved with the masks: step count, event history, densified tensors."""
-        out = dict(self.extra_state)
-        out.update(
-            {
-                "optimizer_steps": self.optimizer_steps,
-                "events": self.events,
-                "densified": sorted(self.densified),
-                "pending_rewind": self.pending_rewind,
-            }
-        )
-        return out
-
-    def save(self, directory: str | os.PathLike, extra_metadata: dict[str, Any] | None = None) -> str:
-        meta = {"state": self.state()}
-        meta.update(extra_metadata or {})
-        return save_masks(os.path.join(directory, SPARSITY_MASKS_NAME), self.masks, meta)
-
-    def install_save_hook(self) -> None:
-        """Make ``model.save_pretrained(dir)`` also write the masks and the config section.
-
-        This is how Trainer checkpoints and ``trainer.save_model()`` carry the masks
-        (``save_model`` does not fire ``on_save``).
-        """
-        if self._orig_save_pretrained is not None:
-            return
-        model = self.model
-        orig = model.save_pretrained
-        self._orig_save_pretrained = orig
-        engine = self
-
-        def save_pretrained(save_directory, *args, **kwargs):
-            set_sparsity_config(model.config, engine.config, state=engine.state())
-            out = orig(save_directory, *args, **kwargs)
-            if kwargs.get("is_main_process", True):
-                engine.save(save_directory)
-            return out
-
-        save_pretrained.__doc__ = orig.__doc__
-        model.save_pretrained = save_pretrained
-
-    def uninstall_save_hook(self) -> None:
-        if self._orig_save_pretrained is not None:
-            self.model.__dict__.pop("save_pretrained", None)
-            self._orig_save_pretrained = None
 
     # ------------------------------------------------------------------ reporting
     def report(self) -> list[dict[str, Any]]:
@@ -541,3 +450,25 @@ class SparsityEngine:
         tz = sum(int((m == 0).sum()) for m in self.masks.values())
         lines.append(f"total: {len(rows)} tensors, {tn:,} targeted parameters, level {tz / max(tn, 1):.4f}")
         return "\n".join(lines)
+
+
+def carry_masks_in_save_pretrained(model: nn.Module, engine: SparsityEngine) -> Callable:
+    """Make ``model.save_pretrained(dir)`` also stamp the config and write the masks; returns the original.
+
+    The one place the library replaces a method on an instance, because there is no public
+    way in: ``Trainer.save_model()`` fires no callback event, and both it and every
+    checkpoint save go through ``model.save_pretrained``. ``tests/test_checkpoints.py``
+    fails loudly if Trainer stops calling it.
+    """
+    orig = model.save_pretrained
+
+    def save_pretrained(save_directory, *args, **kwargs):
+        engine.stamp_config()
+        out = orig(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            engine.save(save_directory)
+        return out
+
+    save_pretrained.__doc__ = orig.__doc__
+    model.save_pretrained = save_pretrained
+    return orig

@@ -1,8 +1,10 @@
 """Sparsity events: what happens to the masks when the schedule says so.
 
-Each event computes new masks and hands them to
-:meth:`SparsityEngine.change_masks`, the one path that zeroes weights and
-optimizer state at newly masked *and* regrown positions (DESIGN.md semantics 5):
+Pure functions: each takes the masks, weights (a ``weight(name)`` callable giving the
+full tensor), seeds and gradients it needs and returns new masks; it touches no other
+object. :meth:`SparsityEngine.apply_event` hands the result to
+:meth:`SparsityEngine.change_masks`, the one path that zeroes weights and optimizer
+state at newly masked *and* regrown positions:
 
 * **prune** to a higher level: previously masked stay masked; the lowest-magnitude
   survivors join them (:func:`hf_sparsity.masks.topk_mask` with the old mask);
@@ -16,15 +18,16 @@ optimizer state at newly masked *and* regrown positions (DESIGN.md semantics 5):
 * **LR rewind**: the learning-rate schedule restarts from a given step
   (:func:`rewind_lr`), applied right after the scheduler's own step.
 
-Every event is recorded on ``engine.events`` as a JSON-simple dict (step, kind,
-per-layer level before/after) and passed to each ``engine.listeners`` callable, so
-other callbacks and loggers see it. Events depend only on weights, gradients, the
+Every event is recorded on ``engine.events`` as a JSON-simple dict
+(:func:`event_record`: step, kind, per-layer level before/after) and passed to each
+``engine.listeners`` callable, so other callbacks and loggers see it. Events depend only on weights, gradients, the
 schedule and seeds: every rank and every rerun makes the same decision.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -36,109 +39,56 @@ from .utils import SparsityError
 logger = logging.getLogger(__name__)
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def fire_due_events(engine) -> list[dict[str, Any]]:
-    """Fire every scheduled event at ``engine.optimizer_steps`` (called by ``after_step``)."""
-    if engine.schedule is None:
-        engine.compile_schedule()
-    records = [apply_event(engine, e) for e in engine.schedule.events_at(engine.optimizer_steps)]
-    arm_gradient_capture(engine)
-    return records
-
-
-def arm_gradient_capture(engine) -> None:
-    """RigL: capture dense gradients during the backward passes of the step before an update."""
-    if engine.config.algorithm != "rigl":
-        return
-    if engine.schedule is None:
-        engine.compile_schedule()
-    nxt = engine.optimizer_steps + 1
-    engine._capture_grads = any(e.kind == "update" for e in engine.schedule.events_at(nxt))
-    engine._captured = {}
-
-
-def apply_event(engine, event: ScheduledEvent) -> dict[str, Any]:
-    """Apply one event to ``engine``; returns (and records) what it did."""
-    if event.kind == "update":
-        new_masks = _dynamic_update(engine, event)
-    else:
-        new_masks = {}
-        for name, d in engine.targets.items():
-            want = event.level_for(d.sparsity)
-            new_masks[name] = _mask_at_level(engine, name, want, event.step)
-    changes = engine.change_masks(new_masks)
-    kind = _kind(event, changes)
-    record = {
-        "step": event.step,
-        "kind": kind,
-        "layers": {n: {"before": c["before"], "after": c["after"]} for n, c in changes.items()},
+def masks_for_level_event(
+    event: ScheduledEvent,
+    targets: Mapping[str, Any],
+    masks: Mapping[str, torch.Tensor],
+    weight: Callable[[str], torch.Tensor],
+) -> dict[str, torch.Tensor | None]:
+    """New masks for a prune / regrow / densify event: one per target (``None``: dense)."""
+    return {
+        name: mask_at_level(
+            masks.get(name), weight(name), event.level_for(d.sparsity), d.seed, name, event.step
+        )
+        for name, d in targets.items()
     }
-    if event.kind == "update":
-        record["drop_fraction"] = event.fraction
-        record["regrown"] = sum(c["regrown"] for c in changes.values())
-    if event.rewind_to is not None:
-        record["rewind_to"] = event.rewind_to
-        engine.pending_rewind = event.rewind_to
-    total = _total_level(engine)
-    record["total_level"] = total
-    engine.events.append(record)
-    logger.info("Sparsity event at step %d: %s (total level %.4f)", event.step, kind, total)
-    for listener in list(engine.listeners):
-        listener(record)
-    return record
 
 
-def _kind(event: ScheduledEvent, changes: dict[str, dict[str, Any]]) -> str:
-    if event.kind == "densify":
-        return "densify"
-    if event.kind == "update":
-        return "update"
-    up = any((c["after"] or 0.0) > (c["before"] or 0.0) + 1e-12 for c in changes.values())
-    down = any((c["after"] or 0.0) < (c["before"] or 0.0) - 1e-12 for c in changes.values())
-    return "prune" if up and not down else "regrow" if down and not up else "prune+regrow" if up else "noop"
-
-
-def _total_level(engine) -> float:
-    n = sum(d.numel for d in engine.targets.values())
-    z = sum(int((m == 0).sum()) for m in engine.masks.values())
-    return z / max(n, 1)
-
-
-def _mask_at_level(engine, name: str, level: float | None, step: int) -> torch.Tensor | None:
-    """The mask ``name`` gets at ``level``: prune by magnitude keeping old zeros, or regrow at random."""
+def mask_at_level(
+    old: torch.Tensor | None, weight: torch.Tensor, level: float | None, seed: int, name: str, step: int
+) -> torch.Tensor | None:
+    """The mask at ``level``: prune by magnitude keeping old zeros, or regrow at random (``None``: dense)."""
     if level is None:
         return None
-    d = engine.targets[name]
-    old = engine.masks.get(name)
-    weight = _full(engine.model.get_parameter(name).detach())
     if old is None:  # re-sparsifying a dense tensor: plain magnitude pruning
         return M.topk_mask(weight, level)
-    return M.change_level(old, weight, level, d.seed, name, salt=f"@{step}")
+    return M.change_level(old, weight, level, seed, name, salt=f"@{step}")
 
 
-def _dynamic_update(engine, event: ScheduledEvent) -> dict[str, torch.Tensor]:
-    rigl = engine.config.algorithm == "rigl"
-    grads: dict[str, torch.Tensor] = {}
-    if rigl:
-        grads = _reduced_gradients(engine)
+def dynamic_update(
+    event: ScheduledEvent,
+    masks: Mapping[str, torch.Tensor],
+    seeds: Mapping[str, int],
+    weight: Callable[[str], torch.Tensor],
+    grads: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """SET (``grads`` None: random regrowth) or RigL (regrowth by dense-gradient magnitude) at a constant level.
+
+    Drops the ``event.fraction`` lowest-magnitude active weights of each mask and regrows as many
+    positions among those inactive before the update.
+    """
     new_masks = {}
-    for name, mask in engine.masks.items():
-        d = engine.targets[name]
-        weight = _full(engine.model.get_parameter(name).detach()).float().cpu()
+    for name, mask in masks.items():
         flat = mask.reshape(-1)
         active = flat == 1
         n_active, n_inactive = int(active.sum()), int((~active).sum())
         k = min(int(round(event.fraction * n_active)), n_inactive)
         if k <= 0:
             continue
+        w = weight(name).float().cpu()
         # Drop: the k lowest-magnitude active weights (inactive ones scored out of reach).
-        drop_score = weight.reshape(-1).abs().masked_fill(~active, float("inf"))
-        drop = M.lowest_k(drop_score, k)
-        # Grow among positions that were inactive before this update (not the ones just dropped).
-        if rigl:
+        drop = M.lowest_k(w.reshape(-1).abs().masked_fill(~active, float("inf")), k)
+        if grads is not None:
             g = grads.get(name)
             if g is None:
                 raise SparsityError(
@@ -147,27 +97,52 @@ def _dynamic_update(engine, event: ScheduledEvent) -> dict[str, torch.Tensor]:
                 )
             grow_score = (-g.reshape(-1).abs()).masked_fill(active, float("inf"))
         else:
-            gen = M._generator(d.seed, name, f"set@{event.step}")
+            gen = M.generator(seeds[name], name, f"set@{event.step}")
             grow_score = torch.rand(flat.numel(), generator=gen).masked_fill(active, float("inf"))
         grow = M.lowest_k(grow_score, k)
         new = flat.clone()
         new[drop] = 0
         new[grow] = 1
         new_masks[name] = new.view(mask.shape)
-    engine._captured = {}
     return new_masks
 
 
-def _reduced_gradients(engine) -> dict[str, torch.Tensor]:
-    grads = {n: g.cpu() for n, g in engine._captured.items()}
+def reduce_gradients(captured: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Captured dense gradients summed over ranks (every rank must score regrowth on the same gradient)."""
+    grads = {n: g.cpu() for n, g in captured.items()}
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        world = torch.distributed.get_world_size()
-        if world > 1:  # every rank must score regrowth on the same (global) gradient
+        if torch.distributed.get_world_size() > 1:
             for n in sorted(grads):
-                t = engine._captured[n]
+                t = captured[n]
                 torch.distributed.all_reduce(t)
                 grads[n] = t.cpu()
     return grads
+
+
+def event_record(event: ScheduledEvent, changes: Mapping[str, dict[str, Any]], total_level: float) -> dict:
+    """The JSON-simple record of one applied event (what listeners and the event history get)."""
+    record: dict[str, Any] = {
+        "step": event.step,
+        "kind": event_kind(event, changes),
+        "layers": {n: {"before": c["before"], "after": c["after"]} for n, c in changes.items()},
+    }
+    if event.kind == "update":
+        record["drop_fraction"] = event.fraction
+        record["regrown"] = sum(c["regrown"] for c in changes.values())
+    if event.rewind_to is not None:
+        record["rewind_to"] = event.rewind_to
+    record["total_level"] = total_level
+    return record
+
+
+def event_kind(event: ScheduledEvent, changes: Mapping[str, dict[str, Any]]) -> str:
+    if event.kind == "densify":
+        return "densify"
+    if event.kind == "update":
+        return "update"
+    up = any((c["after"] or 0.0) > (c["before"] or 0.0) + 1e-12 for c in changes.values())
+    down = any((c["after"] or 0.0) < (c["before"] or 0.0) - 1e-12 for c in changes.values())
+    return "prune" if up and not down else "regrow" if down and not up else "prune+regrow" if up else "noop"
 
 
 def rewind_lr(scheduler: Any, step: int) -> None:

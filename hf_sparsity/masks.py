@@ -29,10 +29,13 @@ def param_seed(base_seed: int, name: str, salt: str = "") -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def _generator(base_seed: int, name: str, salt: str = "") -> torch.Generator:
+def generator(base_seed: int, name: str, salt: str = "") -> torch.Generator:
     g = torch.Generator(device="cpu")
     g.manual_seed(param_seed(base_seed, name, salt))
     return g
+
+
+_generator = generator  # the older private name, still imported by cli/bench.py
 
 
 def random_mask(shape, level: float, base_seed: int, name: str, salt: str = "") -> torch.Tensor:
@@ -43,7 +46,7 @@ def random_mask(shape, level: float, base_seed: int, name: str, salt: str = "") 
     k = num_zeros(level, numel)
     mask = torch.ones(numel, dtype=MASK_DTYPE)
     if k:
-        idx = torch.randperm(numel, generator=_generator(base_seed, name, salt))[:k]
+        idx = torch.randperm(numel, generator=generator(base_seed, name, salt))[:k]
         mask[idx] = 0
     return mask.view(*shape)
 
@@ -115,7 +118,7 @@ def regrow_mask(
     if grow < 0:
         raise ValueError(f"regrow to level {level} would need to prune ({masked.numel()} masked < {k}).")
     if grow:
-        perm = torch.randperm(masked.numel(), generator=_generator(base_seed, name, salt))[:grow]
+        perm = torch.randperm(masked.numel(), generator=generator(base_seed, name, salt))[:grow]
         flat[masked[perm]] = 1
     return flat.view(mask.shape)
 

@@ -50,6 +50,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .checks import check_level
 from .utils import SparsityError
 
 SCHEDULE_TYPES = ("imp",)
@@ -179,8 +180,6 @@ def validate_schedule(schedule: Any) -> Any:
             if out["prune_fraction"] <= 0:
                 raise SparsityError("`schedule.prune_fraction` must be > 0.")
         else:
-            from .config import check_level
-
             out["final_sparsity"] = check_level(out["final_sparsity"], "schedule.final_sparsity")
         out["iterations"] = _int(out.get("iterations"), "schedule.iterations", 1)
         for k in ("dense_steps", "every"):
@@ -194,8 +193,6 @@ def validate_schedule(schedule: Any) -> Any:
             "`schedule` must be a non-empty list of events like {step: 100, sparsity: 0.9} or "
             "{step: 200, densify: true}, or an IMP spec {type: imp, ...}."
         )
-    from .config import check_level
-
     out_list, seen = [], set()
     for i, e in enumerate(schedule):
         if not isinstance(e, dict):

@@ -14,14 +14,15 @@ class SparsityError(ValueError):
     """Raised for bad user input; the message names the problem and the fix."""
 
 
+__version__ = "0.1.0"  # the package root re-exports it; keep equal to pyproject.toml
+
+
 def library_version() -> str:
     try:
         from importlib.metadata import version
 
         return version("hf_sparsity")
     except Exception:  # running from a source tree that was never installed
-        from . import __version__
-
         return __version__
 
 

@@ -169,3 +169,33 @@ def test_bad_mask_files_are_refused(tmp_path):
         SparsityEngine(tiny_model("llama"), SparsityConfig(sparsity=0.5)).restore(tmp_path)
     with pytest.raises(SparsityError, match="No mask file"):
         load_masks(tmp_path / "missing")
+
+
+def test_trainer_still_offers_what_the_two_hooks_rely_on():
+    """The library's only frame read and only method replacement depend on these transformers internals;
+    if a release changes them, this fails by name (and the resume / save_model tests above fail too)."""
+    import inspect
+
+    from transformers import Trainer
+
+    from hf_sparsity.callback import TRAINER_FRAMES
+
+    for fn in TRAINER_FRAMES:  # resume_dir_from_trainer_frame reads this argument from these frames
+        assert "resume_from_checkpoint" in inspect.signature(getattr(Trainer, fn)).parameters, fn
+    # carry_masks_in_save_pretrained: save_model (no callback event) must save through model.save_pretrained.
+    assert "save_pretrained" in inspect.getsource(Trainer._save)
+
+
+def test_resume_dir_is_read_from_trainer(tmp_path):
+    from hf_sparsity.callback import resume_dir_from_trainer_frame
+
+    _run("gpt2", tmp_path / "a", SparsityConfig(sparsity=0.5), steps=3)
+    seen = []
+
+    class Probe(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            seen.append(resume_dir_from_trainer_frame())
+
+    ckpt = str(tmp_path / "a" / "checkpoint-3")
+    _run("gpt2", tmp_path / "b", SparsityConfig(sparsity=0.5), resume=ckpt, steps=4, extra_cbs=[Probe()])
+    assert seen == [ckpt]

@@ -200,7 +200,7 @@ def test_optimizers_outside_the_zero_preserving_set_are_masked_every_step(opt_na
     cls = torch.optim.Adamax if opt_name == "Adamax" else torch.optim.Adam
     opt = cls(model.parameters(), lr=1e-2, weight_decay=0.1)
     eng.attach(opt)
-    assert eng._needs_per_step_state_masking(opt)
+    assert eng.enforcer.needs_per_step_state_masking(opt)
     for _ in range(3):
         x = torch.randint(0, 128, (2, 8))
         model(input_ids=x, labels=x).loss.backward()

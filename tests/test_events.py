@@ -177,7 +177,7 @@ def test_rigl_regrows_where_dense_gradient_is_largest():
     x = torch.randint(2, 128, (4, 16))
     old = {n: m.clone() for n, m in engine.masks.items()}
     model(input_ids=x, labels=x).loss.backward()
-    dense = {n: engine._captured[n].abs().clone() for n in engine.masks}
+    dense = {n: engine.enforcer.captured[n].abs().clone() for n in engine.masks}
     opt.step()
     name = next(iter(engine.masks))
     grown = (old[name] == 0) & (engine.masks[name] == 1)

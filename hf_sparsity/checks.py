@@ -1,0 +1,38 @@
+"""Value checks shared by the config and the schedules: sparsity levels and N:M structure strings.
+
+A leaf module (it imports only :mod:`hf_sparsity.utils`), so ``config`` and ``schedules``
+can both use it without importing each other.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from .utils import SparsityError
+
+
+def check_level(value: Any, key: str = "sparsity") -> float:
+    """A sparsity level must be a number in [0, 1)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SparsityError(f"`{key}` must be a number in [0, 1), got {value!r}. Example: {key}: 0.75")
+    value = float(value)
+    if not (0.0 <= value < 1.0) or math.isnan(value):
+        raise SparsityError(
+            f"`{key}` = {value} is outside [0, 1). Use a fraction of weights to zero, e.g. 0.75 for 75% sparsity "
+            "(1.0 would remove every weight)."
+        )
+    return value
+
+
+def check_structure(value: Any) -> tuple[int, int] | None:
+    """``"n:m"`` -> (n, m): keep n of every m consecutive weights along the input dimension."""
+    if value is None:
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", str(value))
+    if not m or not (0 < int(m.group(1)) <= int(m.group(2))):
+        raise SparsityError(
+            f'`structure` = {value!r} is not an N:M pattern. Use e.g. "2:4" (keep 2 of every 4).'
+        )
+    return int(m.group(1)), int(m.group(2))

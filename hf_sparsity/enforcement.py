@@ -1,0 +1,199 @@
+"""Mask enforcement: what keeps masked weights, gradients and optimizer state at exactly 0.
+
+:class:`MaskEnforcer` owns the hooks and the device copies of the masks; it holds no
+mask *state* (that is :class:`hf_sparsity.engine.SparsityEngine`'s) and is told the
+current masks through :meth:`MaskEnforcer.place`. For every masked parameter:
+
+* gradients are masked as they arrive (a tensor hook on the parameter, so gradient
+  clipping, DDP all-reduce and gradient accumulation only ever see masked gradients);
+  parameters without such a hook (FSDP2 shards) are masked in :meth:`before_step`;
+* after every optimizer step, masked weights are set to exactly 0;
+* every optimizer state tensor of the weight's shape (Adam moments, momentum) is 0 at
+  masked positions: zeroed whenever masks are placed, and re-zeroed after every step
+  unless the optimizer is one whose update provably keeps a zero state zero given a zero
+  gradient and a zero weight (SGD, Adam, AdamW, Adagrad, RMSprop, NAdam, RAdam: their
+  moments are sums of products of the gradient, and weight decay scales a zero weight).
+  Any other optimizer (Adamax's ``exp_inf`` picks up ``eps``, for one) is re-masked every
+  step; ``state_masking="always"`` forces that everywhere.
+
+FSDP2 (DTensor) parameters: each rank keeps the full mask and applies the slice matching
+its local shard (:func:`local_slice`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import masks as M
+from .modeling import is_dtensor, local
+from .utils import SparsityError
+
+# Optimizers whose state stays exactly 0 where gradient, weight and state are 0 (see module docstring).
+ZERO_PRESERVING_OPTIMIZERS = frozenset({"SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "NAdam", "RAdam"})
+
+
+def local_slice(mask: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The part of a full mask that matches ``param``'s local shard (identity for plain tensors)."""
+    if not is_dtensor(param):
+        return mask
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return mask[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+
+
+def _mask_grad(g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    try:
+        return g.mul_(m)
+    except RuntimeError:  # an expanded (overlapping) gradient cannot be written in place
+        return g * m
+
+
+class MaskEnforcer:
+    """Hooks and device masks for one model. ``place(masks)`` after every change of the masks."""
+
+    def __init__(self, model: nn.Module, state_masking: str = "auto"):
+        if state_masking not in ("auto", "always"):
+            raise SparsityError(f"state_masking={state_masking!r}: use 'auto' or 'always'.")
+        self.model = model
+        self.state_masking = state_masking
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.capture_grads = False  # RigL: keep the dense gradient of the coming update step
+        self.captured: dict[str, torch.Tensor] = {}
+        self._masks: Mapping[str, torch.Tensor] = {}
+        self._params: dict[str, torch.Tensor] = {}
+        self._dev_masks: dict[str, torch.Tensor] = {}  # local slice on the parameter's device
+        self._mask_by_param: dict[int, torch.Tensor] = {}
+        self._grad_hooks: list[Any] = []
+        self._hooked: set[str] = set()
+        self._opt_hooks: list[Any] = []
+        self._hooks_enabled = False
+
+    # ------------------------------------------------------------------ placement
+    def place(self, masks: Mapping[str, torch.Tensor]) -> None:
+        """Re-read parameter objects (after ``.to()``, DDP/FSDP wrapping) and place ``masks`` on them."""
+        self._masks = masks
+        self._params = {n: self.model.get_parameter(n) for n in masks}
+        self._dev_masks, self._mask_by_param = {}, {}
+        for name, mask in masks.items():
+            p = self._params[name]
+            dev = local_slice(mask, p).to(local(p).device)
+            self._dev_masks[name] = dev
+            self._mask_by_param[id(p)] = dev
+        if self._grad_hooks or self._hooks_enabled:
+            self.register_grad_hooks()
+
+    def _check_params(self) -> None:
+        if any(self.model.get_parameter(n) is not p for n, p in self._params.items()):
+            self.place(self._masks)
+
+    # ------------------------------------------------------------------ enforcement
+    @torch.no_grad()
+    def apply(self) -> None:
+        """Zero masked weights and masked optimizer state now."""
+        self._check_params()
+        for name, p in self._params.items():
+            local(p).mul_(self._dev_masks[name])
+        self.mask_optimizer_state()
+
+    @torch.no_grad()
+    def zero_positions(self, name: str, where: torch.Tensor) -> None:
+        """Weight and weight-shaped optimizer state of ``name`` set to 0 where ``where`` (a full-shape bool)."""
+        p = self.model.get_parameter(name)
+        keep = local_slice((~where).to(M.MASK_DTYPE), p).to(local(p).device)
+        local(p).mul_(keep)
+        for opt in self.optimizers:
+            for v in opt.state.get(p, {}).values():
+                if torch.is_tensor(v) and v.shape == p.shape:
+                    local(v).mul_(keep)
+
+    @torch.no_grad()
+    def mask_gradients(self, only_unhooked: bool = True) -> None:
+        for name, p in self._params.items():
+            if only_unhooked and name in self._hooked:
+                continue
+            if p.grad is not None:
+                local(p.grad).mul_(self._dev_masks[name])
+
+    def before_step(self) -> None:
+        """Right before ``optimizer.step()``: mask the gradients the hooks could not reach."""
+        self._check_params()
+        self.mask_gradients(only_unhooked=True)
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """Right after ``optimizer.step()``: masked weights and optimizer state exactly 0."""
+        for name, p in self._params.items():
+            local(p).mul_(self._dev_masks[name])
+        self.mask_optimizer_state(every_step=True)
+
+    def needs_per_step_state_masking(self, opt: torch.optim.Optimizer) -> bool:
+        return self.state_masking == "always" or type(opt).__name__ not in ZERO_PRESERVING_OPTIMIZERS
+
+    @torch.no_grad()
+    def mask_optimizer_state(self, every_step: bool = False) -> None:
+        for opt in self.optimizers:
+            if every_step and not self.needs_per_step_state_masking(opt):
+                continue
+            for p, st in opt.state.items():
+                mask = self._mask_by_param.get(id(p))
+                if mask is None:
+                    continue
+                for v in st.values():
+                    if torch.is_tensor(v) and v.shape == p.shape:
+                        local(v).mul_(mask)
+
+    # ------------------------------------------------------------------ hooks
+    def register_grad_hooks(self) -> None:
+        """Mask gradients as they are produced (before clipping, DDP all-reduce and accumulation)."""
+        self.remove_grad_hooks()
+        for name, p in self._params.items():
+            if is_dtensor(p) or not p.requires_grad:
+                continue  # FSDP2 writes sharded grads directly; masked in before_step()
+            mask = self._dev_masks[name]
+            # In place: the incoming gradient of a leaf weight is a fresh matmul output that
+            # nothing else holds, and an out-of-place product would double the traffic.
+            self._grad_hooks.append(p.register_hook(lambda g, m=mask, n=name: self._on_grad(n, g, m)))
+            self._hooked.add(name)
+
+    def _on_grad(self, name: str, g: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.capture_grads:  # RigL scores regrowth by the dense gradient, before masking
+            prev = self.captured.get(name)
+            self.captured[name] = g.detach().float().clone() if prev is None else prev + g.detach().float()
+        return _mask_grad(g, mask)
+
+    def remove_grad_hooks(self) -> None:
+        for h in self._grad_hooks:
+            h.remove()
+        self._grad_hooks, self._hooked = [], set()
+
+    def enable(self) -> None:
+        """Start masking gradients as they are produced (and keep doing so across :meth:`place`)."""
+        self._hooks_enabled = True
+        self.register_grad_hooks()
+
+    def add_optimizer(
+        self,
+        optimizer: torch.optim.Optimizer,
+        before: Callable[[], None] | None = None,
+        after: Callable[[], None] | None = None,
+    ) -> None:
+        """Mask ``optimizer``'s state; with ``before`` / ``after``, call them around each of its steps."""
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
+        if inner not in self.optimizers:
+            self.optimizers.append(inner)
+        if before is not None:
+            self._opt_hooks.append(inner.register_step_pre_hook(lambda *_: before()))
+        if after is not None:
+            self._opt_hooks.append(inner.register_step_post_hook(lambda *_: after()))
+
+    def disable(self) -> None:
+        self.remove_grad_hooks()
+        self._hooks_enabled = False
+        for h in self._opt_hooks:
+            h.remove()
+        self._opt_hooks = []
