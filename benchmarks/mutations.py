@@ -35,7 +35,7 @@ MUTATIONS = (
     Mutation(
         "grads-masked-late",
         "gradients masked only in before_step (after clipping and DDP all-reduce), not as produced",
-        (("hf_sparsity/engine.py", "if _is_dtensor(p) or not p.requires_grad:", "if True:"),),
+        (("hf_sparsity/enforcement.py", "if is_dtensor(p) or not p.requires_grad:", "if True:"),),
         ("tests/test_enforcement.py",),
     ),
     Mutation(
@@ -70,11 +70,11 @@ MUTATIONS = (
         "after_step no longer re-zeroes masked weights",
         (
             (
-                "hf_sparsity/engine.py",
+                "hf_sparsity/enforcement.py",
                 "        for name, p in self._params.items():\n"
-                "            _local(p).mul_(self._dev_masks[name])\n"
-                "        self._mask_optimizer_state(every_step=True)\n",
-                "        self._mask_optimizer_state(every_step=True)\n",
+                "            local(p).mul_(self._dev_masks[name])\n"
+                "        self.mask_optimizer_state(every_step=True)\n",
+                "        self.mask_optimizer_state(every_step=True)\n",
             ),
         ),
         ("tests/test_enforcement.py",),

@@ -28,6 +28,7 @@ state, so they continue across resume.
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import os
 from typing import Any
@@ -42,7 +43,7 @@ from .engine import SparsityEngine
 from .modeling import context_length, sparsity_table
 from .serialization import has_masks
 from .targeting import unwrap_model
-from .utils import SparsityError
+from .utils import SparsityError, atomic_write_text
 
 logger = logging.getLogger("hf_sparsity")
 
@@ -283,3 +284,48 @@ def move_to_front(trainer, callback) -> None:
     if callback in cbs:
         cbs.remove(callback)
     cbs.insert(0, callback)
+
+
+class FlopCallback(TrainerCallback):
+    """FLOP accounting for a *dense* run, the same :class:`~hf_sparsity.flops.FlopAccountant` that
+    :class:`SparsityCallback` keeps for sparse ones (so a dense baseline is counted the same way).
+
+    Logs ``sparsity/train_flops`` and friends in ``on_log``; its count is saved in every
+    checkpoint (``flop_state.json``) and continues when Trainer resumes from one.
+    """
+
+    FILE = "flop_state.json"
+
+    def __init__(self, seq_len: int | None = None):
+        self.seq_len = seq_len
+        self.flops = None
+        self._seen = 0
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        from .flops import FlopAccountant
+
+        model = unwrap_model(model)
+        self.flops = FlopAccountant(model, seq_len=self.seq_len or context_length(model.config))
+        saved = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}", self.FILE)
+        if state.global_step > 0 and os.path.isfile(saved):
+            with open(saved, encoding="utf-8") as f:
+                self.flops.load_state_dict(json.load(f))
+        self._seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
+        return control
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
+        self.flops.add_tokens(max(seen - self._seen, 0), {})
+        self._seen = seen
+        return control
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is not None and ("loss" in logs or "eval_loss" in logs):
+            logs.update(self.flops.log_dict())
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        ckpt = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if state.is_world_process_zero and os.path.isdir(ckpt):
+            atomic_write_text(os.path.join(ckpt, self.FILE), json.dumps(self.flops.state_dict()))
+        return control

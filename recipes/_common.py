@@ -14,10 +14,13 @@ what they all need lives here:
   blocks, so it never repeats the earlier stage's data, seed ``004_*``). The order
   is a pure function of the schedule and the seed, and Trainer walks it
   sequentially, so a resumed run sees exactly the samples an uninterrupted one does.
-* :func:`run_stage`: one ``Trainer`` run with checkpoints (masks included),
-  TensorBoard logs, FLOP accounting, extra evaluations around events, resume, and a
-  simulated interruption for the restart test.
+* :func:`train_and_save`: what follows a recipe's own ``Trainer(...)``: resume from
+  the last checkpoint, train, evaluate, save ``final/``, record the stage
+  (:func:`stage_done` skips a stage a resumed run already finished).
 * :func:`plot_stages`, :func:`write_results`.
+
+Stateless: nothing here holds state between calls; the recipes build their
+``TrainingArguments``, ``Trainer`` and ``SparsityCallback`` themselves.
 """
 
 from __future__ import annotations
@@ -33,13 +36,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from hf_sparsity.callback import SparsityCallback, move_to_front
-from hf_sparsity.config import SparsityConfig
-from hf_sparsity.data import BlockDataset, build_tokenizer, embedded_text, pack_tokens
-from hf_sparsity.flops import FlopAccountant
+from hf_sparsity.data import build_tokenizer, embedded_text, pack_tokens
+from hf_sparsity.modeling import sparsity_table
 
 STAGE_DONE = "stage_done.json"
 
@@ -247,20 +250,7 @@ def build_model(args, tokenizer, seed: int | None = None):
 
 
 # ---------------------------------------------------------------------- one stage
-class _SequentialTrainer(Trainer):
-    """Walks the stream in its scheduled order, with an LR schedule of its own period (IMP rewinds into it)."""
-
-    lr_period: int | None = None
-
-    def _get_train_sampler(self, train_dataset=None):
-        ds = train_dataset if train_dataset is not None else self.train_dataset
-        return torch.utils.data.SequentialSampler(ds)
-
-    def create_scheduler(self, num_training_steps: int, optimizer=None):
-        return super().create_scheduler(self.lr_period or num_training_steps, optimizer)
-
-
-class _EvalAt(TrainerCallback):
+class EvalAt(TrainerCallback):
     """Evaluate at extra steps (just before and right after each event: the sawtooth's teeth)."""
 
     def __init__(self, steps):
@@ -270,57 +260,6 @@ class _EvalAt(TrainerCallback):
         if state.global_step in self.steps:
             control.should_evaluate = True
         return control
-
-
-class _Interrupt(TrainerCallback):
-    """Checkpoint and stop at a step: simulates a preempted job (for the restart test)."""
-
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kw):
-        if state.global_step == self.step:
-            control.should_save = True
-            control.should_training_stop = True
-        return control
-
-
-class DenseFlops(TrainerCallback):
-    """FLOP accounting for a dense stage (the sparse ones get it from SparsityCallback)."""
-
-    FILE = "dense_flops.json"
-
-    def __init__(self, seq_len: int):
-        self.seq_len = seq_len
-        self.flops = None
-        self._seen = 0
-
-    def on_train_begin(self, args, state, control, model=None, **kw):
-        self.flops = FlopAccountant(model, seq_len=self.seq_len)
-        ckpt = _checkpoint_dir(args, state)
-        if state.global_step > 0 and ckpt and os.path.isfile(os.path.join(ckpt, self.FILE)):
-            with open(os.path.join(ckpt, self.FILE)) as f:
-                self.flops.load_state_dict(json.load(f))
-        self._seen = int(state.num_input_tokens_seen or 0)
-
-    def on_pre_optimizer_step(self, args, state, control, **kw):
-        seen = int(state.num_input_tokens_seen or 0)
-        self.flops.add_tokens(max(seen - self._seen, 0), {})
-        self._seen = seen
-
-    def on_log(self, args, state, control, logs=None, **kw):
-        if logs is not None and ("loss" in logs or "eval_loss" in logs):
-            logs.update(self.flops.log_dict())
-
-    def on_save(self, args, state, control, **kw):
-        ckpt = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        if state.is_world_process_zero and os.path.isdir(ckpt):
-            with open(os.path.join(ckpt, self.FILE), "w") as f:
-                json.dump(self.flops.state_dict(), f)
-
-
-def _checkpoint_dir(args, state) -> str | None:
-    return os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
 
 
 def is_main_process() -> bool:
@@ -352,127 +291,79 @@ class StageResult:
         return d
 
 
-def run_stage(
-    name: str,
-    args,
-    model,
-    tokenizer,
-    train_data: ScheduledData,
-    eval_blocks: list[list[int]],
-    steps: int,
-    sparsity: SparsityConfig | None = None,
-    learning_rate: float | None = None,
-    warmup_steps: int | None = None,
-    lr_period: int | None = None,
-    eval_steps: int | None = None,
-    extra_eval_steps: list[int] = (),
-) -> StageResult:
-    """Train one stage in ``args.output_dir/name``; resume it or skip it when ``--resume`` finds it done."""
-    out = Path(args.output_dir) / name
-    done = out / STAGE_DONE
-    if args.resume and done.is_file():
-        saved = json.loads(done.read_text())
-        log(f"[{name}] already done: eval loss {saved['final_eval_loss']:.4f} (from {done})")
-        return StageResult(**{k: v for k, v in saved.items() if k in StageResult.__dataclass_fields__})
-    t0 = time.time()
-    eval_steps = eval_steps or max(steps // (4 if steps >= 40 else 2), 1)
-    targs = TrainingArguments(
-        output_dir=str(out),
-        max_steps=steps,
-        per_device_train_batch_size=args.batch_size,
-        per_device_eval_batch_size=args.batch_size * 2,
-        gradient_accumulation_steps=args.grad_accum,
-        learning_rate=learning_rate or args.learning_rate,
-        weight_decay=args.weight_decay,
-        warmup_steps=args.warmup_steps if warmup_steps is None else warmup_steps,
-        lr_scheduler_type=args.lr_scheduler,
-        max_grad_norm=1.0,
-        logging_steps=args.logging_steps,
-        eval_strategy="steps",
-        eval_steps=eval_steps,
-        save_strategy="steps",
-        save_steps=args.save_steps or max(steps // 2, 1),
-        save_total_limit=2,
-        report_to=["tensorboard"] if args.tensorboard else [],
-        seed=args.seed,
-        use_cpu=not torch.cuda.is_available(),
-        disable_tqdm=True,
-        include_num_input_tokens_seen=True,
-        ddp_find_unused_parameters=False,
-    )
-    if sparsity is not None:
-        metrics_cb = SparsityCallback(sparsity, seq_len=args.block_size)
-    else:
-        metrics_cb = DenseFlops(args.block_size)
-    callbacks = [metrics_cb, _EvalAt(extra_eval_steps)]
-    if args.stop_after_step and name == args.stop_stage:
-        callbacks.append(_Interrupt(args.stop_after_step))
-    trainer = _SequentialTrainer(
-        model=model,
-        args=targs,
-        train_dataset=train_data,
-        eval_dataset=BlockDataset(eval_blocks),
-        processing_class=tokenizer,
-        callbacks=callbacks,
-    )
-    trainer.lr_period = lr_period
-    move_to_front(trainer, metrics_cb)  # its sparsity / FLOP scalars reach TensorBoard
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+def eval_every(steps: int) -> int:
+    """The regular evaluation interval for a stage of ``steps`` optimizer steps."""
+    return max(steps // (4 if steps >= 40 else 2), 1)
 
+
+def stage_done(args, out: str) -> StageResult | None:
+    """With ``--resume``, the saved result of a stage already completed in ``out`` (else ``None``)."""
+    done = Path(out) / STAGE_DONE
+    if not (args.resume and done.is_file()):
+        return None
+    saved = json.loads(done.read_text())
+    log(f"[{Path(out).name}] already done: eval loss {saved['final_eval_loss']:.4f} (from {done})")
+    return StageResult(**{k: v for k, v in saved.items() if k in StageResult.__dataclass_fields__})
+
+
+def train_and_save(trainer: Trainer, metrics_cb, resume: bool) -> StageResult:
+    """Run ``trainer`` (from its last checkpoint with ``resume``), evaluate, save ``final/``, record the stage.
+
+    ``metrics_cb``: the run's :class:`SparsityCallback` or :class:`FlopCallback`; it is moved in
+    front of Trainer's own callbacks so its scalars reach TensorBoard. An interrupted run (one a
+    callback stopped early) returns ``interrupted=True`` after its checkpoint.
+    """
+    out = Path(trainer.args.output_dir)
+    name, steps, t0 = out.name, trainer.args.max_steps, time.time()
+    move_to_front(trainer, metrics_cb)
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(_Printer(name))
-    resume = get_last_checkpoint(str(out)) if args.resume and out.is_dir() else None
-    if resume:
-        log(f"[{name}] resuming from {resume}")
-    trainer.train(resume_from_checkpoint=resume)
-    interrupted = trainer.state.global_step < steps
-    events = list(metrics_cb.events) if sparsity is not None else []
+    last = get_last_checkpoint(str(out)) if resume and out.is_dir() else None
+    if last:
+        log(f"[{name}] resuming from {last}")
+    trainer.train(resume_from_checkpoint=last)
+    sparse = isinstance(metrics_cb, SparsityCallback)
+    events = list(metrics_cb.events) if sparse else []
     flops = metrics_cb.flops.log_dict(prefix="") if metrics_cb.flops is not None else {}
-    if interrupted:
+    history = list(trainer.state.log_history)
+    if trainer.state.global_step < steps:
         log(
             f"[{name}] interrupted at step {trainer.state.global_step} (checkpoint saved); rerun with --resume true"
         )
         return StageResult(name, trainer.state.global_step, float("nan"), time.time() - t0, flops, {}, events,
-                           list(trainer.state.log_history), interrupted=True)  # fmt: skip
+                           history, interrupted=True)  # fmt: skip
     ev = trainer.evaluate()
     final = out / "final"
     trainer.save_model(str(final))
     if is_main_process():
-        tokenizer.save_pretrained(str(final))
-    levels = _levels(metrics_cb) if sparsity is not None else {"total": 0.0}
+        trainer.processing_class.save_pretrained(str(final))
+    data = trainer.train_dataset
     result = StageResult(
         name=name,
         steps=steps,
         final_eval_loss=float(ev["eval_loss"]),
         wall_s=time.time() - t0,
         flops=flops,
-        levels=levels,
+        levels=sparsity_levels(metrics_cb.engine) if sparse else {"total": 0.0},
         events=events,
-        log_history=list(trainer.state.log_history),
+        log_history=history,
         model_dir=str(final),
-        data={
-            "samples": len(train_data),
-            "unique_blocks": len(set(train_data.order)),
-            "segments": len(train_data.segments),
-        },
+        data={"samples": len(data), "unique_blocks": len(set(data.order)), "segments": len(data.segments)},
     )
     if is_main_process():
         d = result.to_dict()
         d["log_history"] = result.log_history
-        done.write_text(json.dumps(d, indent=1, default=float))
+        (out / STAGE_DONE).write_text(json.dumps(d, indent=1, default=float))
     log(f"[{name}] done: {steps} steps, eval loss {result.final_eval_loss:.4f}, {result.wall_s:.0f}s")
     return result
 
 
-def _levels(cb: SparsityCallback) -> dict[str, Any]:
-    m = cb.metrics()
-    return {
-        "total": m["sparsity/total"],
-        "per_layer": {
-            k[len("sparsity/layer/") :]: round(v, 6) for k, v in m.items() if k.startswith("sparsity/layer/")
-        },
-    }
+def sparsity_levels(engine) -> dict[str, Any]:
+    """Total and per-layer measured sparsity of the engine's targets (the library's sparsity table)."""
+    rows = sparsity_table(engine.model, engine.targets, engine.masks)
+    total = sum(r["zeros"] for r in rows) / max(sum(r["numel"] for r in rows), 1)
+    return {"total": total, "per_layer": {r["name"]: round(r["sparsity"], 6) for r in rows}}
 
 
 class _Printer(TrainerCallback):
@@ -634,20 +525,3 @@ def prepare_finetune(args, tokenizer):
     texts = load_texts(args.finetune_dataset, args.text_column)
     blocks = pack_tokens(texts, tokenizer, args.block_size)
     return split_blocks(blocks, args.eval_blocks)
-
-
-def finetune(args, pretrained_dir: str, tokenizer, ft_train, ft_eval) -> StageResult:
-    """Dense fine-tuning of a finalized (vanilla) checkpoint on the second task."""
-    model = load_model(pretrained_dir)
-    data = stage_data(ft_train, args, args.finetune_steps, [(0, list(range(len(ft_train))))])
-    return run_stage(
-        "finetune",
-        args,
-        model,
-        tokenizer,
-        data,
-        ft_eval,
-        args.finetune_steps,
-        learning_rate=args.finetune_learning_rate,
-        warmup_steps=max(args.finetune_steps // 10, 1),
-    )

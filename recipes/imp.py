@@ -18,14 +18,15 @@ TensorBoard logs, ``final/``), ``loss.png`` and ``results.json``.
 """
 
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # the recipes' folder: the script's own, first on sys.path
+import torch
+from transformers import Trainer, TrainingArguments
 
-import _common as C  # noqa: E402
-
-from hf_sparsity import SparsityConfig  # noqa: E402
-from hf_sparsity.schedules import imp_levels  # noqa: E402
+from hf_sparsity import SparsityCallback, SparsityConfig
+from hf_sparsity.callback import FlopCallback
+from hf_sparsity.data import BlockDataset
+from hf_sparsity.schedules import compile_schedule, imp_levels
 
 # ----------------------------------------------------------------------------- defaults
 DEFAULTS = dict(
@@ -65,13 +66,81 @@ DEFAULTS = dict(
     # run control
     resume=False,
     overwrite=False,
-    stop_after_step=0,
-    stop_stage="imp",
 )
 # ---------------------------------------------------------------------------------------
 
 
-def main(argv=None):
+class RewindingTrainer(Trainer):
+    """IMP's LR schedule spans the dense phase only (``lr_period`` steps); each rewind goes back into it.
+
+    ``create_scheduler`` is Trainer's public method for a schedule of one's own.
+    """
+
+    def __init__(self, *a, lr_period: int, **kw):
+        super().__init__(*a, **kw)
+        self.lr_period = lr_period
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        return super().create_scheduler(self.lr_period, optimizer)
+
+
+def train(
+    args,
+    name,
+    model,
+    tokenizer,
+    data,
+    eval_blocks,
+    steps,
+    metrics_cb,
+    callbacks=(),
+    lr_period=None,
+    eval_steps=None,
+):
+    """One stage: its TrainingArguments, Trainer and metrics callback, in plain view."""
+    out = os.path.join(args.output_dir, name)
+    done = C.stage_done(args, out)
+    if done is not None:
+        return done
+    training_args = TrainingArguments(
+        output_dir=out,
+        max_steps=steps,
+        per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.batch_size * 2,
+        gradient_accumulation_steps=args.grad_accum,
+        learning_rate=args.learning_rate,
+        weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps,
+        lr_scheduler_type=args.lr_scheduler,
+        max_grad_norm=1.0,
+        logging_steps=args.logging_steps,
+        eval_strategy="steps",
+        eval_steps=eval_steps or C.eval_every(steps),
+        save_strategy="steps",
+        save_steps=args.save_steps or max(steps // 2, 1),
+        save_total_limit=2,
+        report_to=["tensorboard"] if args.tensorboard else [],
+        seed=args.seed,
+        use_cpu=not torch.cuda.is_available(),
+        disable_tqdm=True,
+        include_num_input_tokens_seen=True,
+        ddp_find_unused_parameters=False,
+        train_sampling_strategy="sequential",  # the stream's own seeded order (resume-exact)
+    )
+    trainer = RewindingTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=data,
+        eval_dataset=BlockDataset(eval_blocks),
+        processing_class=tokenizer,
+        callbacks=[metrics_cb, *callbacks],
+        lr_period=lr_period or steps,
+    )
+    return C.train_and_save(trainer, metrics_cb, resume=args.resume)
+
+
+def main(argv=None, callbacks=()):
+    """Run the recipe; ``callbacks`` go to every Trainer too (tests inject a simulated preemption)."""
     args = C.parse_args(DEFAULTS, __doc__, argv)
     every = args.every or args.dense_steps - args.rewind_to
     if every <= 0:
@@ -92,7 +161,7 @@ def main(argv=None):
         "rewind_to": args.rewind_to,
     }
     sparsity = SparsityConfig(sparsity=levels[-1], schedule=spec, seed=args.sparsity_seed)
-    prunes = [args.dense_steps + k * every for k in range(args.iterations)]
+    prunes = compile_schedule(sparsity, total).change_steps()
     # Evaluate just before and right after each prune, and half-way through each iteration.
     extra = sorted({s for t in prunes for s in (t - 1, t, t + every // 2)} | {args.dense_steps // 2})
     data = C.stage_data(train_blocks, args, total, [(0, pool)], reshuffle_steps=prunes)
@@ -100,31 +169,34 @@ def main(argv=None):
     stages = []
     if args.dense_baseline_steps:
         dense_data = C.stage_data(train_blocks, args, args.dense_baseline_steps, [(0, pool)])
+        dense_model = C.build_model(args, tokenizer)
         stages.append(
-            C.run_stage(
-                "dense",
+            train(
                 args,
-                C.build_model(args, tokenizer),
+                "dense",
+                dense_model,
                 tokenizer,
                 dense_data,
                 eval_blocks,
                 args.dense_baseline_steps,
-                lr_period=args.dense_baseline_steps,
+                FlopCallback(args.block_size),
+                callbacks,
             )
         )
     model = C.build_model(args, tokenizer)
-    st = C.run_stage(
-        "imp",
+    sparsity_cb = SparsityCallback(sparsity, seq_len=args.block_size)
+    st = train(
         args,
+        "imp",
         model,
         tokenizer,
         data,
         eval_blocks,
         total,
-        sparsity=sparsity,
+        sparsity_cb,
+        [C.EvalAt(extra), *callbacks],
         lr_period=args.dense_steps,
         eval_steps=every,
-        extra_eval_steps=extra,
     )
     if st.interrupted:
         return None

@@ -16,15 +16,15 @@ Writes ``OUTPUT_DIR/dense/``, ``OUTPUT_DIR/sparse_ift/`` (checkpoints with masks
 """
 
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # the recipes' folder: the script's own, first on sys.path
+import torch
+from transformers import Trainer, TrainingArguments
 
-import _common as C  # noqa: E402
-import torch  # noqa: E402
-
-from hf_sparsity.config import SparsityConfig, get_sparsity_config  # noqa: E402
-from hf_sparsity.ift import sparse_ift  # noqa: E402
+from hf_sparsity.callback import FlopCallback, SparsityCallback
+from hf_sparsity.config import SparsityConfig, get_sparsity_config
+from hf_sparsity.data import BlockDataset
+from hf_sparsity.ift import sparse_ift
 
 # ----------------------------------------------------------------------------- defaults
 DEFAULTS = dict(
@@ -62,13 +62,66 @@ DEFAULTS = dict(
     # run control
     resume=False,
     overwrite=False,
-    stop_after_step=0,
-    stop_stage="sparse_ift",
 )
 # ---------------------------------------------------------------------------------------
 
 
-def main(argv=None):
+def train(
+    args,
+    name,
+    model,
+    tokenizer,
+    data,
+    eval_blocks,
+    steps,
+    metrics_cb,
+    callbacks=(),
+    learning_rate=None,
+    warmup_steps=None,
+):
+    """One stage: its TrainingArguments, Trainer and metrics callback, in plain view."""
+    out = os.path.join(args.output_dir, name)
+    done = C.stage_done(args, out)
+    if done is not None:
+        return done
+    training_args = TrainingArguments(
+        output_dir=out,
+        max_steps=steps,
+        per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.batch_size * 2,
+        gradient_accumulation_steps=args.grad_accum,
+        learning_rate=learning_rate or args.learning_rate,
+        weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps if warmup_steps is None else warmup_steps,
+        lr_scheduler_type=args.lr_scheduler,
+        max_grad_norm=1.0,
+        logging_steps=args.logging_steps,
+        eval_strategy="steps",
+        eval_steps=C.eval_every(steps),
+        save_strategy="steps",
+        save_steps=args.save_steps or max(steps // 2, 1),
+        save_total_limit=2,
+        report_to=["tensorboard"] if args.tensorboard else [],
+        seed=args.seed,
+        use_cpu=not torch.cuda.is_available(),
+        disable_tqdm=True,
+        include_num_input_tokens_seen=True,
+        ddp_find_unused_parameters=False,
+        train_sampling_strategy="sequential",  # the stream's own seeded order (resume-exact)
+    )
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=data,
+        eval_dataset=BlockDataset(eval_blocks),
+        processing_class=tokenizer,
+        callbacks=[metrics_cb, *callbacks],
+    )
+    return C.train_and_save(trainer, metrics_cb, resume=args.resume)
+
+
+def main(argv=None, callbacks=()):
+    """Run the recipe; ``callbacks`` go to every Trainer too (tests inject a simulated preemption)."""
     args = C.parse_args(DEFAULTS, __doc__, argv)
     C.prepare_output_dir(args)
     tokenizer, train_blocks, eval_blocks = C.prepare_data(args)
@@ -87,24 +140,42 @@ def main(argv=None):
         sparsity = SparsityConfig.from_dict(d)
     C.log(ift.format())
 
-    dense = C.run_stage(
-        "dense", args, dense_model, tokenizer, C.stage_data(train_blocks, args, args.max_steps, pool),
-        eval_blocks, args.max_steps,
-    )  # fmt: skip
+    dense = train(
+        args,
+        "dense",
+        dense_model,
+        tokenizer,
+        C.stage_data(train_blocks, args, args.max_steps, pool),
+        eval_blocks,
+        args.max_steps,
+        FlopCallback(args.block_size),
+        callbacks,
+    )
     if dense.interrupted:
         return None
-    sp = C.run_stage(
-        "sparse_ift", args, ift_model, tokenizer, C.stage_data(train_blocks, args, args.max_steps, pool),
-        eval_blocks, args.max_steps, sparsity=sparsity,
-    )  # fmt: skip
+    metrics_cb = (
+        SparsityCallback(sparsity, seq_len=args.block_size) if sparsity else FlopCallback(args.block_size)
+    )
+    sp = train(
+        args,
+        "sparse_ift",
+        ift_model,
+        tokenizer,
+        C.stage_data(train_blocks, args, args.max_steps, pool),
+        eval_blocks,
+        args.max_steps,
+        metrics_cb,
+        callbacks,
+    )
     if sp.interrupted:
         return None
 
     whole = ift.whole_model()
     plot = C.plot_stages(
-        [dense, sp], os.path.join(args.output_dir, "loss.png"),
+        [dense, sp],
+        os.path.join(args.output_dir, "loss.png"),
         f"dense vs Sparse-IFT {args.transform} at {args.sparsity:.0%} (iso-FLOP), {args.max_steps} steps each",
-    )  # fmt: skip
+    )
     results = {
         "recipe": "sparse_ift",
         "args": vars(args),

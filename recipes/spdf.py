@@ -22,13 +22,14 @@ fine-tuning stage only ever sees the fine-tuning data. Writes ``OUTPUT_DIR/pretr
 """
 
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # the recipes' folder: the script's own, first on sys.path
+import torch
+from transformers import Trainer, TrainingArguments
 
-import _common as C  # noqa: E402
-
-from hf_sparsity import SparsityConfig  # noqa: E402
+from hf_sparsity import SparsityCallback, SparsityConfig
+from hf_sparsity.callback import FlopCallback
+from hf_sparsity.data import BlockDataset
 
 # ----------------------------------------------------------------------------- defaults
 DEFAULTS = dict(
@@ -68,13 +69,66 @@ DEFAULTS = dict(
     # run control
     resume=False,
     overwrite=False,
-    stop_after_step=0,  # testing: checkpoint and stop at this step of stage `stop_stage`
-    stop_stage="pretrain",
 )
 # ---------------------------------------------------------------------------------------
 
 
-def main(argv=None):
+def train(
+    args,
+    name,
+    model,
+    tokenizer,
+    data,
+    eval_blocks,
+    steps,
+    metrics_cb,
+    callbacks=(),
+    learning_rate=None,
+    warmup_steps=None,
+):
+    """One stage: its TrainingArguments, Trainer and metrics callback, in plain view."""
+    out = os.path.join(args.output_dir, name)
+    done = C.stage_done(args, out)
+    if done is not None:
+        return done
+    training_args = TrainingArguments(
+        output_dir=out,
+        max_steps=steps,
+        per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.batch_size * 2,
+        gradient_accumulation_steps=args.grad_accum,
+        learning_rate=learning_rate or args.learning_rate,
+        weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps if warmup_steps is None else warmup_steps,
+        lr_scheduler_type=args.lr_scheduler,
+        max_grad_norm=1.0,
+        logging_steps=args.logging_steps,
+        eval_strategy="steps",
+        eval_steps=C.eval_every(steps),
+        save_strategy="steps",
+        save_steps=args.save_steps or max(steps // 2, 1),
+        save_total_limit=2,
+        report_to=["tensorboard"] if args.tensorboard else [],
+        seed=args.seed,
+        use_cpu=not torch.cuda.is_available(),
+        disable_tqdm=True,
+        include_num_input_tokens_seen=True,
+        ddp_find_unused_parameters=False,
+        train_sampling_strategy="sequential",  # the stream's own seeded order (resume-exact)
+    )
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=data,
+        eval_dataset=BlockDataset(eval_blocks),
+        processing_class=tokenizer,
+        callbacks=[metrics_cb, *callbacks],
+    )
+    return C.train_and_save(trainer, metrics_cb, resume=args.resume)
+
+
+def main(argv=None, callbacks=()):
+    """Run the recipe; ``callbacks`` go to every Trainer too (tests inject a simulated preemption)."""
     args = C.parse_args(DEFAULTS, __doc__, argv)
     C.prepare_output_dir(args)
     ft_texts = C.load_texts(args.finetune_dataset, args.text_column)
@@ -89,8 +143,11 @@ def main(argv=None):
         )
     data = C.stage_data(train_blocks, args, args.pretrain_steps, [(0, list(range(len(train_blocks))))])
     model = C.build_model(args, tokenizer)
-    pre = C.run_stage(
-        "pretrain", args, model, tokenizer, data, eval_blocks, args.pretrain_steps, sparsity=sparsity
+    metrics_cb = (
+        SparsityCallback(sparsity, seq_len=args.block_size) if sparsity else FlopCallback(args.block_size)
+    )
+    pre = train(
+        args, "pretrain", model, tokenizer, data, eval_blocks, args.pretrain_steps, metrics_cb, callbacks
     )
     if pre.interrupted:
         return None
@@ -99,7 +156,20 @@ def main(argv=None):
     if sparsity is not None:
         start = C.finalize(pre.model_dir, os.path.join(args.output_dir, "pretrain_finalized"))
     # 3. dense fine-tuning on the second dataset
-    ft = C.finetune(args, start, tokenizer, ft_train, ft_eval)
+    ft_data = C.stage_data(ft_train, args, args.finetune_steps, [(0, list(range(len(ft_train))))])
+    ft = train(
+        args,
+        "finetune",
+        C.load_model(start),
+        tokenizer,
+        ft_data,
+        ft_eval,
+        args.finetune_steps,
+        FlopCallback(args.block_size),
+        callbacks,
+        learning_rate=args.finetune_learning_rate,
+        warmup_steps=max(args.finetune_steps // 10, 1),
+    )
     if ft.interrupted:
         return None
 

@@ -11,13 +11,13 @@ Writes ``OUTPUT_DIR/train/`` (checkpoints with ``sparsity_masks.safetensors``,
 """
 
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # the recipes' folder: the script's own, first on sys.path
+import torch
+from transformers import Trainer, TrainingArguments
 
-import _common as C  # noqa: E402
-
-from hf_sparsity import SparsityConfig  # noqa: E402
+from hf_sparsity import SparsityCallback, SparsityConfig
+from hf_sparsity.data import BlockDataset
 
 # ----------------------------------------------------------------------------- defaults
 DEFAULTS = dict(
@@ -54,20 +54,58 @@ DEFAULTS = dict(
     # run control
     resume=False,  # continue an interrupted run in output_dir
     overwrite=False,
-    stop_after_step=0,  # testing: checkpoint and stop at this step (a simulated preemption)
-    stop_stage="train",
 )
 # ---------------------------------------------------------------------------------------
 
 
-def main(argv=None):
+def main(argv=None, callbacks=()):
+    """Run the recipe; ``callbacks`` go to the Trainer too (tests inject a simulated preemption)."""
     args = C.parse_args(DEFAULTS, __doc__, argv)
     C.prepare_output_dir(args)
     tokenizer, train_blocks, eval_blocks = C.prepare_data(args)
     model = C.build_model(args, tokenizer)
-    sparsity = SparsityConfig(sparsity=args.sparsity, init_method=args.init_method, seed=args.sparsity_seed)
     data = C.stage_data(train_blocks, args, args.max_steps, [(0, list(range(len(train_blocks))))])
-    stage = C.run_stage("train", args, model, tokenizer, data, eval_blocks, args.max_steps, sparsity=sparsity)
+    out = os.path.join(args.output_dir, "train")
+    stage = C.stage_done(args, out)
+    if stage is None:
+        sparsity = SparsityConfig(
+            sparsity=args.sparsity, init_method=args.init_method, seed=args.sparsity_seed
+        )
+        sparsity_cb = SparsityCallback(sparsity, seq_len=args.block_size)
+        training_args = TrainingArguments(
+            output_dir=out,
+            max_steps=args.max_steps,
+            per_device_train_batch_size=args.batch_size,
+            per_device_eval_batch_size=args.batch_size * 2,
+            gradient_accumulation_steps=args.grad_accum,
+            learning_rate=args.learning_rate,
+            weight_decay=args.weight_decay,
+            warmup_steps=args.warmup_steps,
+            lr_scheduler_type=args.lr_scheduler,
+            max_grad_norm=1.0,
+            logging_steps=args.logging_steps,
+            eval_strategy="steps",
+            eval_steps=C.eval_every(args.max_steps),
+            save_strategy="steps",
+            save_steps=args.save_steps or max(args.max_steps // 2, 1),
+            save_total_limit=2,
+            report_to=["tensorboard"] if args.tensorboard else [],
+            seed=args.seed,
+            use_cpu=not torch.cuda.is_available(),
+            disable_tqdm=True,
+            include_num_input_tokens_seen=True,
+            ddp_find_unused_parameters=False,
+            train_sampling_strategy="sequential",  # the stream's own seeded order (resume-exact)
+        )
+        trainer = Trainer(
+            model=model,
+            args=training_args,
+            train_dataset=data,
+            eval_dataset=BlockDataset(eval_blocks),
+            processing_class=tokenizer,
+            callbacks=[sparsity_cb, *callbacks],
+        )
+        stage = C.train_and_save(trainer, sparsity_cb, resume=args.resume)
     if stage.interrupted:
         return None
     plot = C.plot_stages(

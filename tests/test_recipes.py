@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import TrainerCallback
 
 from .conftest import REPO
 
@@ -25,8 +26,21 @@ def _recipe(name):
     return mod
 
 
-def _run(name, out, *args):
-    return _recipe(name).main(["--output_dir", str(out), *SMALL, *map(str, args)])
+def _run(name, out, *args, callbacks=()):
+    return _recipe(name).main(["--output_dir", str(out), *SMALL, *map(str, args)], callbacks=callbacks)
+
+
+class StopAt(TrainerCallback):
+    """Checkpoint and stop stage ``stage`` at ``step``: a simulated preemption, injected by the test."""
+
+    def __init__(self, stage: str, step: int):
+        self.stage, self.step = stage, step
+
+    def on_step_end(self, args, state, control, **kw):
+        if Path(args.output_dir).name == self.stage and state.global_step == self.step:
+            control.should_save = True
+            control.should_training_stop = True
+        return control
 
 
 def _common():
@@ -110,7 +124,7 @@ def _final_weights(path):
 def test_interrupted_and_resumed_run_is_bit_identical(name, args, stop_stage, stop_at, final, tmp_path):
     full = _run(name, tmp_path / "full", *args)
     assert full is not None
-    cut = _run(name, tmp_path / "cut", *args, "--stop_after_step", stop_at, "--stop_stage", stop_stage)
+    cut = _run(name, tmp_path / "cut", *args, callbacks=[StopAt(stop_stage, stop_at)])
     assert cut is None  # interrupted
     assert not (tmp_path / "cut" / "results.json").exists()
     resumed = _run(name, tmp_path / "cut", *args, "--resume", "true")
