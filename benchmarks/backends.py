@@ -52,7 +52,8 @@ BATCHES = [1, 64]
 def layer_table(repeats: int) -> list[dict]:
     rows = []
     print(
-        f"== one layer, float32, {torch.get_num_threads()} threads; medians of {repeats} interleaved rounds =="
+        f"== one layer, float32, {torch.get_num_threads()} threads; medians of {repeats} interleaved "
+        "rounds =="
     )
     print(f"{'shape':>9} {'level':>5} {'batch':>5} | {'dense ms':>8} {'native ms':>9} {'torch ms':>8} | "
           f"{'native x':>8} {'torch x':>7}")  # fmt: skip

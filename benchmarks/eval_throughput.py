@@ -87,7 +87,8 @@ def main() -> None:
     tb, to = statistics.median(t_bare), statistics.median(t_ours)
     params = sum(p.numel() for p in model.parameters())
     print(
-        f"model: {args.model or 'GPT-2 6x384 (config)'} ({params / 1e6:.1f}M params), {torch.get_num_threads()} threads"
+        f"model: {args.model or 'GPT-2 6x384 (config)'} ({params / 1e6:.1f}M params), "
+        f"{torch.get_num_threads()} threads"
     )
     print(
         f"windows: {len(windows)} x context {args.context}, batch {args.batch_size}, {n_tokens} scored tokens"

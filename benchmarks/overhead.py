@@ -86,10 +86,12 @@ def main():
 
     n_params = sum(p.numel() for p in sparse.parameters())
     print(
-        f"model: GPT-2 6x512, {n_params / 1e6:.1f}M params, {targeted / 1e6:.1f}M sparsified at {a.sparsity:.0%}"
+        f"model: GPT-2 6x512, {n_params / 1e6:.1f}M params, {targeted / 1e6:.1f}M sparsified at "
+        f"{a.sparsity:.0%}"
     )
     print(
-        f"batch {a.batch} x seq {a.seq}, AdamW(wd=0.1), clip 1.0, {a.steps} timed steps after {a.warmup} warm-up"
+        f"batch {a.batch} x seq {a.seq}, AdamW(wd=0.1), clip 1.0, {a.steps} timed steps after {a.warmup} "
+        "warm-up"
     )
     print(f"dense step median:       {med_d * 1e3:8.1f} ms")
     print(f"with callback median:    {med_s * 1e3:8.1f} ms")

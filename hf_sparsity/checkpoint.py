@@ -138,7 +138,8 @@ def inspect_checkpoint(model_dir: str | os.PathLike) -> dict[str, Any]:
     missing = sorted(set(masks.names()) - seen_masked)
     if missing:
         raise SparsityError(
-            f"{SPARSITY_MASKS_NAME} in {str(model_dir)!r} names tensors the weights lack (e.g. {missing[0]!r})."
+            f"{SPARSITY_MASKS_NAME} in {str(model_dir)!r} names tensors the weights lack (e.g. "
+            f"{missing[0]!r})."
         )
     masked = [r for r in rows if r["masked"]]
     mt = sum(r["numel"] for r in masked)

@@ -20,7 +20,8 @@ def check_level(value: Any, key: str = "sparsity") -> float:
     value = float(value)
     if not (0.0 <= value < 1.0) or math.isnan(value):
         raise SparsityError(
-            f"`{key}` = {value} is outside [0, 1). Use a fraction of weights to zero, e.g. 0.75 for 75% sparsity "
+            f"`{key}` = {value} is outside [0, 1). Use a fraction of weights to zero, e.g. 0.75 for 75% "
+            "sparsity "
             "(1.0 would remove every weight)."
         )
     return value

@@ -90,20 +90,24 @@ class SparsityConfig:
     schedule: list[dict[str, Any]] | dict[str, Any] | None = field(
         default=None,
         metadata={
-            "help": "static only: events in optimizer steps, [{step: 100, sparsity: 0.9}, {step: 200, densify: true}], "
-            "or an IMP spec {type: imp, prune_fraction: 0.2, iterations: 5, dense_steps: N, every: N, rewind_to: R}."
+            "help": "static only: events in optimizer steps, [{step: 100, sparsity: 0.9}, "
+            "{step: 200, densify: true}], "
+            "or an IMP spec "
+            "{type: imp, prune_fraction: 0.2, iterations: 5, dense_steps: N, every: N, rewind_to: R}."
         },
     )
     update: dict[str, int] | None = field(
         default=None,
         metadata={
-            "help": "gmp/set/rigl: {freq: N, start: N, stop: N} in optimizer steps; stop defaults to the last step."
+            "help": "gmp/set/rigl: {freq: N, start: N, stop: N} in optimizer steps; stop defaults to the "
+            "last step."
         },
     )
     drop_fraction: float | dict[str, Any] | None = field(
         default=None,
         metadata={
-            "help": "set/rigl: fraction of active weights dropped and regrown per update, cosine-decayed to 0 at "
+            "help": "set/rigl: fraction of active weights dropped and regrown per update, cosine-decayed "
+            "to 0 at "
             "update.stop (default 0.3); or {type: cosine|constant, init: 0.3, half_period: N}."
         },
     )
@@ -165,7 +169,8 @@ class SparsityConfig:
         algo = self.algorithm
         if self.schedule is not None and algo != "static":
             raise SparsityError(
-                f"`schedule` is for algorithm static (explicit events or IMP); algorithm {algo!r} is driven by "
+                f"`schedule` is for algorithm static (explicit events or IMP); algorithm {algo!r} is "
+                "driven by "
                 "`update: {freq, start, stop}`. Remove one of them."
             )
         if algo == "static" and (self.update is not None or self.drop_fraction is not None):
@@ -210,7 +215,8 @@ class SparsityConfig:
             return cls(groups=list(data))
         if not isinstance(data, dict):
             raise SparsityError(
-                f"A sparsity section must be a mapping, a number or a list of groups, got {type(data).__name__}."
+                "A sparsity section must be a mapping, a number or a list of groups, got "
+                f"{type(data).__name__}."
             )
         data = dict(data)
         written_by = data.pop("hf_sparsity_version", None)
@@ -233,7 +239,8 @@ class SparsityConfig:
                     f"`{k}`" + (f" (did you mean `{c}`?)" if c else "") for k, c in close.items()
                 )
                 raise SparsityError(
-                    f"Unknown key(s) in the sparsity section: {hints}. Known keys: {', '.join(sorted(known))}."
+                    f"Unknown key(s) in the sparsity section: {hints}. Known keys: "
+                    f"{', '.join(sorted(known))}."
                 )
         if _parent is not None:  # a group inherits what it does not set
             for k in ("sparsity", "init_method", "seed", "algorithm", "structure"):
@@ -258,7 +265,8 @@ class SparsityConfig:
             raise SparsityError(f"{str(path)!r} is not valid YAML: {e}") from None
         if not isinstance(doc, dict) or CONFIG_SECTION not in doc:
             raise SparsityError(
-                f"{str(path)!r} has no `{CONFIG_SECTION}:` section. Add one beside `model:` and `optimizer:`, "
+                f"{str(path)!r} has no `{CONFIG_SECTION}:` section. Add one beside `model:` and "
+                "`optimizer:`, "
                 "e.g.\nsparsity:\n  sparsity: 0.75\n  init_method: random\n  seed: 1234"
             )
         section = doc[CONFIG_SECTION]
@@ -327,7 +335,8 @@ def _normalize_patterns(p: Any) -> Any:
             bad = sorted(set(over) - set(PATTERN_OVERRIDE_KEYS))
             if bad:
                 raise SparsityError(
-                    f"Unknown override key(s) {bad} for pattern {pat!r}. Allowed: {', '.join(PATTERN_OVERRIDE_KEYS)}."
+                    f"Unknown override key(s) {bad} for pattern {pat!r}. Allowed: "
+                    f"{', '.join(PATTERN_OVERRIDE_KEYS)}."
                 )
             if "sparsity" in over:
                 over["sparsity"] = check_level(over["sparsity"], f"param_name_patterns[{pat!r}].sparsity")

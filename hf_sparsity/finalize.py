@@ -93,7 +93,8 @@ def finalize_checkpoint(
         missing = sorted(set(masks.names()) - seen)
         if missing:
             raise SparsityError(
-                f"{SPARSITY_MASKS_NAME} names {len(missing)} tensor(s) the weights lack (e.g. {missing[0]!r}); "
+                f"{SPARSITY_MASKS_NAME} names {len(missing)} tensor(s) the weights lack (e.g. "
+                f"{missing[0]!r}); "
                 "the mask file belongs to another model."
             )
         _copy_side_files(src, tmp, skip={SPARSITY_MASKS_NAME, CONFIG_NAME})

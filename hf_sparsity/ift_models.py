@@ -171,7 +171,8 @@ def apply_ift_section(model: nn.Module, section: dict[str, Any]) -> nn.Module:
             old = model.get_submodule(name)
         except AttributeError:
             raise SparsityError(
-                f"`sparse_ift.modules` names {name!r}, which {type(model).__name__} does not have; the config "
+                f"`sparse_ift.modules` names {name!r}, which {type(model).__name__} does not have; the "
+                "config "
                 "does not match this architecture."
             ) from None
         d_in, d_out, bias = linear_dims(old)

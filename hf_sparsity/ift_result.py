@@ -218,8 +218,10 @@ class IFTResult:
         )
         pd = whole["params"]["transformed"] - whole["params"]["original"]
         out.append(
-            f"  parameters grow by {_fmt(pd, sign=True)} (x{whole['params']['transformed'] / whole['params']['original']:.2f}); "
-            f"nonzero parameters change by {_fmt(whole['nonzero_params']['transformed'] - whole['nonzero_params']['original'], sign=True)}."
+            f"  parameters grow by {_fmt(pd, sign=True)} "
+            f"(x{whole['params']['transformed'] / whole['params']['original']:.2f}); "
+            "nonzero parameters change by "
+            f"{_fmt(whole['nonzero_params']['transformed'] - whole['nonzero_params']['original'], sign=True)}."
         )
         return out + [f"  note: {n}" for n in self.notes]
 

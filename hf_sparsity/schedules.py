@@ -258,8 +258,10 @@ def validate_drop_fraction(value: Any) -> Any:
 def _check_in_run(step: int, total: int | None, what: str) -> None:
     if total is not None and step > total:
         raise SparsityError(
-            f"The schedule's {what} at step {step} comes after the run's last optimizer step ({total}), so its "
-            f"level would never be reached. Train for at least {step} steps (max_steps) or move the event earlier."
+            f"The schedule's {what} at step {step} comes after the run's last optimizer step ({total}), so "
+            "its "
+            f"level would never be reached. Train for at least {step} steps (max_steps) or move the event "
+            "earlier."
         )
 
 
@@ -295,7 +297,8 @@ def compile_schedule(config: Any, total_steps: int | None = None) -> Schedule:
     if stop is None or (total_steps is not None and stop > total_steps):
         if total_steps is None:
             raise SparsityError(
-                f"algorithm {algo!r} needs the run length to place its last update: set `update.stop`, or let the "
+                f"algorithm {algo!r} needs the run length to place its last update: set `update.stop`, or "
+                "let the "
                 "callback pass Trainer's max_steps."
             )
         stop = total_steps  # clamp: the final level lands on the last real step

@@ -105,7 +105,8 @@ def read_mask_metadata(path: str | os.PathLike) -> dict[str, Any]:
             keys = set(f.keys())
     except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
         raise SparsityError(
-            f"Cannot read mask file {path!r} ({e}). It is truncated or corrupt: restore it from the checkpoint "
+            f"Cannot read mask file {path!r} ({e}). It is truncated or corrupt: restore it from the "
+            "checkpoint "
             "it came from, or rebuild the masks."
         ) from None
     if meta.get("format") != MASK_FORMAT_NAME:
@@ -115,7 +116,8 @@ def read_mask_metadata(path: str | os.PathLike) -> dict[str, Any]:
     version = int(meta.get("format_version", "0"))
     if version > MASK_FORMAT_VERSION:
         raise SparsityError(
-            f"{path!r} uses mask format version {version}; this hf_sparsity reads up to {MASK_FORMAT_VERSION}. "
+            f"{path!r} uses mask format version {version}; this hf_sparsity reads up to "
+            f"{MASK_FORMAT_VERSION}. "
             "Upgrade hf_sparsity."
         )
     try:
@@ -218,7 +220,8 @@ def check_mask_names(
         if want != got:
             raise SparsityError(
                 f"{path}: mask {name!r} has shape {list(got)} but the parameter has {list(want)}. "
-                "The mask file belongs to another model size; use the matching checkpoint or rebuild the masks."
+                "The mask file belongs to another model size; use the matching checkpoint or rebuild the "
+                "masks."
             )
 
 

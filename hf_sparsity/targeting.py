@@ -1,6 +1,6 @@
 """Which parameters get sparsified, at what level, and which rule decided.
 
-The default rule (DESIGN.md, semantics 1): the 2-D weights of the linear
+The default rule: the 2-D weights of the linear
 projections (Q, K, V, attention output) and feed-forward layers inside the
 repeated transformer blocks, whatever the architecture names them (GPT-2
 ``c_attn``/``c_proj``/``c_fc`` Conv1D, Llama ``*_proj``, GPT-NeoX
@@ -170,7 +170,8 @@ def plan_sparsity(model: nn.Module, config: SparsityConfig, strict: bool = True)
             level = over.get("sparsity", group.sparsity)
             if level is None:
                 raise SparsityError(
-                    f"Parameter {name!r} matched {reason} but no sparsity level is set for it; add `sparsity:`."
+                    f"Parameter {name!r} matched {reason} but no sparsity level is set for it; add "
+                    "`sparsity:`."
                 )
             structure = over.get("structure", group.structure)
             if structure is not None:
@@ -228,7 +229,8 @@ def format_plan(decisions: list[TargetDecision]) -> str:
     zeros = sum(round(d.sparsity * d.numel) for d in targets)
     lines.append(
         f"{len(targets)} of {len(decisions)} tensors sparsified; {tn:,} of {total:,} parameters targeted; "
-        f"{zeros:,} zeros ({zeros / max(total, 1):.2%} of all parameters, {zeros / max(tn, 1):.2%} of targeted)."
+        f"{zeros:,} zeros ({zeros / max(total, 1):.2%} of all parameters, {zeros / max(tn, 1):.2%} of "
+        "targeted)."
     )
     return "\n".join(lines)
 

@@ -56,7 +56,8 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Pat
     path = Path(path)
     if path.exists() and not overwrite:
         raise SparsityError(
-            f"Output folder {str(path)!r} already exists. Choose another path or pass --overwrite to replace it."
+            f"Output folder {str(path)!r} already exists. Choose another path or pass --overwrite to "
+            "replace it."
         )
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))

@@ -329,7 +329,8 @@ def train_and_save(trainer: Trainer, metrics_cb, resume: bool) -> StageResult:
     history = list(trainer.state.log_history)
     if trainer.state.global_step < steps:
         log(
-            f"[{name}] interrupted at step {trainer.state.global_step} (checkpoint saved); rerun with --resume true"
+            f"[{name}] interrupted at step {trainer.state.global_step} (checkpoint saved); rerun with "
+            "--resume true"
         )
         return StageResult(name, trainer.state.global_step, float("nan"), time.time() - t0, flops, {}, events,
                            history, interrupted=True)  # fmt: skip

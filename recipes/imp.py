@@ -236,12 +236,14 @@ def main(argv=None, callbacks=()):
     }
     C.write_results(os.path.join(args.output_dir, "results.json"), results)
     lines = [
-        f"\nIMP: dense {args.dense_steps} steps, then {args.iterations} x (prune, rewind to {args.rewind_to}, {every} steps)"
+        f"\nIMP: dense {args.dense_steps} steps, then {args.iterations} x (prune, rewind to "
+        f"{args.rewind_to}, {every} steps)"
     ]
     lines.append(f"  dense phase  validation loss {dense_phase:.4f}" if dense_phase is not None else "")
     for it in iterations:
         lines.append(
-            f"  {it['level']:6.1%} sparse: after prune {it['loss_after_prune']:.4f} -> end of iteration {it['loss_end']:.4f}"
+            f"  {it['level']:6.1%} sparse: after prune {it['loss_after_prune']:.4f} -> end of iteration "
+            f"{it['loss_end']:.4f}"
         )
     if stages:
         lines.append(f"  dense baseline ({args.dense_baseline_steps} steps): {stages[0].final_eval_loss:.4f}")

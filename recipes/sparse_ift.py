@@ -34,7 +34,8 @@ DEFAULTS = dict(
     sparsity=0.5,
     init_method="random",
     sparsity_seed=1234,
-    # model: tiny-gpt2 (built here) | a config.json path | an HF model name or path (its config is transformed)
+    # model: tiny-gpt2 (built here) | a config.json path | an HF model name or path (its config is
+    # transformed)
     model="tiny-gpt2",
     n_embd=64,
     n_layer=2,
@@ -192,7 +193,8 @@ def main(argv=None, callbacks=()):
     ratio = sp.flops["train_flops"] / dense.flops["train_flops"]
     C.log(
         f"\nSparse-IFT {args.transform} at {args.sparsity:.0%}: max per-layer FLOP deviation "
-        f"{ift.max_layer_deviation:.1e}; whole-model training FLOPs {C.fmt_flops(sp.flops['train_flops'])} vs dense "
+        f"{ift.max_layer_deviation:.1e}; whole-model training FLOPs {C.fmt_flops(sp.flops['train_flops'])} "
+        "vs dense "
         f"{C.fmt_flops(dense.flops['train_flops'])} (x{ratio:.3f})\n"
         f"  validation loss: dense {dense.final_eval_loss:.4f}, Sparse-IFT {sp.final_eval_loss:.4f} "
         f"({sp.final_eval_loss - dense.final_eval_loss:+.4f})\n"

@@ -193,10 +193,12 @@ def main(argv=None, callbacks=()):
     }
     C.write_results(os.path.join(args.output_dir, "results.json"), results)
     C.log(
-        f"\nSPDF: pre-training {pre.levels['total']:.1%} sparse, {args.pretrain_steps} steps -> validation loss "
+        f"\nSPDF: pre-training {pre.levels['total']:.1%} sparse, {args.pretrain_steps} steps -> validation "
+        "loss "
         f"{pre.final_eval_loss:.4f}\n"
         f"  pre-training FLOPs {C.fmt_flops(pre.flops['train_flops'])} vs dense "
-        f"{C.fmt_flops(pre.flops['dense_equivalent_flops'])} ({results['pretrain_flops_saved_fraction']:.1%} saved)\n"
+        f"{C.fmt_flops(pre.flops['dense_equivalent_flops'])} "
+        f"({results['pretrain_flops_saved_fraction']:.1%} saved)\n"
         f"  dense fine-tuning on {args.finetune_dataset}, {args.finetune_steps} steps -> validation loss "
         f"{ft.final_eval_loss:.4f}\n"
         f"  wall {pre.wall_s + ft.wall_s:.0f}s; results: {args.output_dir}/results.json, plot: {plot}"

@@ -213,9 +213,11 @@ def main(argv=None, callbacks=()):
     }
     C.write_results(os.path.join(args.output_dir, "results.json"), results)
     C.log(
-        f"\nVariable SPDF: stage 1 {args.stage1_sparsity:.0%} sparse for {stage1} steps, densify, stage 2 dense for "
+        f"\nVariable SPDF: stage 1 {args.stage1_sparsity:.0%} sparse for {stage1} steps, densify, stage 2 "
+        "dense for "
         f"{args.pretrain_steps - stage1} steps (data overlap between stages: {len(s1 & s2)} blocks)\n"
-        f"  effective sparsity {eff:.1%}; pre-training FLOPs {C.fmt_flops(pre.flops['train_flops'])} vs dense "
+        f"  effective sparsity {eff:.1%}; pre-training FLOPs {C.fmt_flops(pre.flops['train_flops'])} vs "
+        "dense "
         f"{C.fmt_flops(pre.flops['dense_equivalent_flops'])}: {saved:.1%} saved "
         f"({pre.flops['flop_reduction']:.2f}x fewer)\n"
         f"  pre-training validation loss {pre.final_eval_loss:.4f}; after dense fine-tuning on "

@@ -131,7 +131,8 @@ def test_semi_structured_unavailable_without_cuda_is_clear():
 
 def test_import_does_not_initialize_cuda():
     code = (
-        "import torch, hf_sparsity.backends, hf_sparsity.inference, hf_sparsity.cli.bench, hf_sparsity.import_utils\n"
+        "import torch, hf_sparsity.backends, hf_sparsity.inference, hf_sparsity.cli.bench, "
+        "hf_sparsity.import_utils\n"
         "hf_sparsity.backends.get_backend('csr')\n"
         "assert not torch.cuda.is_initialized(), 'CUDA initialized on import'\n"
         "print('ok')"
@@ -261,7 +262,8 @@ def test_native_kernel_portable_build_matches_emulator(tmp_path):
         "import torch\n"
         "from hf_sparsity.backends import _native, get_backend\n"
         "g = torch.Generator().manual_seed(0)\n"
-        "w = torch.randn(37, 300, generator=g); m = (torch.rand(37, 300, generator=g) < 0.2).to(torch.uint8)\n"
+        "w = torch.randn(37, 300, generator=g); m = (torch.rand(37, 300, generator=g) < "
+        "0.2).to(torch.uint8)\n"
         "x = torch.randn(1, 300, generator=g)\n"
         "ref = get_backend('emulator').from_dense(w, m, float64_accumulator=True).linear(x)\n"
         "b = get_backend('csr').from_dense(w, m, kernel='native')\n"

@@ -1,4 +1,4 @@
-"""DESIGN.md semantics 4: after every optimizer step, masked weights and optimizer state are exactly 0.
+"""After every optimizer step, masked weights and optimizer state are exactly 0.
 
 Checked inside the real Trainer (AdamW with weight decay, SGD with momentum, gradient
 accumulation, clipping, bf16 autocast) and in a plain loop with fp16 autocast + GradScaler.

@@ -230,7 +230,8 @@ def test_masks_applied_on_load_and_reported(model_dirs, tmp_path):
         load_model_for_eval(tmp_path)
 
 
-# ----------------------------------------------------------------------------- lm-eval: offline == stock, == CLI
+# ----------------------------------------------------------------------------- lm-eval: offline == stock, ==
+# CLI
 def test_offline_yaml_mirrors_stock(shared_data, tmp_path):
     from lm_eval.tasks._yaml_loader import load_yaml
 

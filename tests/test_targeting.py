@@ -10,7 +10,7 @@ from hf_sparsity.cli import main as cli_main
 
 from .conftest import ARCHS, tiny_model
 
-# What the default rule must pick in every block, per architecture (DESIGN.md semantics 1).
+# What the default rule must pick in every block, per architecture.
 EXPECTED = {
     "gpt2": {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"},
     "llama": {f"self_attn.{p}_proj" for p in "qkvo"} | {f"mlp.{p}_proj" for p in ("gate", "up", "down")},

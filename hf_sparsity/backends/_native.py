@@ -374,7 +374,8 @@ class NativeCSR:
         self.rows, self.cols_n = int(shape[0]), int(shape[1])
         self.rowptr = rowptr.to(torch.int64).contiguous()
         if self.cols_n <= 65536:
-            # Column indices < 65536 fit uint16; torch has no uint16 arithmetic, so store the bit pattern as int16.
+            # Column indices < 65536 fit uint16; torch has no uint16 arithmetic, so store the bit pattern as
+            # int16.
             self.idx = cols.to(torch.int32).to(torch.int16).contiguous()
             self._kind = 0  # kinds: 0/1 batch-1 with 16/32-bit indices, 2/3 batched
         else:

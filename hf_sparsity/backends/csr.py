@@ -53,7 +53,8 @@ class CSRBackend(SparseBackend):
         devices=("cpu", "cuda"),
         dtypes=(torch.float32, torch.float64, torch.float16, torch.bfloat16),
         training=False,
-        description="CSR for inference: native 16-bit-index row-parallel kernel on CPU, torch.sparse elsewhere",
+        description="CSR for inference: native 16-bit-index row-parallel kernel on CPU, torch.sparse "
+        "elsewhere",
     )
 
     def _prepare(self) -> None:

@@ -1,6 +1,6 @@
 """``emulator``: a reference model of a sparsity-accelerating dataflow machine.
 
-The machine (DESIGN.md "Backends"; seed 000: a sparse GEMM is one AXPY per nonzero
+The machine (seed 000: a sparse GEMM is one AXPY per nonzero
 weight, and the hardware only does work for nonzero data):
 
 * Weights stream as compressed rows: per nonzero, its value and a 16-bit column

@@ -34,7 +34,8 @@ def eval_command_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--data-dir",
-        help="local data folder laid out like ../shared/data (tasks/, corpus/, text/wikitext-103/) or a tasks "
+        help="local data folder laid out like ../shared/data (tasks/, corpus/, text/wikitext-103/) or a "
+        "tasks "
         "folder: lm-eval tasks run offline from it; without it they are lm-eval's stock (online) tasks",
     )
     p.add_argument("--pile-data", nargs="+", help="Pile-format .jsonl/.jsonl.zst file(s), folder or glob")

@@ -64,6 +64,7 @@ def ift_command(args) -> int:
                 else "AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(DIR))"
             )
             print(
-                f"\nwrote {args.out}: build with {how}; train with SparsityCallback(get_sparsity_config(config))."
+                f"\nwrote {args.out}: build with {how}; train with "
+                "SparsityCallback(get_sparsity_config(config))."
             )
     return 0

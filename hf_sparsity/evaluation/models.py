@@ -63,7 +63,8 @@ def load_model_for_eval(
     path = Path(path)
     if not (path / "config.json").is_file():
         raise SparsityError(
-            f"{str(path)!r} is not a model folder (no config.json). Pass a folder written by save_pretrained, "
+            f"{str(path)!r} is not a model folder (no config.json). Pass a folder written by "
+            "save_pretrained, "
             "e.g. a checkpoint-N/ folder or the output of `hf_sparsity convert`."
         )
     kwargs = {}

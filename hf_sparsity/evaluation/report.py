@@ -95,8 +95,10 @@ def format_markdown(results: dict[str, Any]) -> str:
             )
     s = results.get("settings", {})
     lines.append(
-        f"Settings: limit={s.get('limit')}, batch size {s.get('batch_size')}, context {s.get('context') or 'model'}, "
-        f"stride {s.get('stride') or 'context'}, {s.get('dtype')} on {s.get('device')}; data: {results.get('data', {}).get('data_dir') or 'online'}."
+        f"Settings: limit={s.get('limit')}, batch size {s.get('batch_size')}, context "
+        f"{s.get('context') or 'model'}, "
+        f"stride {s.get('stride') or 'context'}, {s.get('dtype')} on {s.get('device')}; data: "
+        f"{results.get('data', {}).get('data_dir') or 'online'}."
     )
     wt = results.get("wall_time_s", {})
     if wt:

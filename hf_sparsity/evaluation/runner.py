@@ -73,7 +73,8 @@ def parse_limit(spec: int | str | dict | None) -> dict[str, int | None]:
             out[key.strip() or "default"] = int(value)
         except ValueError:
             raise SparsityError(
-                f"Bad --limit {spec!r}: use a number, or suite=N pairs like harness7=100,pile=50,wikitext103=10."
+                f"Bad --limit {spec!r}: use a number, or suite=N pairs like "
+                "harness7=100,pile=50,wikitext103=10."
             ) from None
     return out
 
