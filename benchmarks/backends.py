@@ -86,8 +86,10 @@ def layer_table(repeats: int) -> list[dict]:
                     "torch_ratio": t["dense"] / t["torch"],
                 }
                 rows.append(row)
-                print(f"{row['shape']:>9} {level:>5.2f} {batch:>5} | {t['dense']:>8.3f} {nat:>9.3f} "
-                      f"{t['torch']:>8.3f} | {row['native_ratio']:>8.2f} {row['torch_ratio']:>7.2f}")  # fmt: skip
+                print(
+                    f"{row['shape']:>9} {level:>5.2f} {batch:>5} | {t['dense']:>8.3f} {nat:>9.3f} "
+                    f"{t['torch']:>8.3f} | {row['native_ratio']:>8.2f} {row['torch_ratio']:>7.2f}"
+                )
     return rows
 
 
@@ -119,8 +121,11 @@ def model_decode(rounds: int, new_tokens: int, level: float = 0.9) -> dict:
             if opts is not None:
                 restore_dense(model)
     med = {k: statistics.median(v) for k, v in tok_s.items()}
-    print(f"\n== GPT-2-small-shaped model, {level:.0%} sparsity on all 48 projection/FFN weights, greedy decode "
-          f"of {new_tokens} tokens after 16, {torch.get_num_threads()} threads; medians of {rounds} rounds ==")  # fmt: skip
+    print(
+        f"\n== GPT-2-small-shaped model, {level:.0%} sparsity on all 48 projection/FFN weights, "
+        "greedy decode "
+        f"of {new_tokens} tokens after 16, {torch.get_num_threads()} threads; medians of {rounds} rounds =="
+    )
     for k, v in med.items():
         runs = ", ".join(f"{t:.1f}" for t in tok_s[k])
         print(f"{k:>11}: {v:7.2f} tok/s  ({v / med['dense']:.2f}x dense)   rounds: {runs}")
@@ -141,7 +146,8 @@ def model_decode(rounds: int, new_tokens: int, level: float = 0.9) -> dict:
     )
     print(f"{'':>11}  {'total':>6}  {'48 layers':>9}  {'LM head':>7}  {'rest':>6}  {'x dense':>7}")
     for k, b in br.items():
-        print(f"{k:>11}  {b['total_ms']:6.2f}  {b['layers_ms']:9.2f}  {b['lm_head_ms']:7.2f}  {b['rest_ms']:6.2f}  "
+        print(f"{k:>11}  {b['total_ms']:6.2f}  {b['layers_ms']:9.2f}  {b['lm_head_ms']:7.2f}  "
+              f"{b['rest_ms']:6.2f}  "
               f"{br['dense']['total_ms'] / b['total_ms']:7.2f}")  # fmt: skip
     density = sum(int(m.sum()) for m in eng.masks.values()) / sum(m.numel() for m in eng.masks.values())
     bounds = speedup_bounds(br["dense"], density)
@@ -169,8 +175,10 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="write raw results here")
     args = p.parse_args(argv)
     t0 = time.time()
-    print(f"torch {torch.__version__}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, native kernel: "
-          f"{'available' if _native.load() is not None else 'unavailable (' + str(_native.error()) + ')'}")  # fmt: skip
+    print(
+        f"torch {torch.__version__}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, native kernel: "
+        f"{'available' if _native.load() is not None else 'unavailable (' + str(_native.error()) + ')'}"
+    )
     out: dict = {"threads": torch.get_num_threads()}
     if not args.skip_layers:
         out["layers"] = layer_table(repeats=7 if args.quick else 21)

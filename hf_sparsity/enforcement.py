@@ -102,7 +102,8 @@ class MaskEnforcer:
 
     @torch.no_grad()
     def zero_positions(self, name: str, where: torch.Tensor) -> None:
-        """Weight and weight-shaped optimizer state of ``name`` set to 0 where ``where`` (a full-shape bool)."""
+        """Weight and weight-shaped optimizer state of ``name`` set to 0 where ``where`` (a full-shape
+        bool)."""
         p = self.model.get_parameter(name)
         keep = local_slice((~where).to(M.MASK_DTYPE), p).to(local(p).device)
         local(p).mul_(keep)

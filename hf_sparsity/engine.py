@@ -137,7 +137,8 @@ class SparsityEngine:
 
     # ------------------------------------------------------------------ schedule
     def compile_schedule(self, total_steps: int | None = None) -> Schedule:
-        """Compile the config's schedule for a run of ``total_steps`` optimizer steps (see ``schedules.py``)."""
+        """Compile the config's schedule for a run of ``total_steps`` optimizer steps (see
+        ``schedules.py``)."""
         if total_steps is not None:
             self.total_steps = int(total_steps)
         self.schedule = compile_schedule(self.config, self.total_steps)

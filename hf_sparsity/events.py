@@ -20,7 +20,8 @@ state at newly masked *and* regrown positions:
 
 Every event is recorded on ``engine.events`` as a JSON-simple dict
 (:func:`event_record`: step, kind, per-layer level before/after) and passed to each
-``engine.listeners`` callable, so other callbacks and loggers see it. Events depend only on weights, gradients, the
+``engine.listeners`` callable, so other callbacks and loggers see it. Events depend only on
+weights, gradients, the
 schedule and seeds: every rank and every rerun makes the same decision.
 """
 
@@ -72,7 +73,8 @@ def dynamic_update(
     weight: Callable[[str], torch.Tensor],
     grads: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """SET (``grads`` None: random regrowth) or RigL (regrowth by dense-gradient magnitude) at a constant level.
+    """SET (``grads`` None: random regrowth) or RigL (regrowth by dense-gradient magnitude) at a constant
+    level.
 
     Drops the ``event.fraction`` lowest-magnitude active weights of each mask and regrows as many
     positions among those inactive before the update.

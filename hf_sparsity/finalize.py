@@ -70,7 +70,8 @@ def _rewrite_shards(src: Path, dst: Path, transform) -> set[str]:
 def finalize_checkpoint(
     in_dir: str | os.PathLike, out_dir: str | os.PathLike, overwrite: bool = False
 ) -> str:
-    """Masked weights -> exact 0; no mask file; no ``sparsity`` section. Atomic; refuses an existing ``out_dir``."""
+    """Masked weights -> exact 0; no mask file; no ``sparsity`` section. Atomic; refuses an existing
+    ``out_dir``."""
     src = Path(in_dir)
     masks = MaskReader(src)
     if masks.path is None and CONFIG_SECTION not in read_config(src):
@@ -103,7 +104,8 @@ def finalize_checkpoint(
 
 
 def to_sentinel(in_dir: str | os.PathLike, out_dir: str | os.PathLike, overwrite: bool = False) -> str:
-    """Write a Cerebras-style checkpoint: masked weights become NaN; the sparsity section stays in config.json."""
+    """Write a Cerebras-style checkpoint: masked weights become NaN; the sparsity section stays in
+    config.json."""
     src = Path(in_dir)
     masks = MaskReader(src)
     if masks.path is None:

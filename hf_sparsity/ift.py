@@ -129,7 +129,8 @@ def _widen_config(config: Any, sparsity: float) -> tuple[Any, dict[str, tuple[An
 def _module_spec(
     transform: str, sparsity: float, d_in: int, d_out: int
 ) -> tuple[dict[str, int], list[tuple[str, tuple[int, int], float]]]:
-    """The layer's ``sparse_ift`` spec and its (sub-parameter, shape, level) list, iso-FLOP with d_in x d_out."""
+    """The layer's ``sparse_ift`` spec and its (sub-parameter, shape, level) list, iso-FLOP with d_in x
+    d_out."""
     n = d_in * d_out
     if transform == "parallel":
         k = max(1, round(1.0 / (1.0 - sparsity)))
@@ -150,7 +151,8 @@ def _module_spec(
 
 
 def _patterns(levels: dict[str, float]) -> dict[str, dict[str, float]]:
-    """One regex per layer group (block index folded) when all its blocks share a level, else one per tensor."""
+    """One regex per layer group (block index folded) when all its blocks share a level, else one per
+    tensor."""
     by_group: dict[str, dict[str, float]] = {}
     for name, lv in levels.items():
         pattern = "^" + r"\.\d+\.".join(re.escape(part) for part in _BLOCK_RE.split(name)) + "$"

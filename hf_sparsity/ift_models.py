@@ -76,7 +76,8 @@ class ParallelLinear(nn.Module):
 
 
 class FactorizedLinear(nn.Module):
-    """Sparse-Factorized: ``y = V (U x) + b`` with ``U: d_in -> rank`` and ``V: rank -> d_out``, both sparse."""
+    """Sparse-Factorized: ``y = V (U x) + b`` with ``U: d_in -> rank`` and ``V: rank -> d_out``, both
+    sparse."""
 
     def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = True, std: float = 0.02):
         super().__init__()
@@ -198,7 +199,8 @@ def build_ift_model(config: Any) -> nn.Module:
     return model
 
 
-MODELING_TEMPLATE = '''"""Sparse-IFT ({transform}) {base}: written by `hf_sparsity ift`; needs `hf_sparsity` installed.
+MODELING_TEMPLATE = '''"""Sparse-IFT ({transform}) {base}: written by `hf_sparsity ift`;
+needs `hf_sparsity` installed.
 
 Load with ``AutoModelForCausalLM.from_config(config, trust_remote_code=True)`` or
 ``from_pretrained(folder, trust_remote_code=True)``; or without remote code,

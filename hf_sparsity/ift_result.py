@@ -1,4 +1,5 @@
-"""What a Sparse-IFT transform gives back: per-layer figures, the FLOP comparison, saving (:class:`IFTResult`)."""
+"""What a Sparse-IFT transform gives back: per-layer figures, the FLOP comparison, saving
+(:class:`IFTResult`)."""
 
 from __future__ import annotations
 
@@ -221,13 +222,15 @@ class IFTResult:
             f"  parameters grow by {_fmt(pd, sign=True)} "
             f"(x{whole['params']['transformed'] / whole['params']['original']:.2f}); "
             "nonzero parameters change by "
-            f"{_fmt(whole['nonzero_params']['transformed'] - whole['nonzero_params']['original'], sign=True)}."
+            f"{_fmt(whole['nonzero_params']['transformed'] - whole['nonzero_params']['original'], sign=True)}"
+            "."
         )
         return out + [f"  note: {n}" for n in self.notes]
 
     # -------------------------------------------------------------- writing
     def save(self, out_dir: str | os.PathLike, overwrite: bool = False) -> str:
-        """Write ``config.json`` (and ``modeling_sparse_ift.py`` when the architecture changes), atomically."""
+        """Write ``config.json`` (and ``modeling_sparse_ift.py`` when the architecture changes),
+        atomically."""
         cfg = copy.deepcopy(self.config)
         code = self.model_code()
         with atomic_dir(out_dir, overwrite=overwrite) as tmp:

@@ -266,7 +266,8 @@ def _check_in_run(step: int, total: int | None, what: str) -> None:
 
 
 def compile_schedule(config: Any, total_steps: int | None = None) -> Schedule:
-    """Turn a :class:`~hf_sparsity.config.SparsityConfig`'s schedule keys into events for a run of ``total_steps``.
+    """Turn a :class:`~hf_sparsity.config.SparsityConfig`'s schedule keys into events for a run of
+    ``total_steps``.
 
     ``total_steps`` is needed for GMP/SET/RigL without an explicit ``update.stop`` and
     for IMP without explicit ``dense_steps``/``every``; events after it are refused.

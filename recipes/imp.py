@@ -6,9 +6,9 @@ data, rewind the LR schedule to step ``rewind_to`` and retrain for ``every`` ste
 validation loss jumps at each prune and recovers: the sawtooth of the seed's Figure 3,
 drawn to ``OUTPUT_DIR/loss.png`` with the dense model's loss as the horizontal line.
 
-    accelerate launch recipes/imp.py                          # embedded default: 5 prunes to 83.2%, ~2-4 min on a CPU
+    accelerate launch recipes/imp.py  # embedded default: 5 prunes to 83.2%, ~2-4 min on a CPU
     accelerate launch recipes/imp.py --output_dir runs/imp --prune_fraction 0.2 --iterations 8
-    accelerate launch recipes/imp.py --dense_baseline_steps 300   # also train dense for as long, for comparison
+    accelerate launch recipes/imp.py --dense_baseline_steps 300  # also train dense as long, to compare
     accelerate launch --multi_gpu --num_processes 2 recipes/imp.py
 
 The LR schedule (cosine over ``dense_steps``) runs once in the dense phase; each

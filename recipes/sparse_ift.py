@@ -7,7 +7,7 @@ differs only by the untransformed terms (attention logits, LM head), which the s
 quantifies. Both models train for the same steps on the same data order; the sparse one
 with static random masks at the transform's per-layer levels.
 
-    accelerate launch recipes/sparse_ift.py                               # embedded default, ~2-4 min on a CPU
+    accelerate launch recipes/sparse_ift.py  # embedded default, ~2-4 min on a CPU
     accelerate launch recipes/sparse_ift.py --transform doped --sparsity 0.75
     accelerate launch --multi_gpu --num_processes 2 recipes/sparse_ift.py
 
@@ -175,7 +175,8 @@ def main(argv=None, callbacks=()):
     plot = C.plot_stages(
         [dense, sp],
         os.path.join(args.output_dir, "loss.png"),
-        f"dense vs Sparse-IFT {args.transform} at {args.sparsity:.0%} (iso-FLOP), {args.max_steps} steps each",
+        f"dense vs Sparse-IFT {args.transform} at {args.sparsity:.0%} (iso-FLOP), "
+        f"{args.max_steps} steps each",
     )
     results = {
         "recipe": "sparse_ift",

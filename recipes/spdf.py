@@ -8,7 +8,7 @@
    previously masked ones starting from 0. The default second task is a small
    structured data-to-text set (a tiny DART), embedded like the pre-training text.
 
-    accelerate launch recipes/spdf.py --output_dir outputs/spdf        # the README's main job, ~2-4 min on a CPU
+    accelerate launch recipes/spdf.py --output_dir outputs/spdf  # the README's main job, ~2-4 min on a CPU
     accelerate launch recipes/spdf.py --sparsity 0                     # dense pre-training: the baseline
     accelerate launch --multi_gpu --num_processes 2 recipes/spdf.py    # DDP (CPU: gloo)
     accelerate launch recipes/spdf.py --model EleutherAI/pythia-70m --dataset corpus.jsonl \\

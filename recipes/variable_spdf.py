@@ -1,4 +1,5 @@
-"""Variable SPDF: sparse pre-training stage 1, densify, dense stage 2, then dense fine-tuning (seed ``004_*``).
+"""Variable SPDF: sparse pre-training stage 1, densify, dense stage 2, then dense fine-tuning (seed
+``004_*``).
 
 Stage 1 trains at a high sparsity (90% by default) and stage 2 continues dense, the
 split chosen so the FLOP-weighted *effective* sparsity of pre-training hits a target
@@ -9,7 +10,8 @@ blocks disjoint from stage 1's, so it never repeats stage 1's data. Then the mod
 finalized and fine-tuned dense on a second dataset, as in ``spdf.py``.
 
     accelerate launch recipes/variable_spdf.py                       # embedded default, ~2-4 min on a CPU
-    accelerate launch recipes/variable_spdf.py --output_dir runs/vspdf --stage1_sparsity 0.9 --effective_sparsity 0.75
+    accelerate launch recipes/variable_spdf.py --output_dir runs/vspdf \
+        --stage1_sparsity 0.9 --effective_sparsity 0.75
     accelerate launch --multi_gpu --num_processes 2 recipes/variable_spdf.py
 
 Prints the effective sparsity and the pre-training FLOPs saved vs dense. Writes

@@ -18,7 +18,8 @@ def test_ddp_masks_identical_on_both_ranks(arch, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", "0",
         str(REPO / "tests" / "scripts" / "ddp_trainer.py"), str(tmp_path), arch,
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)

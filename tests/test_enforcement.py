@@ -87,7 +87,8 @@ def test_gradients_are_masked_before_clipping():
 
 
 class _GradProbe(TrainerCallback):
-    """Runs before SparsityCallback in ``on_pre_optimizer_step``: after Trainer's clipping, before the engine."""
+    """Runs before SparsityCallback in ``on_pre_optimizer_step``: after Trainer's clipping, before the
+    engine."""
 
     def __init__(self, cb):
         self.cb, self.checked = cb, 0

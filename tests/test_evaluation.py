@@ -1,4 +1,5 @@
-"""hf_sparsity.evaluation: Pile-style loss, WikiText-103 adjusted perplexity, lm-eval harness (offline), reports."""
+"""hf_sparsity.evaluation: Pile-style loss, WikiText-103 adjusted perplexity, lm-eval harness (offline),
+reports."""
 
 from __future__ import annotations
 
@@ -346,7 +347,8 @@ def test_cli_eval_report_and_compare(model_dirs, tmp_path):
     )
     for d in (dense, sparse):
         rc = main(
-            ["eval", str(d), "--suite", "pile,wikitext103", "--pile-data", str(corpus), "--wikitext", str(text),
+            ["eval", str(d), "--suite", "pile,wikitext103", "--pile-data", str(corpus),
+             "--wikitext", str(text),
              "--context", "16", "--out", str(tmp_path / f"r_{d.name}"), "--no-progress"]
         )  # fmt: skip
         assert rc == 0

@@ -1,4 +1,5 @@
-"""FSDP2 (``fully_shard``) on CPU under torchrun with gloo: masks on DTensor shards, through a prune and a densify."""
+"""FSDP2 (``fully_shard``) on CPU under torchrun with gloo: masks on DTensor shards, through a prune and a
+densify."""
 
 import json
 import os

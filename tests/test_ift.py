@@ -1,4 +1,5 @@
-"""Sparse-IFT: every transform is iso-FLOP per transformed layer, builds a model that trains, keeps targeting right."""
+"""Sparse-IFT: every transform is iso-FLOP per transformed layer, builds a model that trains, keeps targeting
+right."""
 
 from __future__ import annotations
 

@@ -203,8 +203,9 @@ def test_spdf_recipe_under_accelerate_ddp(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
-        str(RECIPES / "spdf.py"), "--output_dir", str(tmp_path), *SMALL, "--pretrain_steps", "4", "--finetune_steps", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", "0", str(RECIPES / "spdf.py"), "--output_dir", str(tmp_path), *SMALL,
+        "--pretrain_steps", "4", "--finetune_steps", "2",
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -18,7 +18,8 @@ MASKS = {
 
 
 def _rewrite(path, edit_meta=None, edit_tensors=None):
-    """Rewrite a mask file with its metadata / packed tensors edited (as a corrupt or foreign file would be)."""
+    """Rewrite a mask file with its metadata / packed tensors edited (as a corrupt or foreign file would
+    be)."""
     with safe_open(path, framework="pt") as f:
         meta = dict(f.metadata())
         tensors = {k: f.get_tensor(k) for k in f.keys()}

@@ -120,7 +120,8 @@ def test_trainer_debug_log_level_logs_the_plan(tmp_path, caplog):
         ).train()
         assert "model.layers.1.mlp.down_proj.weight" not in caplog.text  # quiet by default
         make_trainer(
-            tiny_model("llama"), tmp_path / "b", [SparsityCallback(SparsityConfig(sparsity=0.5))], max_steps=1,
+            tiny_model("llama"), tmp_path / "b", [SparsityCallback(SparsityConfig(sparsity=0.5))],
+            max_steps=1,
             log_level="debug",
         ).train()  # fmt: skip
         assert (

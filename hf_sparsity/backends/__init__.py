@@ -26,7 +26,8 @@ _ALIASES: dict[str, str] = {}
 
 
 def normalize_name(name: str) -> str:
-    """Registry key: lower case, ``-`` / spaces / dots become ``_`` (``"Masked-Dense"`` -> ``"masked_dense"``)."""
+    """Registry key: lower case, ``-`` / spaces / dots become ``_`` (``"Masked-Dense"`` ->
+    ``"masked_dense"``)."""
     if not isinstance(name, str) or not name.strip():
         raise SparsityError(f"A backend name must be a non-empty string, got {name!r}.")
     return re.sub(r"[\s\-.]+", "_", name.strip().lower())

@@ -186,7 +186,8 @@ static void run_chunk(const job_t* j, int64_t c) {
   switch (j->kind) {
     case 0: spmv_u16(r0, r1, j->rowptr, (const uint16_t*)j->idx, j->v, j->x, j->y, j->bias); break;
     case 1: spmv_i32(r0, r1, j->rowptr, (const int32_t*)j->idx, j->v, j->x, j->y, j->bias); break;
-    case 2: spmm_u16(r0, r1, j->rowptr, (const uint16_t*)j->idx, j->v, j->x, j->y, j->rows, j->B, j->bias); break;
+    case 2: spmm_u16(r0, r1, j->rowptr, (const uint16_t*)j->idx, j->v, j->x, j->y, j->rows, j->B,
+                     j->bias); break;
     default: spmm_i32(r0, r1, j->rowptr, (const int32_t*)j->idx, j->v, j->x, j->y, j->rows, j->B, j->bias);
   }
 }

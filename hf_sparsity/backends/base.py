@@ -146,7 +146,8 @@ class SparseBackend:
     def from_dense(
         cls, weight: torch.Tensor, mask: torch.Tensor | None = None, **options: Any
     ) -> SparseBackend:
-        """Prepare ``weight`` (``[out, in]``) under ``mask`` (uint8/bool, same shape; default: ``weight != 0``).
+        """Prepare ``weight`` (``[out, in]``) under ``mask`` (uint8/bool, same shape; default: ``weight !=
+        0``).
 
         Raises :class:`~hf_sparsity.utils.SparsityError` when the backend is unavailable
         here, or the weight's device / dtype / mask structure is not supported.

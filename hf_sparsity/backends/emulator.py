@@ -144,7 +144,8 @@ class EmulatorBackend(SparseBackend):
         self.counters[phase].add(c)
 
     def _ell_apply(self, ell: _Ell, values: torch.Tensor, src_t: torch.Tensor, n_owner: int) -> tuple:
-        """``out_t[o] = sum_k values[o,k] * src_t[members[o,k]]`` in the fixed order; returns (out_t, macs)."""
+        """``out_t[o] = sum_k values[o,k] * src_t[members[o,k]]`` in the fixed order; returns (out_t,
+        macs)."""
         batch = src_t.shape[1]
         acc = torch.zeros(n_owner, batch, dtype=src_t.dtype, device=src_t.device)
         macs = 0

@@ -1,4 +1,5 @@
-"""``semi_structured``: 2:4 sparsity through torch's semi-structured tensors (CUDA, compute capability >= 8.0).
+"""``semi_structured``: 2:4 sparsity through torch's semi-structured tensors (CUDA, compute capability >=
+8.0).
 
 Needs 2:4 masks along the input dimension (keep at most 2 of every 4 consecutive
 weights of a row of the ``[out, in]`` weight): build them with

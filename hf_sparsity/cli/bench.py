@@ -52,7 +52,8 @@ def _sync(device: torch.device) -> None:
 
 
 def interleaved_ms(fns: dict[str, Any], repeats: int, inner: int = 1, device=None) -> dict[str, float]:
-    """Median milliseconds per call of each function, timed round-robin (A, B, A, B, ...) to share the noise."""
+    """Median milliseconds per call of each function, timed round-robin (A, B, A, B, ...) to share the
+    noise."""
     device = torch.device(device or "cpu")
     times: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():  # warm up (lazy init, caches, kernel build)
@@ -146,7 +147,8 @@ def bench_layer(
 def build_masks_for(
     model, sparsity: float | None, masks: str | None, model_dir: str | None, init: str = "topk"
 ):
-    """Masks for a model bench: ``masks`` (path or "zeros"), else the model folder's file, else prune to ``sparsity``."""
+    """Masks for a model bench: ``masks`` (path or "zeros"), else the model folder's file, else prune to
+    ``sparsity``."""
     import os
 
     from ..constants import SPARSITY_MASKS_NAME

@@ -30,7 +30,8 @@ def eval_command_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--suite",
         default="harness7",
-        help="comma-separated: pile, lambada, wikitext103, harness7, or lm-eval task names (default harness7)",
+        help="comma-separated: pile, lambada, wikitext103, harness7, or lm-eval task names "
+        "(default harness7)",
     )
     p.add_argument(
         "--data-dir",
@@ -52,7 +53,8 @@ def eval_command_parser(subparsers) -> argparse.ArgumentParser:
         "--overlapping-eval",
         type=int,
         dest="stride",
-        help="WikiText tokens scored per window, Megatron's --overlapping-eval (default: context, no overlap)",
+        help="WikiText tokens scored per window, Megatron's --overlapping-eval "
+        "(default: context, no overlap)",
     )
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--dtype", help="float32, bfloat16, float16 (default: as saved)")

@@ -72,7 +72,8 @@ class EvalCallback(TrainerCallback):
         self.history: list[dict[str, Any]] = []
 
     def bind(self, trainer: Any) -> EvalCallback:
-        """Log through ``trainer.log`` so reporters (TensorBoard, W&B) receive the metrics. Returns ``self``."""
+        """Log through ``trainer.log`` so reporters (TensorBoard, W&B) receive the metrics. Returns
+        ``self``."""
         self.trainer = trainer
         return self
 

@@ -233,7 +233,8 @@ def parse_results(raw: dict[str, Any], tasks: Sequence[str]) -> dict[str, dict[s
 def harness_averages(
     per_task: dict[str, dict[str, Any]], tasks: Sequence[str] = HARNESS7
 ) -> dict[str, float]:
-    """Mean ``acc`` over ``tasks`` (the seeds' "average accuracy") and mean ``acc_norm`` (``acc`` where absent)."""
+    """Mean ``acc`` over ``tasks`` (the seeds' "average accuracy") and mean ``acc_norm`` (``acc`` where
+    absent)."""
     accs = [per_task[t]["acc"] for t in tasks if t in per_task and per_task[t].get("acc") is not None]
     norms = [
         per_task[t].get("acc_norm", per_task[t]["acc"])

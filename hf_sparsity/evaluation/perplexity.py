@@ -114,7 +114,8 @@ def _open_text(path: Path) -> io.TextIOBase:
 def iter_documents(
     data: str | os.PathLike | Sequence[str | os.PathLike], limit: int | None = None
 ) -> Iterator[str]:
-    """Stream the ``text`` field of Pile-format jsonl lines (``.jsonl.zst`` too), at most ``limit`` documents."""
+    """Stream the ``text`` field of Pile-format jsonl lines (``.jsonl.zst`` too), at most ``limit``
+    documents."""
     n = 0
     for path in resolve_corpus_files(data):
         with _open_text(path) as f:
@@ -254,7 +255,8 @@ def pile_loss(
 
 # ----------------------------------------------------------------------------- WikiText-103
 def wikitext_detokenize(text: str) -> str:
-    """Undo WikiText's word-level tokenization (Megatron's ``wikitext_detokenizer``, as lm-eval also uses it)."""
+    """Undo WikiText's word-level tokenization (Megatron's ``wikitext_detokenizer``, as lm-eval also uses
+    it)."""
     s = text
     # contractions
     s = s.replace("s '", "s'")

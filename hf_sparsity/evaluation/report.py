@@ -174,7 +174,8 @@ def _flops_cell(f: Any) -> str:
 def plot_comparison(
     results: Sequence[dict[str, Any]], labels: Sequence[str], path: str | os.PathLike
 ) -> Path:
-    """Bar chart PNG: accuracies (%) grouped by task on the left; each lower-is-better metric on its own axis."""
+    """Bar chart PNG: accuracies (%) grouped by task on the left; each lower-is-better metric on its own
+    axis."""
     import matplotlib
 
     matplotlib.use("Agg")

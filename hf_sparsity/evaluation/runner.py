@@ -222,7 +222,8 @@ def evaluate(
     if tasks:
         t0 = time.time()
         out = run_harness(
-            model, tok, tasks, data_dir=data_dir, tasks_out=tasks_out, limit=_limit_for(limits, "harness7", "lambada", *tasks), batch_size=batch_size,
+            model, tok, tasks, data_dir=data_dir, tasks_out=tasks_out,
+            limit=_limit_for(limits, "harness7", "lambada", *tasks), batch_size=batch_size,
             bootstrap_iters=bootstrap_iters,
         )  # fmt: skip
         results["wall_time_s"]["harness"] = round(time.time() - t0, 2)

@@ -45,7 +45,8 @@ def _heads(mod: nn.Module, config: Any) -> tuple[int, int]:
 
 
 def attention_flops_coefficient(heads: int, head_dim: int) -> float:
-    """Forward attention FLOPs per token per unit of sequence length (Chinchilla F: logits, softmax, reduce)."""
+    """Forward attention FLOPs per token per unit of sequence length (Chinchilla F: logits, softmax,
+    reduce)."""
     return 2 * heads * head_dim + 3 * heads + 2 * heads * head_dim
 
 
