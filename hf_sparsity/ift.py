@@ -176,6 +176,7 @@ def sparse_ift(config: Any, sparsity: float, transform: str, *, seq_len: int | N
     ``sparse_ift`` section describing the new layers) and the FLOP comparison.
     Nothing is allocated: both models are built on the ``meta`` device.
     """
+    # Long by design: the transform step by step (widen, check, build, count), each step a few lines.
     transform = str(transform).lower()
     if transform not in TRANSFORMS:
         raise SparsityError(

@@ -131,6 +131,7 @@ def plan_sparsity(model: nn.Module, config: SparsityConfig, strict: bool = True)
     With ``strict`` (the default) an explicit pattern that matches no parameter is an
     error: it is almost always a typo, and silently training dense is the worst outcome.
     """
+    # Long by design: one pass deciding every parameter, each rule recording its reason.
     model = unwrap_model(model)
     owners: dict[str, nn.Module] = {}
     for mname, mod in model.named_modules():

@@ -128,6 +128,7 @@ def train(
 
 def main(argv=None, callbacks=()):
     """Run the recipe; ``callbacks`` go to every Trainer too (tests inject a simulated preemption)."""
+    # Long by design: a recipe's story, read top to bottom (nanoGPT's train.py style).
     args = C.parse_args(DEFAULTS, __doc__, argv)
     if not 0 < args.effective_sparsity <= args.stage1_sparsity < 1:
         raise SystemExit(

@@ -195,6 +195,7 @@ def pile_loss(
         ``{"loss", "perplexity", "tokens", "windows", "documents", "context"}`` where
         ``loss`` is the summed NLL divided by ``tokens`` (targets scored).
     """
+    # Long by design: a streaming loop with its own batching; split, it would pass half its state around.
     context = int(context or model_context(model))
     if context < 1:
         raise SparsityError(f"--context must be a positive number of tokens, got {context}.")

@@ -150,6 +150,7 @@ def evaluate(
         stride: WikiText tokens scored per window (Megatron's overlapping eval).
         masks: for an in-memory model, the masks it runs under (only for the report).
     """
+    # Long by design: one short branch per suite, in the order the results are reported.
     suites = parse_suites(suites)
     limits = parse_limit(limit)
     t_start = time.time()

@@ -80,6 +80,7 @@ def count_flops(
     them the model counts dense. Names are parameter names (``...c_attn.weight``).
     ``seq_len`` defaults to the config's context length.
     """
+    # Long by design: one pass over the model's modules fills every figure of the report.
     model = unwrap_model(model)
     config = getattr(model, "config", None)
     seq_len = int(seq_len or context_length(config))
