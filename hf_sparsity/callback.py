@@ -27,7 +27,6 @@ state, so they continue across resume.
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import os
@@ -40,38 +39,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from .config import SparsityConfig
 from .constants import SPARSITY_MASKS_NAME
 from .engine import SparsityEngine
+from .hooks import TRAINER_FRAMES, resume_dir_from_trainer_frame  # noqa: F401  (re-exported)
 from .modeling import context_length, sparsity_table
 from .serialization import has_masks
 from .targeting import unwrap_model
 from .utils import SparsityError, atomic_write_text
 
 logger = logging.getLogger("hf_sparsity")
-
-
-TRAINER_FRAMES = ("_inner_training_loop", "train")
-
-
-def resume_dir_from_trainer_frame() -> str | None:
-    """The ``resume_from_checkpoint`` folder given to ``Trainer.train``, read from its frame.
-
-    The one frame read in the library, because there is no public way in: Trainer passes the
-    path to no callback event and keeps it nowhere on ``state`` or ``args``. It is an argument
-    of ``Trainer.train`` and ``Trainer._inner_training_loop`` (:data:`TRAINER_FRAMES`).
-    ``tests/test_checkpoints.py::test_resume_dir_is_read_from_trainer`` fails loudly when a
-    transformers release moves it. Without it, resuming still works when the checkpoint is
-    ``output_dir/checkpoint-<step>`` or is passed as ``SparsityCallback(resume_from=...)``.
-    """
-    frame = inspect.currentframe()
-    try:
-        while frame is not None:
-            if frame.f_code.co_name in TRAINER_FRAMES:
-                value = frame.f_locals.get("resume_from_checkpoint")
-                if isinstance(value, (str, os.PathLike)) and os.path.isdir(value):
-                    return str(value)
-            frame = frame.f_back
-    finally:
-        del frame
-    return None
 
 
 class SparsityCallback(TrainerCallback, ExportableState):

@@ -43,6 +43,7 @@ from . import masks as M
 from .config import SparsityConfig, check_structure, set_sparsity_config
 from .constants import SPARSITY_MASKS_NAME
 from .enforcement import ZERO_PRESERVING_OPTIMIZERS, MaskEnforcer, local_slice
+from .hooks import carry_masks_in_save_pretrained
 from .mask_state import MaskState, _state_field
 from .modeling import full_tensor, is_dtensor, local, sparsity_table
 from .schedules import Schedule, ScheduledEvent, compile_schedule
@@ -451,25 +452,3 @@ class SparsityEngine:
         tz = sum(int((m == 0).sum()) for m in self.masks.values())
         lines.append(f"total: {len(rows)} tensors, {tn:,} targeted parameters, level {tz / max(tn, 1):.4f}")
         return "\n".join(lines)
-
-
-def carry_masks_in_save_pretrained(model: nn.Module, engine: SparsityEngine) -> Callable:
-    """Make ``model.save_pretrained(dir)`` also stamp the config and write the masks; returns the original.
-
-    The one place the library replaces a method on an instance, because there is no public
-    way in: ``Trainer.save_model()`` fires no callback event, and both it and every
-    checkpoint save go through ``model.save_pretrained``. ``tests/test_checkpoints.py``
-    fails loudly if Trainer stops calling it.
-    """
-    orig = model.save_pretrained
-
-    def save_pretrained(save_directory, *args, **kwargs):
-        engine.stamp_config()
-        out = orig(save_directory, *args, **kwargs)
-        if kwargs.get("is_main_process", True):
-            engine.save(save_directory)
-        return out
-
-    save_pretrained.__doc__ = orig.__doc__
-    model.save_pretrained = save_pretrained
-    return orig
