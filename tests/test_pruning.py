@@ -249,3 +249,109 @@ def test_hessian_not_positive_definite_retries_then_fails(caplog):
     H = torch.tensor([[1.0, 1.0], [1.0, 1.0]])  # singular: needs damping, which the default gives
     U, _ = M.damped_inverse_cholesky(H, 0.01)
     assert torch.isfinite(U).all()
+
+
+# ----------------------------------------------------------------------------- CLI and pruned folders
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny GPT-2 folder with the real GPT-2 tokenizer (from ../shared/data), and a calibration file."""
+    from transformers import GPT2TokenizerFast
+
+    from .conftest import shared_data_dir
+
+    data = shared_data_dir()
+    root = tmp_path_factory.mktemp("prune")
+    model_dir = root / "dense"
+    tiny_model("gpt2", vocab=50257).save_pretrained(model_dir)
+    GPT2TokenizerFast.from_pretrained(data / "tokenizer/gpt2").save_pretrained(model_dir)
+    return model_dir, data / "corpus/openwebtext-1000.jsonl"
+
+
+def _cli(*argv):
+    from hf_sparsity.cli import main
+
+    return main([str(a) for a in argv])
+
+
+def test_prune_cli_writes_a_sparse_folder_stock_transformers_loads(tiny_dir, tmp_path, capsys):
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_sparsity.serialization import load_masks
+
+    model_dir, calib = tiny_dir
+    out = tmp_path / "sgpt24"
+    rc = _cli(
+        "prune", model_dir, out, "--method", "sparsegpt", "--structure", "2:4", "--calib-data", calib,
+        "--nsamples", 4, "--seqlen", 32,
+    )  # fmt: skip
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "mlp.c_fc" in printed and "wrote" in printed
+    model = AutoModelForCausalLM.from_pretrained(out)
+    AutoTokenizer.from_pretrained(out)
+    masks, meta = load_masks(out)
+    assert len(masks) == 8
+    for name, mask in masks.items():
+        w = model.get_parameter(name).detach()
+        assert torch.all(w[mask == 0] == 0)
+        assert torch.all(mask.t().reshape(-1, 4).sum(1) == 2)  # Conv1D: input dim first
+    section = json.loads((out / "config.json").read_text())["sparsity"]
+    assert section["structure"] == "2:4"
+    oneshot = section["_state"]["oneshot"]
+    assert oneshot["method"] == "sparsegpt" and oneshot["nsamples"] == 4 and oneshot["seqlen"] == 32
+    assert json.loads(meta["state"])["oneshot"]["seed"] == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sgpt24"]  # no temporary left behind
+
+
+def test_prune_cli_bad_inputs_leave_no_output(tiny_dir, tmp_path, capsys):
+    model_dir, calib = tiny_dir
+    short = tmp_path / "short.txt"
+    short.write_text("a short paragraph\n\nanother one\n")
+    out = tmp_path / "out"
+    base = ("prune", model_dir, out, "--method", "wanda", "--seqlen", 32)
+    cases = [
+        (("--calib-data", short, "--nsamples", 2), "No calibration document is longer than seqlen=32"),
+        (("--calib-data", calib, "--nsamples", 0), "at least 1 calibration sample"),
+        (("--calib-data", calib, "--nsamples", 2, "--structure", "1:3"), "not a multiple of 3"),
+        (("--calib-data", tmp_path / "missing.jsonl"), "does not exist"),
+    ]
+    for extra, message in cases:
+        assert _cli(*base, *extra) == 2
+        assert message in capsys.readouterr().err
+        assert not out.exists()
+    inside = model_dir / "pruned"
+    assert _cli("prune", model_dir, inside, "--method", "magnitude") == 2
+    assert "inside the model folder" in capsys.readouterr().err and not inside.exists()
+    out.mkdir()
+    assert _cli("prune", model_dir, out, "--method", "magnitude") == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "short.txt"]
+
+
+@pytest.mark.slow
+def test_sparsity_callback_keeps_one_shot_masks(tiny_dir, tmp_path):
+    """A model loaded from a pruned folder and trained with SparsityCallback keeps exactly those masks."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_sparsity import SparsityCallback
+    from hf_sparsity.serialization import load_masks
+
+    from .trainer_utils import make_trainer, random_blocks
+
+    model_dir, calib = tiny_dir
+    out = tmp_path / "wanda"
+    assert _cli("prune", model_dir, out, "--method", "wanda", "--calib-data", calib, "--nsamples", 4,
+                "--seqlen", 32) == 0  # fmt: skip
+    oneshot, _ = load_masks(out)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    cb = SparsityCallback(SparsityConfig(sparsity=0.5))
+    trainer = make_trainer(model, tmp_path / "train", [cb], dataset=random_blocks(vocab=50257), max_steps=4)
+    trainer.train()
+    assert cb.restored_from == str(out)
+    assert set(cb.engine.masks) == set(oneshot)
+    for name, mask in oneshot.items():
+        assert torch.equal(cb.engine.masks[name], mask), name
+        w = model.get_parameter(name).detach()
+        assert torch.all(w[mask == 0] == 0) and torch.count_nonzero(w[mask == 1]) > 0
