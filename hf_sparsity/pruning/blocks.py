@@ -54,7 +54,7 @@ class _Captured(Exception):
 class BlockInputs:
     """One calibration chunk: the hidden states entering a block and the other arguments of the call."""
 
-    hidden: torch.Tensor
+    hidden: torch.Tensor | None
     args: tuple = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
     hidden_in_kwargs: bool = False

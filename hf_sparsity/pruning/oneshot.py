@@ -271,6 +271,8 @@ def _prune(model, targets, calibration, method, blocksize, percdamp, owl, device
     counts = _zero_counts(model, blocks, prefix, targets, chunks, owl, dev)
     masks, block_seconds = {}, []
     hidden = [c.hidden for c in chunks]
+    for c in chunks:  # hold the activations once: as this block's inputs, then its outputs
+        c.hidden = None
     bar = _progress(len(blocks), method, progress)
     for i, block in enumerate(blocks):
         tb = time.perf_counter()
