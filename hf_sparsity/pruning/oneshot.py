@@ -103,32 +103,43 @@ def _check_nm(model: nn.Module, targets: list[TargetDecision]) -> None:
 
 
 class _StatsHooks:
-    """Forward hooks accumulating Wanda's input norms or SparseGPT's Hessian for a block's linears."""
+    """Forward hooks accumulating Wanda's input norms or SparseGPT's Hessian for a block's linears.
+
+    Linears fed the very same tensor (Q/K/V, gate/up) share one accumulator: the reference
+    computes the same ``XᵀX`` once per linear, which costs as much as the block's forward.
+    """
 
     def __init__(self, modules: dict[str, nn.Module], kind: str):
-        self.kind, self.stats, self.nseq = kind, {}, defaultdict(int)
+        self.kind, self.stats, self.nseq, self.group = kind, {}, defaultdict(int), {}
+        self._last: tuple[torch.Tensor, str] | None = None  # held, so its storage cannot be reused
         self.handles = [m.register_forward_hook(self._hook(n)) for n, m in modules.items()]
 
     def _hook(self, name: str):
         def hook(module, inputs, output):
-            x = inputs[0].detach()
-            nseq = x.shape[0] if x.dim() == 3 else 1
-            x = x.reshape(-1, x.shape[-1]).float()
-            if self.kind == "wanda":
-                add = (x * x).sum(0)
+            x = inputs[0]
+            if self._last is not None and self._last[0] is x:
+                self.group.setdefault(name, self._last[1])
+                return
+            group = self.group.setdefault(name, name)
+            self._last = (x, group)
+            self.nseq[group] += x.shape[0] if x.dim() == 3 else 1
+            x = x.detach().reshape(-1, x.shape[-1]).float()
+            add = (x * x).sum(0) if self.kind == "wanda" else x.t() @ x
+            if group in self.stats:
+                self.stats[group].add_(add)
             else:
-                add = x.t() @ x
-            self.stats[name] = add if name not in self.stats else self.stats[name] + add
-            self.nseq[name] += nseq
+                self.stats[group] = add
 
         return hook
 
     def result(self) -> dict[str, torch.Tensor]:
         for h in self.handles:
             h.remove()
+        self._last = None
         # The reference's running averages end at Σ‖x‖²/N (Wanda) and 2/N·ΣxxᵀN (SparseGPT).
         scale = {"wanda": 1.0, "sparsegpt": 2.0}[self.kind]
-        return {n: s * (scale / max(self.nseq[n], 1)) for n, s in self.stats.items()}
+        scaled = {g: s * (scale / max(self.nseq[g], 1)) for g, s in self.stats.items()}
+        return {n: scaled[g] for n, g in self.group.items()}
 
 
 def _run_all(block, chunks, hidden):
