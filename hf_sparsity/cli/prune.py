@@ -24,7 +24,9 @@ def prune_command_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("model_dir", metavar="MODEL_DIR", help="pretrained model folder (with tokenizer)")
     p.add_argument("out_dir", metavar="OUT_DIR", help="new sparse model folder (written atomically)")
-    p.add_argument("--method", choices=["magnitude", "wanda", "sparsegpt"], default="wanda")
+    p.add_argument(
+        "--method", choices=["magnitude", "wanda", "sparsegpt"], default="wanda", help="default wanda"
+    )
     p.add_argument("--sparsity", type=float, help="level of every targeted tensor (default 0.5)")
     p.add_argument("--structure", help='N:M structure, e.g. "2:4" (keep 2 of every 4 along the input)')
     p.add_argument("--config", help="params YAML with a `sparsity:` section (targets, per-pattern levels)")
