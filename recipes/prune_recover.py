@@ -55,7 +55,7 @@ DEFAULTS = dict(
     block_size=64,
     eval_blocks=48,
     # stage 1: dense training (0 for a pretrained model)
-    dense_steps=200,
+    dense_steps=300,
     dense_lr=3e-3,
     # stage 2: one-shot pruning
     method="wanda",  # magnitude | wanda | sparsegpt
@@ -65,7 +65,7 @@ DEFAULTS = dict(
     seqlen=64,
     calib_seed=0,
     # stage 3: recovery with masks fixed
-    recover_steps=100,
+    recover_steps=150,
     recover_lr=1e-3,
     distill_alpha=0.5,  # 0: plain LM loss; 1: KL to the dense model only
     distill_temperature=2.0,
