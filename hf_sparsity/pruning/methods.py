@@ -54,11 +54,13 @@ def prune_nm(score: torch.Tensor, n: int, m: int) -> torch.Tensor:
             f"N:M structure {n}:{m} needs the input dimension ({cols}) to be a multiple of {m}; "
             "exclude this weight with `param_name_patterns`, or use unstructured sparsity."
         )
-    groups = score.reshape(rows, cols // m, m)
+    # Ties go to the later position, as torch.topk(largest=False) in the reference code picks them
+    # on CPU (dequantized checkpoints have many equal magnitudes within a group).
+    groups = score.reshape(rows, cols // m, m).flip(-1)
     order = torch.sort(groups, dim=-1, stable=True).indices[..., : m - n]
     pruned = torch.zeros_like(groups, dtype=torch.bool)
     pruned.scatter_(-1, order, True)
-    return pruned.reshape(rows, cols)
+    return pruned.flip(-1).reshape(rows, cols)
 
 
 def magnitude_prune(W: torch.Tensor, k: int, nm: tuple[int, int] | None = None) -> torch.Tensor:
