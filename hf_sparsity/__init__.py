@@ -48,6 +48,10 @@ def __getattr__(name):
         from . import evaluation
 
         return evaluation.EvalCallback if name == "EvalCallback" else evaluation.evaluate
+    if name == "prune_oneshot":
+        from .pruning import prune_oneshot
+
+        return prune_oneshot
     if name == "sparse_ift":
         from .ift import sparse_ift
 
@@ -76,6 +80,7 @@ __all__ = [
     "inspect_checkpoint",
     "load_sparse_model",
     "plan_sparsity",
+    "prune_oneshot",
     "register_backend",
     "restore_dense",
     "set_sparsity_config",

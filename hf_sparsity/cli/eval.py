@@ -63,6 +63,9 @@ def eval_command_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--compare", nargs="+", metavar="DIR", help="compare results folders side by side")
     p.add_argument("--labels", nargs="+", help="column labels for --compare (default: folder names)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--seqlen", type=int, help="wikitext2 suite: window length (default: model's context)")
+    p.add_argument("--max-windows", type=int, help="wikitext2 suite: score only the first K windows")
+    p.add_argument("--json", action="store_true", help="wikitext2 suite: print its result as JSON")
     p.set_defaults(func=eval_command)
     return p
 
@@ -82,6 +85,20 @@ def eval_command(args: argparse.Namespace) -> int:
         return 0
     if not args.model:
         raise SparsityError("Name the model folder to evaluate: hf_sparsity eval MODEL --suite ...")
+    suites = [s.strip() for s in args.suite.split(",") if s.strip()]
+    if "wikitext2" in suites:  # the Wanda/SparseGPT protocol (evaluation/wikitext2.py)
+        from ..evaluation.wikitext2 import evaluate_wikitext2, format_wikitext2
+
+        res = evaluate_wikitext2(
+            args.model, data_dir=args.data_dir, seqlen=args.seqlen, max_windows=args.max_windows,
+            batch_size=1, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
+            progress=not args.no_progress and sys.stderr.isatty(),
+        )  # fmt: skip
+        print(json.dumps(res, indent=2) if args.json else format_wikitext2(res))
+        suites.remove("wikitext2")
+        if not suites:
+            return 0
+        args.suite = ",".join(suites)
     results = evaluate(
         args.model,
         args.suite,

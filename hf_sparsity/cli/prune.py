@@ -1,0 +1,79 @@
+"""``hf_sparsity prune``: one-shot prune a pretrained model folder into a sparse model folder.
+
+Examples::
+
+    hf_sparsity prune models/dense out/wanda50 --method wanda --sparsity 0.5 \\
+        --calib-data ../shared/data/corpus/openwebtext-1000.jsonl --nsamples 32 --seqlen 512
+    hf_sparsity prune models/dense out/sgpt24 --method sparsegpt --structure 2:4 --calib-data c4.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def prune_command_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``prune`` on the ``hf_sparsity`` command line."""
+    p = subparsers.add_parser(
+        "prune",
+        help="one-shot prune a pretrained model (magnitude, Wanda, SparseGPT; unstructured or N:M)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model_dir", metavar="MODEL_DIR", help="pretrained model folder (with tokenizer)")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="new sparse model folder (written atomically)")
+    p.add_argument(
+        "--method", choices=["magnitude", "wanda", "sparsegpt"], default="wanda", help="default wanda"
+    )
+    p.add_argument("--sparsity", type=float, help="level of every targeted tensor (default 0.5)")
+    p.add_argument("--structure", help='N:M structure, e.g. "2:4" (keep 2 of every 4 along the input)')
+    p.add_argument("--config", help="params YAML with a `sparsity:` section (targets, per-pattern levels)")
+    p.add_argument(
+        "--calib-data", help="calibration .jsonl (one document per row), .txt (blank-line paragraphs) or name"
+    )
+    p.add_argument("--text-column", default="text", help="JSONL / dataset text field (default text)")
+    p.add_argument("--nsamples", type=int, default=128, help="calibration windows (default 128)")
+    p.add_argument("--seqlen", type=int, default=2048, help="tokens per window (default 2048)")
+    p.add_argument("--seed", type=int, default=0, help="calibration sampling seed (default 0)")
+    p.add_argument("--device", help="where each block runs: cpu (default) or cuda")
+    p.add_argument("--batch-size", type=int, default=8, help="calibration windows per block forward")
+    p.add_argument("--blocksize", type=int, default=128, help="SparseGPT lazy-batch width (default 128)")
+    p.add_argument("--percdamp", type=float, default=0.01, help="SparseGPT damping (default 0.01)")
+    p.add_argument("--owl", action="store_true", help="OWL non-uniform block levels (global level exact)")
+    p.add_argument("--owl-lambda", type=float, default=0.08, help="OWL's largest level shift (default 0.08)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=prune_command)
+    return p
+
+
+def prune_command(args: argparse.Namespace) -> int:
+    """Run ``hf_sparsity prune``; returns the exit status."""
+    from ..pruning.pipeline import prune_folder
+
+    t0 = time.perf_counter()
+    result = prune_folder(
+        args.model_dir,
+        args.out_dir,
+        method=args.method,
+        sparsity=args.sparsity,
+        structure=args.structure,
+        config_path=args.config,
+        calib_data=args.calib_data,
+        text_column=args.text_column,
+        nsamples=args.nsamples,
+        seqlen=args.seqlen,
+        seed=args.seed,
+        device=args.device,
+        batch_size=args.batch_size,
+        blocksize=args.blocksize,
+        percdamp=args.percdamp,
+        owl_lambda=args.owl_lambda if args.owl else None,
+        overwrite=args.overwrite,
+        progress=not args.no_progress and sys.stderr.isatty(),
+    )
+    print(result.summary())
+    print(f"wrote {args.out_dir} in {time.perf_counter() - t0:.1f} s (prune {result.seconds:.1f} s)")
+    return 0

@@ -1,0 +1,23 @@
+"""One-shot pruning of pretrained models: magnitude, Wanda and SparseGPT, unstructured and N:M.
+
+from hf_sparsity.pruning import prune_oneshot, read_documents, sample_calibration
+calib = sample_calibration(read_documents("corpus.jsonl"), tokenizer, nsamples=128, seqlen=2048)
+result = prune_oneshot(model, SparsityConfig(sparsity=0.5), calib, method="sparsegpt")
+save_pruned(model, result, "out/", tokenizer=tokenizer)
+"""
+
+from .calibration import read_documents, sample_calibration
+from .levels import OWLSettings
+from .methods import METHODS
+from .oneshot import OneShotResult, prune_oneshot
+from .save import save_pruned
+
+__all__ = [
+    "METHODS",
+    "OWLSettings",
+    "OneShotResult",
+    "prune_oneshot",
+    "read_documents",
+    "sample_calibration",
+    "save_pruned",
+]

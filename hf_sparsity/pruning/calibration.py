@@ -1,0 +1,119 @@
+"""Calibration windows for one-shot pruning, sampled exactly as the Wanda / SparseGPT code samples C4.
+
+``locuslab/wanda`` ``lib/data.py`` (``get_c4``)::
+
+    random.seed(seed)
+    for _ in range(nsamples):
+        while True:
+            i = random.randint(0, len(docs) - 1)
+            enc = tokenizer(docs[i]["text"])
+            if len(enc) > seqlen: break
+        i = random.randint(0, len(enc) - seqlen - 1)
+        window = enc[i : i + seqlen]
+
+Documents: the rows of a JSONL file in file order (``text_column``), the blank-line-separated
+paragraphs of a ``.txt`` file, or the ``train`` split of a dataset name (``datasets``, needs
+the hub or its cache).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import torch
+
+from ..utils import SparsityError
+
+
+def read_documents(source: str | os.PathLike, text_column: str = "text") -> list[str]:
+    """The calibration documents of a ``.jsonl`` / ``.txt`` file, or of a dataset name's train split."""
+    path = Path(source)
+    if path.is_file():
+        if path.suffix in (".jsonl", ".json"):
+            return _read_jsonl(path, text_column)
+        text = path.read_text(encoding="utf-8")
+        return [p.strip("\n") for p in text.split("\n\n") if p.strip()]
+    if path.suffix in (".jsonl", ".json", ".txt") or os.sep in str(source):
+        raise SparsityError(f"Calibration file {str(source)!r} does not exist.")
+    return _read_dataset(str(source), text_column)
+
+
+def _read_jsonl(path: Path, text_column: str) -> list[str]:
+    docs = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SparsityError(f"{str(path)!r} line {lineno} is not JSON ({e}).") from None
+            if not isinstance(row, dict) or text_column not in row:
+                keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+                raise SparsityError(
+                    f"{str(path)!r} line {lineno} has no {text_column!r} field (it has {keys}); "
+                    "name the text field with --text-column."
+                )
+            docs.append(str(row[text_column]))
+    if not docs:
+        raise SparsityError(f"Calibration file {str(path)!r} holds no documents.")
+    return docs
+
+
+def _read_dataset(name: str, text_column: str) -> list[str]:
+    try:
+        from datasets import load_dataset
+
+        ds = load_dataset(name, split="train")
+    except Exception as e:  # ImportError, offline, unknown name: all mean "give a local file"
+        raise SparsityError(
+            f"Cannot load calibration dataset {name!r} ({type(e).__name__}: {e}). "
+            "Pass a local .jsonl or .txt file with --calib-data."
+        ) from None
+    if text_column not in ds.column_names:
+        raise SparsityError(
+            f"Dataset {name!r} has no column {text_column!r} ({ds.column_names}); use --text-column."
+        )
+    return list(ds[text_column])
+
+
+def sample_calibration(
+    docs: list[str], tokenizer, nsamples: int = 128, seqlen: int = 2048, seed: int = 0
+) -> torch.Tensor:
+    """``(nsamples, seqlen)`` token ids: random windows of random documents longer than ``seqlen``.
+
+    Draws the same documents and offsets as the reference code for the same seed. A document
+    is tokenized once (the reference re-tokenizes it when drawn again, with the same result).
+    """
+    if nsamples < 1:
+        raise SparsityError(f"nsamples = {nsamples}: one-shot pruning needs at least 1 calibration sample.")
+    if seqlen < 1:
+        raise SparsityError(f"seqlen = {seqlen} must be at least 1.")
+    if not docs:
+        raise SparsityError("The calibration set holds no documents.")
+    cache: dict[int, list[int]] = {}
+    long_enough: set[int] = set()
+    rng = random.Random(seed)
+    samples = []
+    for _ in range(nsamples):
+        while True:
+            i = rng.randint(0, len(docs) - 1)
+            if i not in cache:
+                cache[i] = tokenizer(docs[i])["input_ids"]
+                if len(cache[i]) > seqlen:
+                    long_enough.add(i)
+            if i in long_enough:
+                break
+            if len(cache) == len(docs) and not long_enough:
+                longest = max(len(t) for t in cache.values())
+                raise SparsityError(
+                    f"No calibration document is longer than seqlen={seqlen} tokens (the longest has "
+                    f"{longest}). Lower --seqlen, or use a file with longer documents."
+                )
+        enc = cache[i]
+        j = rng.randint(0, len(enc) - seqlen - 1)
+        samples.append(enc[j : j + seqlen])
+    return torch.tensor(samples, dtype=torch.long)

@@ -1,0 +1,335 @@
+"""``prune_oneshot``: prune a pretrained model block by block from calibration activations.
+
+As in the Wanda and SparseGPT reference code: the inputs of the first decoder block are
+captured once; then, for each block, hooks on its targeted linears collect what the method
+needs (Wanda: the squared L2 norm of each input feature; SparseGPT: the input Hessian) in
+one forward over the calibration set, every targeted weight of the block is pruned, and the
+block is run again with the pruned weights to give the next block its inputs.
+
+Memory: the model (on CPU), two copies of the block activations (``nsamples x seqlen x
+hidden`` floats each, in and out), and the statistics of one block's targeted linears (for
+SparseGPT one ``in x in`` float32 Hessian per linear). With ``device="cuda"`` only the block
+being pruned, its activations and statistics are on the GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import SparsityConfig, check_structure
+from ..masks import MASK_DTYPE
+from ..targeting import TargetDecision, plan_sparsity, unwrap_model
+from ..utils import SparsityError
+from . import methods as M
+from .blocks import capture_block_inputs, find_blocks, run_block, to_device
+from .levels import OWLSettings, outlier_ratio, owl_counts, uniform_counts
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class OneShotResult:
+    """Masks (name -> uint8, 1 = kept) and what the run did."""
+
+    masks: dict[str, torch.Tensor]
+    method: str
+    seconds: float
+    zeros: dict[str, int] = field(default_factory=dict)
+    block_seconds: list[float] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def levels_by_projection(self) -> dict[str, float]:
+        """Sparsity per projection type (``self_attn.q_proj``, ``mlp.down_proj``, ...) over all blocks."""
+        zeros, numel = defaultdict(int), defaultdict(int)
+        for name, m in self.masks.items():
+            kind = _projection_kind(name)
+            zeros[kind] += int((m == 0).sum())
+            numel[kind] += m.numel()
+        return {k: zeros[k] / numel[k] for k in sorted(zeros)}
+
+    def summary(self) -> str:
+        total = sum(m.numel() for m in self.masks.values())
+        zeros = sum(int((m == 0).sum()) for m in self.masks.values())
+        lines = [
+            f"{self.method}: {len(self.masks)} tensors, {zeros:,} of {total:,} targeted weights zero "
+            f"({zeros / max(total, 1):.4%}) in {self.seconds:.1f} s"
+        ]
+        lines += [f"  {k:<28} {v:.4%}" for k, v in self.levels_by_projection().items()]
+        return "\n".join(lines)
+
+
+def _projection_kind(name: str) -> str:
+    parts = name.split(".")
+    idx = max((i for i, p in enumerate(parts) if p.isdigit()), default=-1)
+    return ".".join(parts[idx + 1 : -1]) or name
+
+
+def _linear_view(param: torch.Tensor, d: TargetDecision) -> torch.Tensor:
+    w = param.detach().float()
+    return w.t() if d.input_dim == 0 else w
+
+
+def _store(param: torch.Tensor, d: TargetDecision, W: torch.Tensor, pruned: torch.Tensor) -> torch.Tensor:
+    """Write the pruned (or updated) weight back; return the uint8 mask in the parameter's layout."""
+    keep = (~pruned).to(MASK_DTYPE)
+    W = W * keep
+    if d.input_dim == 0:
+        W, keep = W.t(), keep.t()
+    with torch.no_grad():
+        param.copy_(W.to(param.dtype))
+    return keep.contiguous().cpu()
+
+
+def _nm(d: TargetDecision) -> tuple[int, int] | None:
+    return check_structure(d.structure) if d.structure else None
+
+
+def _check_nm(model: nn.Module, targets: list[TargetDecision]) -> None:
+    for d in targets:
+        nm = _nm(d)
+        cols = d.shape[d.input_dim] if len(d.shape) == 2 else None
+        if nm and cols is not None and cols % nm[1]:
+            raise SparsityError(
+                f"N:M structure {d.structure} on {d.name}: its input dimension ({cols}) is not a multiple "
+                f"of {nm[1]}. Exclude it with `param_name_patterns`, or use unstructured sparsity."
+            )
+
+
+class _StatsHooks:
+    """Forward hooks accumulating Wanda's input norms or SparseGPT's Hessian for a block's linears.
+
+    Linears fed the very same tensor (Q/K/V, gate/up) share one accumulator: the reference
+    computes the same ``XᵀX`` once per linear, which costs as much as the block's forward.
+    """
+
+    def __init__(self, modules: dict[str, nn.Module], kind: str):
+        self.kind, self.stats, self.nseq, self.group = kind, {}, defaultdict(int), {}
+        self._last: tuple[torch.Tensor, str] | None = None  # held, so its storage cannot be reused
+        self.handles = [m.register_forward_hook(self._hook(n)) for n, m in modules.items()]
+
+    def _hook(self, name: str):
+        def hook(module, inputs, output):
+            x = inputs[0]
+            if self._last is not None and self._last[0] is x:
+                self.group.setdefault(name, self._last[1])
+                return
+            group = self.group.setdefault(name, name)
+            self._last = (x, group)
+            self.nseq[group] += x.shape[0] if x.dim() == 3 else 1
+            x = x.detach().reshape(-1, x.shape[-1]).float()
+            add = (x * x).sum(0) if self.kind == "wanda" else x.t() @ x
+            if group in self.stats:
+                self.stats[group].add_(add)
+            else:
+                self.stats[group] = add
+
+        return hook
+
+    def result(self) -> dict[str, torch.Tensor]:
+        for h in self.handles:
+            h.remove()
+        self._last = None
+        # The reference's running averages end at Σ‖x‖²/N (Wanda) and 2/N·ΣxxᵀN (SparseGPT).
+        scale = {"wanda": 1.0, "sparsegpt": 2.0}[self.kind]
+        scaled = {g: s * (scale / max(self.nseq[g], 1)) for g, s in self.stats.items()}
+        return {n: scaled[g] for n, g in self.group.items()}
+
+
+def _run_all(block, chunks, hidden):
+    return [run_block(block, c, h) for c, h in zip(chunks, hidden)]
+
+
+def _is_linear_weight(model, d: TargetDecision) -> bool:
+    owner = model.get_submodule(d.name.rsplit(".", 1)[0]) if "." in d.name else model
+    linear = isinstance(owner, nn.Linear) or type(owner).__name__ == "Conv1D"
+    return linear and len(d.shape) == 2 and d.name.endswith("weight")
+
+
+def _block_targets(model, prefix, i, targets):
+    """Block ``i``'s targeted linear weights (other targeted tensors are pruned by magnitude)."""
+    head = f"{prefix}.{i}."
+    return [d for d in targets if d.name.startswith(head) and _is_linear_weight(model, d)]
+
+
+def _owl_ratios(model, blocks, prefix, targets, chunks, hidden, settings, dev) -> dict[int, float]:
+    """One dense pass over the blocks: each block's share of outlier Wanda scores."""
+    ratios = {}
+    for i, block in enumerate(blocks):
+        home = next(block.parameters()).device
+        block.to(dev)
+        ds = _block_targets(model, prefix, i, targets)
+        mods = {d.name: model.get_submodule(d.name.rsplit(".", 1)[0]) for d in ds}
+        hooks = _StatsHooks(mods, "wanda")
+        hidden = _run_all(block, chunks, hidden)
+        stats = hooks.result()
+        scores = [M.wanda_score(_linear_view(model.get_parameter(d.name), d), stats[d.name]) for d in ds]
+        ratios[i] = outlier_ratio(scores, settings.outlier_m) if scores else 0.0
+        block.to(home)
+    return ratios
+
+
+def _zero_counts(model, blocks, prefix, targets, chunks, owl, dev=None) -> dict[str, int]:
+    levels = {d.name: float(d.sparsity) for d in targets}
+    numels = {d.name: d.numel for d in targets}
+    if owl is None:
+        return uniform_counts(levels, numels)
+    if any(d.structure for d in targets):
+        raise SparsityError("OWL levels apply to unstructured sparsity; drop `structure` or the OWL option.")
+    block_of = {}
+    for i in range(len(blocks)):
+        for d in _block_targets(model, prefix, i, targets):
+            block_of[d.name] = i
+    outside = [d.name for d in targets if d.name not in block_of]
+    for j, n in enumerate(outside):  # each weight outside the blocks is its own "block" at the target level
+        block_of[n] = len(blocks) + j
+    ratios = _owl_ratios(model, blocks, prefix, targets, chunks, [c.hidden for c in chunks], owl, dev)
+    mean_ratio = sum(ratios.values()) / max(len(ratios), 1)
+    ratios.update({block_of[n]: mean_ratio for n in outside})
+    return owl_counts(levels, numels, block_of, ratios, owl.lam)
+
+
+def _prune_one(method, W, stat, k, nm, blocksize, percdamp, name):
+    if method == "magnitude":
+        return W, M.magnitude_prune(W, k, nm)
+    if method == "wanda":
+        return W, M.wanda_prune(W, stat, k, nm)
+    return M.sparsegpt_prune(W, stat, k, nm, blocksize=blocksize, percdamp=percdamp, name=name)
+
+
+def _check_args(method, calibration, targets, model) -> None:
+    if method not in M.METHODS:
+        raise SparsityError(f"Unknown pruning method {method!r}; use one of {', '.join(M.METHODS)}.")
+    if not targets:
+        raise SparsityError(
+            f"The sparsity config selects no weight of {type(model).__name__}; nothing to prune. "
+            "Check `param_name_patterns` (`hf_sparsity validate` lists the parameter names)."
+        )
+    if method != "magnitude":
+        if calibration is None or calibration.dim() != 2 or calibration.shape[0] == 0:
+            raise SparsityError(
+                f"{method} needs calibration token ids of shape (nsamples, seqlen) with nsamples >= 1; "
+                "build them with hf_sparsity.pruning.sample_calibration (--nsamples 128 is the reference)."
+            )
+
+
+@torch.no_grad()
+def prune_oneshot(
+    model: nn.Module,
+    config: SparsityConfig | float,
+    calibration: torch.Tensor | None = None,
+    method: str = "wanda",
+    *,
+    blocksize: int = 128,
+    percdamp: float = 0.01,
+    owl: OWLSettings | None = None,
+    device: str | torch.device | None = None,
+    batch_size: int = 8,
+    progress: bool = False,
+) -> OneShotResult:
+    """Prune ``model`` in place, block by block, and return its masks.
+
+    Args:
+        model: a causal LM whose decoder blocks are an ``nn.ModuleList`` (every transformers LM).
+        config: a :class:`SparsityConfig` (targets, per-pattern levels, ``structure: "2:4"``) or a level.
+        calibration: token ids ``(nsamples, seqlen)``, e.g. from :func:`sample_calibration`;
+            not needed for ``magnitude``.
+        method: ``magnitude``, ``wanda`` or ``sparsegpt``.
+        blocksize, percdamp: SparseGPT's lazy-batch width and damping (fraction of the mean Hessian diagonal).
+        owl: non-uniform per-block levels (:class:`OWLSettings`), holding the total number of zeros exact.
+        device: where each block runs (e.g. ``"cuda"``); the model itself stays where it is.
+        batch_size: calibration sequences per block forward.
+        progress: show a progress bar over blocks.
+
+    Every targeted tensor ends with exactly ``round(level · numel)`` zeros (or the OWL count),
+    or exactly N of every M kept along its input dimension.
+    """
+    if not isinstance(config, SparsityConfig):
+        config = SparsityConfig(sparsity=float(config))
+    model = unwrap_model(model)
+    targets = [d for d in plan_sparsity(model, config) if d.sparsify]
+    _check_args(method, calibration, targets, model)
+    _check_nm(model, targets)
+    was_training = model.training
+    model.eval()  # dropout off: statistics must be those of the deployed model
+    try:
+        return _prune(
+            model, targets, calibration, method, blocksize, percdamp, owl, device, batch_size, progress
+        )
+    finally:
+        model.train(was_training)
+
+
+def _prune(model, targets, calibration, method, blocksize, percdamp, owl, device, batch_size, progress):
+    t0 = time.perf_counter()
+    if method == "magnitude":
+        counts = _zero_counts(model, [], "", targets, [], None) if owl is None else None
+        if counts is None:
+            raise SparsityError("OWL needs calibration activations; use it with --method wanda or sparsegpt.")
+        masks = _prune_outside(model, targets, counts, "magnitude")
+        return OneShotResult(masks, method, time.perf_counter() - t0, counts)
+    prefix, blocks = find_blocks(model, [d.name for d in targets])
+    chunks = capture_block_inputs(model, blocks[0], calibration, batch_size)
+    dev = torch.device(device) if device else next(model.parameters()).device
+    chunks = to_device(chunks, dev) if dev != chunks[0].hidden.device else chunks
+    in_blocks = set()
+    counts = _zero_counts(model, blocks, prefix, targets, chunks, owl, dev)
+    masks, block_seconds = {}, []
+    hidden = [c.hidden for c in chunks]
+    for c in chunks:  # hold the activations once: as this block's inputs, then its outputs
+        c.hidden = None
+    bar = _progress(len(blocks), method, progress)
+    for i, block in enumerate(blocks):
+        tb = time.perf_counter()
+        home = next(block.parameters()).device
+        block.to(dev)
+        ds = _block_targets(model, prefix, i, targets)
+        in_blocks.update(d.name for d in ds)
+        mods = {d.name: model.get_submodule(d.name.rsplit(".", 1)[0]) for d in ds}
+        hooks = _StatsHooks(mods, method)
+        _run_all(block, chunks, hidden)
+        stats = hooks.result()
+        for d in ds:
+            param = model.get_parameter(d.name)
+            W, pruned = _prune_one(
+                method, _linear_view(param, d), stats.pop(d.name, None), counts[d.name], _nm(d),
+                blocksize, percdamp, d.name,
+            )  # fmt: skip
+            masks[d.name] = _store(param, d, W, pruned)
+        if i + 1 < len(blocks):
+            hidden = _run_all(block, chunks, hidden)
+        block.to(home)
+        block_seconds.append(time.perf_counter() - tb)
+        bar.update(1)
+    bar.close()
+    outside = [d for d in targets if d.name not in in_blocks]
+    if outside:
+        logger.warning(
+            "%d targeted weights lie outside the decoder blocks (e.g. %s): pruned by magnitude.",
+            len(outside),
+            outside[0].name,
+        )
+        masks.update(_prune_outside(model, outside, counts, "magnitude"))
+    info = {"nsamples": int(calibration.shape[0]), "seqlen": int(calibration.shape[1]), "blocks": prefix}
+    return OneShotResult(masks, method, time.perf_counter() - t0, counts, block_seconds, info)
+
+
+def _prune_outside(model, targets, counts, method) -> dict[str, torch.Tensor]:
+    masks = {}
+    for d in targets:
+        param = model.get_parameter(d.name)
+        W = _linear_view(param, d)
+        masks[d.name] = _store(param, d, W, M.magnitude_prune(W, counts[d.name], _nm(d)))
+    return masks
+
+
+def _progress(total: int, method: str, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=f"{method} blocks", unit="block", disable=not enabled)

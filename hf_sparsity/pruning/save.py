@@ -1,0 +1,76 @@
+"""Write a pruned model as a sparse model folder, atomically.
+
+The folder is what training writes: weights with exact zeros at masked positions,
+``sparsity_masks.safetensors``, the ``sparsity`` section in ``config.json`` (with the
+one-shot method and calibration settings under ``_state.oneshot``) and the tokenizer.
+Stock transformers loads it; :class:`~hf_sparsity.SparsityCallback` picks up its masks.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ..config import SparsityConfig, set_sparsity_config
+from ..constants import SPARSITY_MASKS_NAME
+from ..serialization import save_masks
+from ..utils import SparsityError, atomic_dir
+from .oneshot import OneShotResult
+
+
+def check_out_dir(model_dir: str | os.PathLike | None, out_dir: str | os.PathLike, overwrite: bool) -> None:
+    """Refuse an OUT inside (or equal to) MODEL_DIR, and an existing OUT without ``overwrite``."""
+    out = Path(out_dir).resolve()
+    if model_dir is not None:
+        src = Path(model_dir).resolve()
+        if out == src or src in out.parents:
+            raise SparsityError(
+                f"Output folder {str(out_dir)!r} is inside the model folder {str(model_dir)!r}; "
+                "write the pruned model to a folder outside it."
+            )
+    if out.exists() and not overwrite:
+        raise SparsityError(
+            f"Output folder {str(out_dir)!r} already exists. Choose another path or pass --overwrite to replace it."
+        )
+
+
+def oneshot_state(result: OneShotResult, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The JSON-simple record of a one-shot run, kept in config.json and in the mask file."""
+    record = {"method": result.method, "seconds": round(result.seconds, 2), **result.info}
+    record.update(extra or {})
+    return {
+        "optimizer_steps": 0,
+        "events": [{"step": 0, "kind": "oneshot", "method": result.method}],
+        "oneshot": record,
+    }
+
+
+def save_pruned(
+    model,
+    result: OneShotResult,
+    out_dir: str | os.PathLike,
+    config: SparsityConfig | None = None,
+    tokenizer=None,
+    info: dict[str, Any] | None = None,
+    model_dir: str | os.PathLike | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Save ``model`` (already pruned by :func:`prune_oneshot`) with ``result.masks`` to ``out_dir``."""
+    check_out_dir(model_dir, out_dir, overwrite)
+    if config is None:
+        config = SparsityConfig(sparsity=_overall_level(result))
+    state = oneshot_state(result, info)
+    set_sparsity_config(model.config, config, state={"oneshot": state["oneshot"]})
+    with atomic_dir(out_dir, overwrite=overwrite) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        save_masks(os.path.join(tmp, SPARSITY_MASKS_NAME), result.masks, {"state": state})
+    return Path(out_dir)
+
+
+def _overall_level(result: OneShotResult) -> float:
+    total = sum(m.numel() for m in result.masks.values())
+    zeros = sum(int((m == 0).sum()) for m in result.masks.values())
+    return round(zeros / max(total, 1), 6)
