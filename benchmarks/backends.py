@@ -41,7 +41,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgom
 import torch  # noqa: E402
 
 from hf_sparsity.backends import _native, get_backend  # noqa: E402
-from hf_sparsity.cli.bench import decode_breakdown, decode_tok_s, interleaved_ms, speedup_bounds  # noqa: E402
+from hf_sparsity.backends.bench import decode_breakdown, decode_tok_s, interleaved_ms, speedup_bounds  # noqa: E402
 from hf_sparsity.masks import random_mask  # noqa: E402
 
 SHAPES = [(768, 768), (3072, 768), (768, 3072)]

@@ -112,6 +112,16 @@ def _resolve_masks(model: nn.Module, masks: Any, config: Any) -> dict[str, torch
     raise SparsityError(f"masks must be None, a path, a dict or 'zeros', not {type(masks).__name__}.")
 
 
+def resolve_masks(model: nn.Module, masks: Any = None, config: Any = None) -> dict[str, torch.Tensor]:
+    """The masks ``sparsify_for_inference(model, masks=masks, config=config)`` would use, by parameter name.
+
+    ``masks`` as in the module docstring (``None``: the model folder's mask file; a path; a dict;
+    ``"zeros"``). Raises :class:`~hf_sparsity.utils.SparsityError` when there are none or they do
+    not match the model.
+    """
+    return _resolve_masks(unwrap_model(model), masks, config)
+
+
 @torch.no_grad()
 def sparsify_for_inference(
     model: nn.Module,
