@@ -122,6 +122,8 @@ def load() -> ctypes.CDLL | None:
             vp, i64, ci = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
             lib.hfs_matmul.argtypes = [ci, i64, i64, ci, i64, i64, i64, i64, i64, i64, vp]
             lib.hfs_matmul.restype = None
+            lib.hfs_run.argtypes = [ci, i64, i64, i64, ci, vp, vp, vp, ci, vp, vp, i64, vp]
+            lib.hfs_run.restype = None
             lib.hfs_set_spin.argtypes, lib.hfs_set_spin.restype = [i64], None
             lib.hfs_simd.argtypes, lib.hfs_simd.restype = [], ci
             _lib = lib
@@ -196,3 +198,53 @@ class NativeCSR:
             x.data_ptr(), y.data_ptr(), batch, None if bias is None else bias.data_ptr(),
         )  # fmt: skip
         return y
+
+
+OPS = {"bitmask": 0, "nm24": 1, "gemv": 2, "bitmask_unpack": 3}
+
+
+def threads_for(work: int, nthreads: int | None = None) -> int:
+    """Threads for a product of ``work`` multiply-adds: ``nthreads`` if given, else as many of
+    ``torch.get_num_threads()`` as keep at least :data:`MIN_WORK_PER_THREAD` each (at least 1)."""
+    if nthreads:
+        return int(nthreads)
+    return max(1, min(torch.get_num_threads(), work // MIN_WORK_PER_THREAD))
+
+
+def run_op(
+    op: str,
+    rows: int,
+    in_features: int,
+    x2d: torch.Tensor,
+    values: torch.Tensor,
+    meta: torch.Tensor | None = None,
+    rowptr: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    nthreads: int = 1,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """``x2d @ W^T (+ bias)`` (or, for ``bitmask_unpack``, the dense ``[rows, in]`` weight) with a packed
+    weight; ``x2d`` float32 ``[B, in]`` contiguous; ``values`` float32 or bfloat16 (read as its bits)."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"native kernel unavailable: {_error}")
+    if op == "bitmask_unpack":
+        y = torch.empty(rows, in_features, dtype=torch.float32)
+        batch = 1
+    else:
+        batch = x2d.shape[0]
+        y = torch.empty(batch, rows, dtype=torch.float32)
+    if rows == 0 or batch == 0:
+        return y if bias is None else y.copy_(bias.float().expand_as(y))
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        bias = bias.float().contiguous()
+    chunk = chunk or max(4, -(-rows // (16 * max(1, nthreads))))
+    lib.hfs_run(
+        OPS[op], rows, in_features, chunk, nthreads,
+        None if rowptr is None else rowptr.data_ptr(),
+        None if meta is None else meta.data_ptr(),
+        values.data_ptr(), int(values.dtype == torch.bfloat16),
+        None if x2d is None else x2d.data_ptr(), y.data_ptr(), batch,
+        None if bias is None else bias.data_ptr(),
+    )  # fmt: skip
+    return y
