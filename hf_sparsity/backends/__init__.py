@@ -104,6 +104,7 @@ def backend_table() -> list[dict]:
     return rows
 
 
+from .auto import AutoBackend  # noqa: E402
 from .csr import CSRBackend  # noqa: E402
 from .emulator import EmulatorBackend, MachineSpec  # noqa: E402
 from .formats import BitmaskBackend, NativeDenseBackend, NM24Backend  # noqa: E402
@@ -118,11 +119,13 @@ for _klass in (
     BitmaskBackend,
     NM24Backend,
     NativeDenseBackend,
+    AutoBackend,
 ):
     register_backend(_klass)
 
 __all__ = [
     "PHASES",
+    "AutoBackend",
     "BackendCapabilities",
     "BitmaskBackend",
     "CSRBackend",
