@@ -499,3 +499,30 @@ def test_packed_formats_refuse_bad_input_naming_alternatives():
         get_backend("bitmask").from_dense(w, prefill="sometimes")
     with pytest.raises(SparsityError, match="no dense weight"):
         get_backend("bitmask").from_dense(w).refresh()
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
+@pytest.mark.parametrize("name", ["bitmask", "nm24", "csr", "native_dense", "auto"])
+def test_native_kernels_are_custom_ops_torch_compile_traces_without_graph_breaks(name):
+    from torch import nn
+
+    from hf_sparsity.inference import SparseLinear
+
+    g = torch.Generator().manual_seed(2)
+    layers = []
+    for _ in range(3):
+        lin = nn.Linear(64, 64).eval()
+        if name == "nm24":
+            mask = M.nm_mask(torch.rand(64, 64, generator=g), 2, 4, dim=1)
+        else:
+            mask = (torch.rand(64, 64, generator=g) > 0.5).to(torch.uint8)
+        opts = {"formats": ("bitmask",), "margin": -100.0, "rounds": 1} if name == "auto" else {}
+        layers.append(SparseLinear(lin, get_backend(name).from_dense(lin.weight.detach(), mask, **opts)))
+    mod = nn.Sequential(*layers)
+    x = torch.randn(1, 64, generator=g)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = mod(x)
+        got = torch.compile(mod, fullgraph=True, backend="aot_eager")(x)  # fullgraph: a break raises
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch._dynamo.reset()

@@ -248,3 +248,71 @@ def run_op(
         None if bias is None else bias.data_ptr(),
     )  # fmt: skip
     return y
+
+
+# ---------------------------------------------------------------------------- torch custom ops
+# The kernels as torch custom ops, so torch.compile traces through a sparse layer instead of breaking
+# its graph at every ctypes call. Eager code calls the kernels directly (a custom op's dispatch costs
+# a few microseconds per call, which adds up over ~200 layers per token); compiled code calls these.
+@torch.library.custom_op("hf_sparsity::packed_linear", mutates_args=())
+def packed_linear(
+    x: torch.Tensor,
+    values: torch.Tensor,
+    meta: torch.Tensor | None,
+    rowptr: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    op: str,
+    rows: int,
+    nnz: int,
+    nthreads: int,
+) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` for a bitmask / nm24 / dense-GEMV weight (``op``); any leading dims.
+    ``nthreads`` 0: as many as keep :data:`MIN_WORK_PER_THREAD` multiply-adds each."""
+    in_f = x.shape[-1]
+    x2d = x.reshape(-1, in_f).float().contiguous()
+    nt = threads_for(nnz * x2d.shape[0], nthreads or None)
+    y = run_op(op, rows, in_f, x2d, values, meta, rowptr, bias, nt)
+    return y.view(*x.shape[:-1], rows).to(x.dtype)
+
+
+@packed_linear.register_fake
+def _packed_linear_fake(x, values, meta, rowptr, bias, op, rows, nnz, nthreads):
+    return x.new_empty(*x.shape[:-1], rows)
+
+
+@torch.library.custom_op("hf_sparsity::csr_linear", mutates_args=())
+def csr_linear(
+    x: torch.Tensor,
+    rowptr: torch.Tensor,
+    idx: torch.Tensor,
+    values: torch.Tensor,
+    bias: torch.Tensor | None,
+    rows: int,
+    nthreads: int,
+) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` with the native CSR kernel (16-bit indices when ``idx`` is int16);
+    ``nthreads`` 0: as many as keep :data:`MIN_WORK_PER_THREAD` multiply-adds each."""
+    lib = load()
+    in_f = x.shape[-1]
+    x2d = x.reshape(-1, in_f).float().contiguous()
+    batch = x2d.shape[0]
+    nthreads = threads_for(values.numel() * batch, nthreads or None)
+    y = torch.empty(batch, rows, dtype=torch.float32)
+    if batch and rows:
+        kind = (0 if idx.dtype == torch.int16 else 1) + (0 if batch == 1 else 2)
+        xx = x2d if batch == 1 else x2d.t().contiguous()
+        if bias is not None:
+            bias = bias.float().contiguous()
+        chunk = max(8, -(-rows // (16 * max(1, nthreads))))
+        lib.hfs_matmul(
+            kind, rows, chunk, nthreads, rowptr.data_ptr(), idx.data_ptr(), values.data_ptr(),
+            xx.data_ptr(), y.data_ptr(), batch, None if bias is None else bias.data_ptr(),
+        )  # fmt: skip
+    elif bias is not None:
+        y.copy_(bias.float().expand_as(y))
+    return y.view(*x.shape[:-1], rows).to(x.dtype)
+
+
+@csr_linear.register_fake
+def _csr_linear_fake(x, rowptr, idx, values, bias, rows, nthreads):
+    return x.new_empty(*x.shape[:-1], rows)

@@ -125,6 +125,22 @@ class _PackedBackend(SparseBackend):
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)
         batch = x2d.shape[0]
+        if torch.compiler.is_compiling() and self.kernel == "native" and batch <= SMALL_BATCH:
+            t = self._tensors()
+            meta, rowptr = (
+                (t[0], t[1]) if self.op == "bitmask" else (t[0] if self.op == "nm24" else None, None)
+            )
+            return torch.ops.hf_sparsity.packed_linear(
+                x,
+                self.values,
+                meta,
+                rowptr,
+                bias,
+                self.op,
+                self.out_features,
+                self._work_per_row,
+                self.threads or 0,
+            )
         self._count("forward", batch)
         if self.kernel == "native" and (batch <= SMALL_BATCH or self.options.get("prefill") == "native"):
             if x2d.dtype != torch.float32 or not x2d.is_contiguous():
@@ -142,7 +158,11 @@ class _PackedBackend(SparseBackend):
         return self.linear(x2d)
 
     def _threads(self, batch: int) -> int:
-        return _native.threads_for(self.nnz * batch, self.threads)
+        return _native.threads_for(self._work_per_row * batch, self.threads)
+
+    @property
+    def _work_per_row(self) -> int:
+        return self.out_features * self.in_features if self.op == "gemv" else self.nnz
 
     def _count(self, phase: str, batch: int) -> None:  # without rebuilding the dense mask
         c = self.counters[phase]
@@ -161,6 +181,7 @@ class BitmaskBackend(_PackedBackend):
     """1 bit per weight + packed kept values (fp32 or bf16). Any unstructured mask, CPU."""
 
     name = "bitmask"
+    op = "bitmask"
     capabilities = BackendCapabilities(
         devices=("cpu",),
         dtypes=(torch.float32, torch.bfloat16),
@@ -203,6 +224,7 @@ class NM24Backend(_PackedBackend):
     """2:4 along the input dimension on CPU: two values and two 2-bit positions per four weights."""
 
     name = "nm24"
+    op = "nm24"
     aliases = ("cpu_2_4", "nm_2_4")
     capabilities = BackendCapabilities(
         devices=("cpu",),
@@ -266,6 +288,7 @@ class NativeDenseBackend(_PackedBackend):
     """The masked weight kept dense; a multi-threaded native GEMV for small batches, ``F.linear`` above."""
 
     name = "native_dense"
+    op = "gemv"
     aliases = ("gemv",)
     capabilities = BackendCapabilities(
         devices=("cpu",),
@@ -281,9 +304,6 @@ class NativeDenseBackend(_PackedBackend):
 
     def _tensors(self):
         return (self.values,)
-
-    def _threads(self, batch: int) -> int:
-        return _native.threads_for(self.out_features * self.in_features * batch, self.threads)
 
     def _native_mm(self, x2d, bias):
         return _native.run_op(
