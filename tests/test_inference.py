@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -297,3 +298,26 @@ def test_bad_input_leaves_the_model_untouched():
     with pytest.raises(SparsityError, match=r"auto runs on CPU with float32 or bfloat16"):
         sparsify_for_inference(half, "auto", masks=eng.masks)
     _untouched(half, before_h)
+
+
+def test_cli_bench_model_with_auto(tmp_path, capsys):
+    from hf_sparsity.cli import main
+
+    model, eng = _masked("gpt2", level=0.7)
+    model.save_pretrained(tmp_path / "m")
+    eng.save(tmp_path / "m")
+    rc = main(["bench", "--model", str(tmp_path / "m"), "--backend", "auto", "--new-tokens", "2",
+               "--rounds", "1", "--json"])  # fmt: skip
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["backend"] == "auto" and res["max_abs_err"] < 1e-4 and res["dense_tok_s"] > 0
+
+
+def test_native_kernel_source_ships_as_package_data():
+    from pathlib import Path
+
+    from hf_sparsity.backends import _native
+
+    assert os.path.isfile(_native.SOURCE_PATH) and "hfs_run" in _native.source()
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert '[tool.setuptools.package-data]\n"hf_sparsity.backends" = ["csrc/*.c"]' in text

@@ -84,7 +84,11 @@ def bench_command_parser(subparsers):
         description=__doc__,
         formatter_class=__import__("argparse").RawDescriptionHelpFormatter,
     )
-    p.add_argument("--backend", default="csr", help="csr (default), masked_dense, semi_structured, emulator")
+    p.add_argument(
+        "--backend",
+        default="csr",
+        help="csr (default), auto, bitmask, nm24, native_dense, masked_dense, semi_structured, emulator",
+    )
     p.add_argument(
         "--sparsity", type=float, default=None, help="Level for the layer (default 0.9) or model masks"
     )
