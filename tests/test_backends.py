@@ -526,3 +526,25 @@ def test_native_kernels_are_custom_ops_torch_compile_traces_without_graph_breaks
         got = torch.compile(mod, fullgraph=True, backend="aot_eager")(x)  # fullgraph: a break raises
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     torch._dynamo.reset()
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
+def test_native_kernels_avx2_build_matches_emulator(tmp_path):
+    # on an AVX-512 CPU the bitmask kernel takes a 16-lane path; this checks the AVX2 one it would use elsewhere
+    code = (
+        "import torch\n"
+        "from hf_sparsity.backends import get_backend\n"
+        "from hf_sparsity import masks as M\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "for in_f in (40, 296):\n"
+        "    w = torch.randn(37, in_f, generator=g); m = (torch.rand(37, in_f, generator=g) < 0.5).to(torch.uint8)\n"
+        "    x = torch.randn(1, in_f, generator=g)\n"
+        "    ref = get_backend('emulator').from_dense(w, m, float64_accumulator=True).linear(x)\n"
+        "    for dt in (torch.float32, torch.bfloat16):\n"
+        "        b = get_backend('bitmask').from_dense(w.to(dt), m, kernel='native')\n"
+        "        r = get_backend('emulator').from_dense(w.to(dt).float(), m, float64_accumulator=True).linear(x)\n"
+        "        torch.testing.assert_close(b.linear(x.to(dt)).float(), r, rtol=2e-2, atol=3e-2)\n"
+        "    torch.testing.assert_close(get_backend('bitmask').from_dense(w, m).linear(x), ref, rtol=1e-5, atol=1e-5)\n"
+        "print('ok')\n"
+    )
+    assert _run_fresh(code, tmp_path, HF_SPARSITY_NATIVE_NO_AVX512="1") == ["ok"]

@@ -86,6 +86,8 @@ def _build(cc: str) -> str:
     last = ""
     # HF_SPARSITY_NATIVE_PORTABLE=1: skip -march=native (the scalar path; for machines that share a cache)
     flag_sets = _FLAG_SETS[1:] if os.environ.get("HF_SPARSITY_NATIVE_PORTABLE") == "1" else _FLAG_SETS
+    if os.environ.get("HF_SPARSITY_NATIVE_NO_AVX512") == "1":  # the AVX2 paths on an AVX-512 CPU (tests)
+        flag_sets = tuple([*f, "-mno-avx512f"] if "-march=native" in f else f for f in flag_sets)
     for flags in flag_sets:
         key = hashlib.sha256("|".join([code, " ".join(flags), version, _cpu_id()]).encode()).hexdigest()[:16]
         out = os.path.join(cache_dir(), f"hfs_spmv_{key}.so")

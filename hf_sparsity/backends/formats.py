@@ -195,7 +195,7 @@ class BitmaskBackend(_PackedBackend):
         self.rowptr = torch.zeros(self.out_features + 1, dtype=torch.int64)
         torch.cumsum(counts, 0, out=self.rowptr[1:])
         vals = w[m].to(self.dtype)
-        self.values = torch.cat([vals, vals.new_zeros(8)]).contiguous()  # the kernel reads 8 at a time
+        self.values = torch.cat([vals, vals.new_zeros(16)]).contiguous()  # the kernel reads 16 at a time
 
     def _tensors(self):
         return (self.bits, self.rowptr, self.values)
