@@ -209,8 +209,10 @@ def sparsify_for_inference(
     targets = _sparse_targets(model_u, found)
     swaps: list[tuple[str, nn.Module]] = []
     choices: dict[str, dict] = {}
+    check = False
     if klass is AutoBackend:
         lm_head = backend_options.pop("lm_head", True)
+        check = backend_options.pop("check", True)
         plan = plan_layers({t[0]: (t[3], t[4]) for t in targets}, **backend_options)
         for name, module_name, owner, _, _ in targets:
             b, prefill, keep, choice = plan[name]
@@ -231,6 +233,8 @@ def sparsify_for_inference(
         for _name, module_name, owner, w2, m2 in targets:
             prepared = klass.from_dense(w2, m2, **backend_options)
             swaps.append((module_name, SparseLinear(owner, prepared, keep_dense=keep_dense)))
+    if check and swaps:
+        swaps = _check_whole_model(model_u, swaps, choices)
     for module_name, new in swaps:  # every layer prepared: now swap them all
         _swap(model_u, module_name, new)
     if klass is AutoBackend:
@@ -239,6 +243,60 @@ def sparsify_for_inference(
             print(auto_report(model_u))
     logger.info("sparsify_for_inference: %d layers now run on %s.", len(swaps), klass.name)
     return model
+
+
+def _check_whole_model(
+    model_u: nn.Module, swaps: list, choices: dict, rounds: int = 3, tokens: int = 8
+) -> list:
+    """``auto``'s per-layer choices checked on the whole model: greedy decoding of ``tokens`` tokens with
+    and without the swaps, interleaved ``rounds`` times (medians). If the converted model is slower, no
+    layer is converted (recorded as ``whole_model_check`` in every choice). Layer timings in isolation
+    can mislead (caches, thread hand-offs between torch and the native pool); this is the guard."""
+    import statistics
+
+    from .backends.bench import decode_tok_s
+
+    if not hasattr(model_u, "generate") or not getattr(getattr(model_u, "config", None), "vocab_size", None):
+        return swaps
+    originals = {name: model_u.get_submodule(name) for name, _ in swaps}
+    ids = torch.randint(2, int(model_u.config.vocab_size), (1, 8), generator=torch.Generator().manual_seed(0))
+    speeds: dict[str, list[float]] = {"dense": [], "auto": []}
+    was_training = model_u.training
+    model_u.eval()
+    try:
+        decode_tok_s(model_u, ids, 2)
+        for name, new in swaps:
+            _swap(model_u, name, new)
+        decode_tok_s(model_u, ids, 2)
+        for _ in range(rounds):
+            for name, old in originals.items():
+                _swap(model_u, name, old)
+            speeds["dense"].append(decode_tok_s(model_u, ids, tokens))
+            for name, new in swaps:
+                _swap(model_u, name, new)
+            speeds["auto"].append(decode_tok_s(model_u, ids, tokens))
+    finally:
+        for name, old in originals.items():
+            _swap(model_u, name, old)
+        model_u.train(was_training)
+    ratio = statistics.median(speeds["auto"]) / statistics.median(speeds["dense"])
+    kept = ratio >= 1.0
+    for c in choices.values():
+        c["whole_model_check"] = {
+            "auto_vs_dense": round(ratio, 3),
+            "kept": kept,
+            "tokens": tokens,
+            "rounds": rounds,
+        }
+    if kept:
+        return swaps
+    logger.warning(
+        "auto: the converted model decoded at %.2fx dense in the whole-model check; keeping every layer dense.",
+        ratio,
+    )
+    for c in choices.values():
+        c["decode"], c["prefill"] = "dense", "dense"
+    return []
 
 
 def _plan_lm_head(model_u: nn.Module, taken: set[str], options: dict) -> tuple | None:

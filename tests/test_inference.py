@@ -222,7 +222,7 @@ def test_auto_matches_dense_records_choices_frees_memory_and_restores(arch, forc
     )
     dense_bytes = resident_weight_bytes(model)
     # margin=-100 forces the sparse format (the mechanics); the default rule is checked below
-    opts = {"formats": (forced,), "margin": -100.0} if forced else {}
+    opts = {"formats": (forced,), "margin": -100.0, "check": False} if forced else {}
     sparsify_for_inference(model, "auto", masks=eng.masks, rounds=3, sample_layers=2, lm_head=False, **opts)
     choices = auto_choices(model)
     assert {f"{n}.weight" for n in choices} == set(eng.masks)
@@ -264,7 +264,9 @@ def test_auto_lm_head_and_nm24_on_a_2_4_model():
     ids = torch.randint(2, 128, (1, 6))
     with torch.no_grad():
         want = model(ids).logits
-    sparsify_for_inference(model, "auto", masks=eng.masks, formats=("nm24",), margin=-100.0, rounds=3)
+    sparsify_for_inference(
+        model, "auto", masks=eng.masks, formats=("nm24",), margin=-100.0, rounds=3, check=False
+    )
     choices = auto_choices(model)
     assert all(c["decode"] == "nm24" for n, c in choices.items() if not c.get("lm_head"))
     head = [c for c in choices.values() if c.get("lm_head")]
@@ -321,3 +323,25 @@ def test_native_kernel_source_ships_as_package_data():
     assert os.path.isfile(_native.SOURCE_PATH) and "hfs_run" in _native.source()
     text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     assert '[tool.setuptools.package-data]\n"hf_sparsity.backends" = ["csrc/*.c"]' in text
+
+
+def test_auto_whole_model_check_keeps_dense_when_the_converted_model_is_slower(monkeypatch):
+    from hf_sparsity.backends import bench
+    from hf_sparsity.inference import auto_choices
+
+    def fake_tok_s(model, ids, n):  # the converted model "decodes" at half the dense speed
+        return 1.0 if any(isinstance(m, SparseLinear) for m in model.modules()) else 2.0
+
+    monkeypatch.setattr(bench, "decode_tok_s", fake_tok_s)
+    model, eng = _masked("llama", level=0.75)
+    before = _state(model)
+    sparsify_for_inference(model, "auto", masks=eng.masks, formats=("bitmask",), margin=-100.0, rounds=1)
+    _untouched(model, before)
+    choices = auto_choices(model)
+    assert choices and all(c["decode"] == "dense" for c in choices.values())
+    assert all(c["whole_model_check"] == {"auto_vs_dense": 0.5, "kept": False, "tokens": 8, "rounds": 3}
+               for c in choices.values())  # fmt: skip
+    monkeypatch.setattr(bench, "decode_tok_s", lambda model, ids, n: 3.0 - fake_tok_s(model, ids, n))
+    sparsify_for_inference(model, "auto", masks=eng.masks, formats=("bitmask",), margin=-100.0, rounds=1)
+    assert len(sparse_layers(model)) == len(eng.masks)
+    assert all(c["whole_model_check"]["kept"] for c in auto_choices(model).values())
