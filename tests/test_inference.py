@@ -313,6 +313,7 @@ def test_cli_bench_model_with_auto(tmp_path, capsys):
     assert rc == 0
     res = json.loads(capsys.readouterr().out)
     assert res["backend"] == "auto" and res["max_abs_err"] < 1e-4 and res["dense_tok_s"] > 0
+    assert sum(g["layers"] for g in res["auto_groups"].values()) >= len(eng.masks)
 
 
 def test_native_kernel_source_ships_as_package_data():

@@ -349,7 +349,11 @@ def bench_model(
         if r == rounds - 1:
             break
         restore_dense(model)
-    layers = sparse_layers(model)
+    layers = {  # auto may also swap the LM head (native GEMV): it is not a sparse layer
+        n: m
+        for n, m in sparse_layers(model).items()
+        if not (getattr(m.backend, "choice", None) or {}).get("lm_head")
+    }
     nnz = sum(m.backend.nnz for m in layers.values())
     numel = sum(m.backend.mask.numel() for m in layers.values())
     kernels = sorted({str(getattr(m.backend, "kernel", klass.name)) for m in layers.values()})
@@ -368,6 +372,19 @@ def bench_model(
         "ratio": round(statistics.median(back_t) / statistics.median(dense_t), 3),
         "max_abs_err": err,
     }
+    if klass.name == "auto":
+        from ..inference import auto_choices
+
+        groups: dict[str, dict] = {}
+        for c in auto_choices(model).values():
+            key = c["group"] + (" (LM head)" if c.get("lm_head") else "")
+            g = groups.setdefault(
+                key, {k: c[k] for k in ("decode", "decode_vs_dense", "prefill", "prefill_vs_dense")}
+            )
+            g["layers"] = g.get("layers", 0) + 1
+            if "whole_model_check" in c:
+                out["auto_whole_model_check"] = c["whole_model_check"]
+        out["auto_groups"] = groups
     if emulated:
         fwd = [m.backend.counters["forward"] for m in layers.values()]
         out["emulated_macs"] = sum(c.macs for c in fwd)
