@@ -3,6 +3,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <unistd.h>
 #include <sys/syscall.h>
@@ -446,7 +447,12 @@ static void* helper(void* arg) {
     uint32_t tag;
     int64_t spins = 0;
     while ((tag = atomic_load(&g_tag)) == seen) {
-      if (++spins < g_spin) { CPU_RELAX(); continue; }
+      if (++spins < g_spin) {
+        /* yield now and then: a thread woken on this core (torch's OpenMP worker, between two sparse
+           layers) runs at once instead of waiting for this spinning helper's time slice */
+        if ((spins & 63) == 0) sched_yield(); else CPU_RELAX();
+        continue;
+      }
       atomic_fetch_add(&g_sleepers, 1);
       syscall(SYS_futex, &g_tag, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
       atomic_fetch_sub(&g_sleepers, 1);
