@@ -230,6 +230,11 @@ def model_decode(kind: str, level, rounds: int, new_tokens: int, prompt_len: int
     for g, c in res["groups"].items():
         print(f"{g:<48} {c['layers']:>6} {c['decode']:>12} {c['decode_vs_dense']:>7.2f} {c['prefill']:>7} "
               f"{c['prefill_vs_dense']:>7.2f}")  # fmt: skip
+    check = next((c.get("whole_model_check") for c in choices.values() if c.get("whole_model_check")), None)
+    if check:
+        verdict = "kept" if check["kept"] else "reverted to dense (the plan is in each choice's 'planned')"
+        print(f"whole-model check at conversion: converted {check['auto_vs_dense']:.2f}x dense -> {verdict}")
+    res["whole_model_check"] = check
     if verbose:
         print(auto_report(auto))
     return res

@@ -295,7 +295,8 @@ def _check_whole_model(
         ratio,
     )
     for c in choices.values():
-        c["decode"], c["prefill"] = "dense", "dense"
+        c["planned"] = {k: c[k] for k in ("decode", "decode_vs_dense", "prefill", "prefill_vs_dense")}
+        c["decode"], c["prefill"], c["decode_vs_dense"], c["prefill_vs_dense"] = "dense", "dense", 1.0, 1.0
     return []
 
 

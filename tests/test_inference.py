@@ -339,10 +339,13 @@ def test_auto_whole_model_check_keeps_dense_when_the_converted_model_is_slower(m
     sparsify_for_inference(model, "auto", masks=eng.masks, formats=("bitmask",), margin=-100.0, rounds=1)
     _untouched(model, before)
     choices = auto_choices(model)
-    assert choices and all(c["decode"] == "dense" for c in choices.values())
+    assert choices and all(c["decode"] == "dense" and c["decode_vs_dense"] == 1.0 for c in choices.values())
+    assert all(c["planned"]["decode"] in ("bitmask", "native_dense", "dense") for c in choices.values())
     assert all(c["whole_model_check"] == {"auto_vs_dense": 0.5, "kept": False, "tokens": 8, "rounds": 3}
                for c in choices.values())  # fmt: skip
     monkeypatch.setattr(bench, "decode_tok_s", lambda model, ids, n: 3.0 - fake_tok_s(model, ids, n))
-    sparsify_for_inference(model, "auto", masks=eng.masks, formats=("bitmask",), margin=-100.0, rounds=1)
+    sparsify_for_inference(
+        model, "auto", masks=eng.masks, formats=("bitmask",), margin=-100.0, rounds=1, lm_head=False
+    )
     assert len(sparse_layers(model)) == len(eng.masks)
     assert all(c["whole_model_check"]["kept"] for c in auto_choices(model).values())
