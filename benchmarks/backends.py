@@ -1,8 +1,26 @@
-"""CSR vs dense, per layer and for whole-model decoding, measured side by side in one run.
+"""Sparse vs dense whole-model decoding (``auto``), and optionally CSR per layer, side by side in one run.
 
-    python benchmarks/backends.py                 # full table (~3-5 min on 2 CPU cores)
-    python benchmarks/backends.py --quick         # fewer repeats
-    python benchmarks/backends.py --json out.json # also write the raw numbers
+    python benchmarks/backends.py --threads 2            # the four models (~5-8 min on 2 cores)
+    python benchmarks/backends.py --threads 2 --quick    # fewer rounds and tokens
+    python benchmarks/backends.py --models smollm2:0.5 --verbose   # one model, every layer's choice
+    python benchmarks/backends.py --layers               # + the per-layer CSR table
+    python benchmarks/backends.py --json out.json        # also write the raw numbers
+
+Models (random weights, which is fine for speed; masks by magnitude, applied, so dense and
+sparse compute the same function): a Llama shaped like SmolLM2-135M (hidden 576, FFN 1536,
+30 layers, 9 heads / 3 KV heads, vocab 49152, tied LM head) at 50%, 70% and 2:4, and
+GPT-2 small at 90%, all 7 (4) projection / FFN weights per block sparse. For each: three
+copies of the model, timed round-robin with greedy ``generate`` (batch 1):
+
+* ``dense``: stock transformers;
+* ``dense+``: dense with the same non-sparse improvements ``auto`` uses (the native
+  multi-threaded GEMV where it measures faster, e.g. the LM head): what is not sparsity;
+* ``auto``: ``sparsify_for_inference(model, "auto")``.
+
+Then the per-token split (sparse-able layers, LM head, rest), a 128-token prefill forward
+(auto vs dense), resident weight bytes, and auto's choice per group of like layers.
+
+(Below: the original description of the per-layer CSR table, ``--layers``.)
 
 Part 1: one layer of each GPT-2-small shape (768x768, 3072x768, 768x3072; OUTxIN) at
 50/75/90/95% random sparsity, batch 1 (decoding) and 64, float32: dense ``F.linear``
@@ -41,7 +59,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgom
 import torch  # noqa: E402
 
 from hf_sparsity.backends import _native, get_backend  # noqa: E402
-from hf_sparsity.cli.bench import decode_breakdown, decode_tok_s, interleaved_ms, speedup_bounds  # noqa: E402
+from hf_sparsity.backends.bench import decode_breakdown, decode_tok_s, interleaved_ms  # noqa: E402
 from hf_sparsity.masks import random_mask  # noqa: E402
 
 SHAPES = [(768, 768), (3072, 768), (768, 3072)]
@@ -93,101 +111,192 @@ def layer_table(repeats: int) -> list[dict]:
     return rows
 
 
-def model_decode(rounds: int, new_tokens: int, level: float = 0.9) -> dict:
-    from transformers import AutoModelForCausalLM, GPT2Config
+def _build_model(kind: str, level, seed: int = 0):
+    """A random-weight model of the given shape with masks applied (the dense baseline computes the same)."""
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
     from hf_sparsity.config import SparsityConfig
     from hf_sparsity.engine import SparsityEngine
-    from hf_sparsity.inference import restore_dense, sparsify_for_inference
 
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(GPT2Config()).eval()  # GPT-2 small: 12 x 768, vocab 50257
-    eng = SparsityEngine(model, SparsityConfig(sparsity=level, init_method="random"))
+    torch.manual_seed(seed)
+    if kind == "smollm2":  # SmolLM2-135M: 30 layers, hidden 576, FFN 1536, 9 heads / 3 KV heads, tied head
+        cfg = LlamaConfig(
+            hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+            num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048,
+        )  # fmt: skip
+    else:  # GPT-2 small: 12 x 768, vocab 50257, tied head
+        cfg = GPT2Config()
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    if level == "2:4":
+        sc = SparsityConfig(sparsity=0.5, structure="2:4", init_method="topk")
+    else:
+        sc = SparsityConfig(sparsity=float(level), init_method="topk")
+    eng = SparsityEngine(model, sc)
     eng.build_masks()
-    eng.apply()  # the dense baseline computes the same (masked) function
-    ids = torch.randint(2, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
-    variants = {"dense": None, "csr-torch": {"kernel": "torch"}}
-    if _native.load() is not None:
-        variants["csr-native"] = {"kernel": "native"}
-    tok_s: dict[str, list[float]] = {k: [] for k in variants}
-    decode_tok_s(model, ids, 2)
-    for r in range(rounds):
-        for name, opts in variants.items():
-            if opts is not None:
-                sparsify_for_inference(model, "csr", masks=eng.masks, **opts)
-                if r == 0:
-                    decode_tok_s(model, ids, 2)  # warm-up
-            tok_s[name].append(decode_tok_s(model, ids, new_tokens))
-            if opts is not None:
-                restore_dense(model)
-    med = {k: statistics.median(v) for k, v in tok_s.items()}
-    print(
-        f"\n== GPT-2-small-shaped model, {level:.0%} sparsity on all 48 projection/FFN weights, "
-        "greedy decode "
-        f"of {new_tokens} tokens after 16, {torch.get_num_threads()} threads; medians of {rounds} rounds =="
-    )
-    for k, v in med.items():
-        runs = ", ".join(f"{t:.1f}" for t in tok_s[k])
-        print(f"{k:>11}: {v:7.2f} tok/s  ({v / med['dense']:.2f}x dense)   rounds: {runs}")
+    eng.apply()
+    masks = {n: m.clone() for n, m in eng.masks.items()}
+    del eng
+    return model, masks
 
-    # Where the time goes: per-token ms of a cached decode loop, split by timing hooks.
-    layer_names = sorted({n.rpartition(".")[0] for n in eng.masks})
-    parts: dict[str, list[dict]] = {k: [] for k in variants}
+
+GROUP_KEYS = ("layers", "decode", "decode_vs_dense", "prefill", "prefill_vs_dense")
+
+
+def _fmt_level(level) -> str:
+    return level if isinstance(level, str) else f"{level:.0%}"
+
+
+def model_decode(kind: str, level, rounds: int, new_tokens: int, prompt_len: int = 16, verbose=False) -> dict:
+    """Whole-model greedy decode: stock dense vs dense with the same improvements vs ``auto``."""
+    import copy
+
+    from hf_sparsity.inference import auto_choices, auto_report, resident_weight_bytes, sparsify_for_inference
+
+    t0 = time.time()
+    dense, masks = _build_model(kind, level)
+    dense_bytes = resident_weight_bytes(dense)
+    improved = copy.deepcopy(dense)  # dense + the same non-sparse improvements (native GEMV where faster)
+    sparsify_for_inference(improved, "auto", masks=masks, formats=("native_dense",))
+    auto = copy.deepcopy(dense)
+    t1 = time.time()
+    sparsify_for_inference(auto, "auto", masks=masks)
+    plan_s = time.time() - t1
+    variants = {"dense": dense, "dense+": improved, "auto": auto}
+    vocab = dense.config.vocab_size
+    ids = torch.randint(2, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        ref = dense(ids).logits
+        err = max((m(ids).logits - ref).abs().max().item() for m in (improved, auto))
+    tok_s: dict[str, list[float]] = {k: [] for k in variants}
+    for m in variants.values():
+        decode_tok_s(m, ids, 2)  # warm-up
     for _ in range(rounds):
-        for name, opts in variants.items():
-            if opts is not None:
-                sparsify_for_inference(model, "csr", masks=eng.masks, **opts)
-            parts[name].append(decode_breakdown(model, ids, new_tokens, layer_names))
-            if opts is not None:
-                restore_dense(model)
-    br = {k: {f: statistics.median(p[f] for p in v) for f in v[0]} for k, v in parts.items()}
+        for k, m in variants.items():
+            tok_s[k].append(decode_tok_s(m, ids, new_tokens))
+    med = {k: statistics.median(v) for k, v in tok_s.items()}
+    # per-token split (timing hooks on a plain cached loop), one pass each, interleaved
+    layer_names = sorted({n.rpartition(".")[0] for n in masks})
+    split = {k: decode_breakdown(m, ids, new_tokens, layer_names) for k, m in variants.items()}
+    # prefill: one forward of a 128-token prompt, interleaved rounds
+    pids = torch.randint(2, vocab, (1, 128), generator=torch.Generator().manual_seed(1))
+    pf: dict[str, list[float]] = {k: [] for k in variants}
+    with torch.inference_mode():
+        for m in variants.values():
+            m(pids)
+        for _ in range(max(3, rounds)):
+            for k, m in variants.items():
+                t = time.perf_counter()
+                m(pids)
+                pf[k].append((time.perf_counter() - t) * 1e3)
+    pf_med = {k: statistics.median(v) for k, v in pf.items()}
+    choices = auto_choices(auto)
+    groups: dict[str, dict] = {}
+    for c in choices.values():
+        g = groups.setdefault(c["group"] + (" (LM head)" if c.get("lm_head") else ""), dict(c, layers=0))
+        g["layers"] += 1
+    res = {
+        "model": kind,
+        "level": _fmt_level(level),
+        "threads": torch.get_num_threads(),
+        "tok_s": tok_s,
+        "median_tok_s": med,
+        "auto_vs_dense": med["auto"] / med["dense"],
+        "auto_vs_dense_plus": med["auto"] / med["dense+"],
+        "dense_plus_vs_dense": med["dense+"] / med["dense"],
+        "split_ms": split,
+        "prefill_ms": pf_med,
+        "prefill_auto_vs_dense": pf_med["dense"] / pf_med["auto"],
+        "resident_bytes": {"dense": dense_bytes, "auto": resident_weight_bytes(auto)},
+        "resident_ratio": resident_weight_bytes(auto) / dense_bytes,
+        "max_abs_logit_err": err,
+        "plan_s": plan_s,
+        "groups": {g: {k: c[k] for k in GROUP_KEYS} for g, c in groups.items()},
+        "total_s": time.time() - t0,
+    }  # fmt: skip
     print(
-        f"\n== per token, ms (plain cached decode loop, inference_mode, timing hooks; medians of {rounds}) =="
+        f"\n== {kind} shape, {_fmt_level(level)} sparsity, greedy decode of {new_tokens} tokens after "
+        f"{prompt_len}, {torch.get_num_threads()} threads, medians of {rounds} interleaved rounds =="
     )
-    print(f"{'':>11}  {'total':>6}  {'48 layers':>9}  {'LM head':>7}  {'rest':>6}  {'x dense':>7}")
-    for k, b in br.items():
-        print(f"{k:>11}  {b['total_ms']:6.2f}  {b['layers_ms']:9.2f}  {b['lm_head_ms']:7.2f}  "
-              f"{b['rest_ms']:6.2f}  "
-              f"{br['dense']['total_ms'] / b['total_ms']:7.2f}")  # fmt: skip
-    density = sum(int(m.sum()) for m in eng.masks.values()) / sum(m.numel() for m in eng.masks.values())
-    bounds = speedup_bounds(br["dense"], density)
-    best = "csr-native" if "csr-native" in br else "csr-torch"
+    for k in variants:
+        runs = ", ".join(f"{t:.1f}" for t in tok_s[k])
+        print(f"{k:>7}: {med[k]:7.2f} tok/s  ({med[k] / med['dense']:.2f}x dense)   rounds: {runs}")
+    print(f"auto vs dense+ (what sparsity itself buys): {res['auto_vs_dense_plus']:.2f}x; "
+          f"prefill (128 tokens): dense {pf_med['dense']:.1f} ms, dense+ {pf_med['dense+']:.1f} ms, "
+          f"auto {pf_med['auto']:.1f} ms ({res['prefill_auto_vs_dense']:.2f}x dense)")  # fmt: skip
+    print(f"per token ms   {'total':>6} {'sparse-able layers':>18} {'LM head':>7} {'rest':>6}")
+    for k, b in split.items():
+        print(
+            f"{k:>13}  {b['total_ms']:6.2f} {b['layers_ms']:18.2f} {b['lm_head_ms']:7.2f} {b['rest_ms']:6.2f}"
+        )
+    rb = res["resident_bytes"]
     print(
-        f"48 sparse layers vs dense ({best}): {br['dense']['layers_ms'] / br[best]['layers_ms']:.2f}x; "
-        f"the dense LM head and the rest ({br['dense']['total_ms'] - br['dense']['layers_ms']:.1f} ms) stay."
+        f"resident weight bytes: dense {rb['dense'] / 2**20:.1f} MiB, auto {rb['auto'] / 2**20:.1f} MiB "
+        f"({res['resident_ratio']:.3f} of dense); max |logit diff| {err:.2e}; auto planning {plan_s:.1f} s"
     )
     print(
-        f"whole-model bound with these dense parts: {bounds['bound_layers_ideal']:.2f}x if the sparse layers "
-        f"were {1 / density:.0f}x faster than dense (every skipped multiply-add free), "
-        f"{bounds['bound_layers_free']:.2f}x if they took no time at all."
+        f"{'auto choice per layer group':<48} {'layers':>6} {'decode':>12} {'x dense':>7} {'prefill':>7} "
+        f"{'x dense':>7}"
     )
-    return {"level": level, "new_tokens": new_tokens, "tok_s": tok_s, "median_tok_s": med,
-            "ratio": {k: v / med["dense"] for k, v in med.items()}, "breakdown_ms": br, **bounds}  # fmt: skip
+    for g, c in res["groups"].items():
+        print(f"{g:<48} {c['layers']:>6} {c['decode']:>12} {c['decode_vs_dense']:>7.2f} {c['prefill']:>7} "
+              f"{c['prefill_vs_dense']:>7.2f}")  # fmt: skip
+    check = next((c.get("whole_model_check") for c in choices.values() if c.get("whole_model_check")), None)
+    if check:
+        verdict = "kept" if check["kept"] else "reverted to dense (the plan is in each choice's 'planned')"
+        print(f"whole-model check at conversion: converted {check['auto_vs_dense']:.2f}x dense -> {verdict}")
+    res["whole_model_check"] = check
+    if verbose:
+        print(auto_report(auto))
+    return res
+
+
+MODELS = [("smollm2", 0.5), ("smollm2", 0.7), ("smollm2", "2:4"), ("gpt2", 0.9)]
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="fewer repeats and rounds")
-    p.add_argument("--skip-layers", action="store_true")
-    p.add_argument("--skip-model", action="store_true")
-    p.add_argument("--rounds", type=int, default=None, help="model decode rounds (default 5, quick 3)")
-    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--quick", action="store_true", help="fewer rounds and tokens")
+    p.add_argument("--threads", type=int, default=None, help="torch threads and the native kernels' threads")
+    p.add_argument("--layers", action="store_true", help="also the per-layer CSR table (csr native / torch)")
+    p.add_argument("--models", default=None, help="subset, e.g. smollm2:0.5,gpt2:0.9 (default: all four)")
+    p.add_argument("--rounds", type=int, default=None, help="decode rounds (default 5, quick 3)")
+    p.add_argument("--new-tokens", type=int, default=None, help="tokens per round (default 32, quick 16)")
+    p.add_argument("--verbose", action="store_true", help="print auto's choice for every layer")
     p.add_argument("--json", default=None, help="write raw results here")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)  # the native kernels use torch.get_num_threads() too
     t0 = time.time()
-    print(
-        f"torch {torch.__version__}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, native kernel: "
-        f"{'available' if _native.load() is not None else 'unavailable (' + str(_native.error()) + ')'}"
-    )
-    out: dict = {"threads": torch.get_num_threads()}
-    if not args.skip_layers:
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY="
+          f"{os.environ.get('OMP_WAIT_POLICY')}, native kernel: "
+          f"{'available' if _native.load() is not None else 'unavailable (' + str(_native.error()) + ')'}"
+          f"{', AVX2' if _native.simd() else ''}; load average {load}")  # fmt: skip
+    out: dict = {"threads": torch.get_num_threads(), "load_before": load}
+    if args.layers:
         out["layers"] = layer_table(repeats=7 if args.quick else 21)
-    if not args.skip_model:
-        out["model"] = model_decode(args.rounds or (3 if args.quick else 5), args.new_tokens)
-    print(f"\n(total {time.time() - t0:.0f} s)")
+    models = MODELS
+    if args.models:
+        models = []
+        for item in args.models.split(","):
+            kind, _, level = item.partition(":")
+            models.append((kind, level if ":" in level or level == "2:4" else float(level)))
+    rounds = args.rounds or (3 if args.quick else 5)
+    new_tokens = args.new_tokens or (16 if args.quick else 32)
+    out["models"] = [model_decode(k, lvl, rounds, new_tokens, verbose=args.verbose) for k, lvl in models]
+    print("\n== summary: whole-model greedy decode, tok/s ratios (medians) ==")
+    print(f"{'model':>8} {'level':>5} | {'dense':>7} {'dense+':>7} {'auto':>7} | {'auto/dense':>10} "
+          f"{'auto/dense+':>11} {'prefill':>7} {'bytes':>6}")  # fmt: skip
+    for r in out["models"]:
+        m = r["median_tok_s"]
+        print(f"{r['model']:>8} {r['level']:>5} | {m['dense']:7.2f} {m['dense+']:7.2f} {m['auto']:7.2f} | "
+              f"{r['auto_vs_dense']:10.2f} {r['auto_vs_dense_plus']:11.2f} {r['prefill_auto_vs_dense']:7.2f} "
+              f"{r['resident_ratio']:6.3f}")  # fmt: skip
+    out["load_after"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    print(f"(total {time.time() - t0:.0f} s; load average after {out['load_after']})")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+            json.dump(out, f, indent=2, default=str)
     return 0
 
 

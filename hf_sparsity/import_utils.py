@@ -62,10 +62,3 @@ def c_compiler() -> str | None:
         if cand and shutil.which(cand):
             return shutil.which(cand)
     return None
-
-
-def is_native_kernel_available() -> bool:
-    """True when the native CPU decode kernel is built (or can be built, on first use) and loads."""
-    from .backends import _native
-
-    return _native.load() is not None

@@ -31,14 +31,11 @@ import torch
 from torch import nn
 
 from .backends import SparseBackend, get_backend
+from .modeling import is_conv1d as _is_conv1d
 from .targeting import unwrap_model
 from .utils import SparsityError
 
 logger = logging.getLogger(__name__)
-
-
-def _is_conv1d(module: nn.Module) -> bool:
-    return type(module).__name__ == "Conv1D"  # transformers.pytorch_utils.Conv1D (GPT-2 family)
 
 
 class SparseLinear(nn.Module):
@@ -110,40 +107,28 @@ def _resolve_masks(model: nn.Module, masks: Any, config: Any) -> dict[str, torch
     raise SparsityError(f"masks must be None, a path, a dict or 'zeros', not {type(masks).__name__}.")
 
 
-@torch.no_grad()
-def sparsify_for_inference(
-    model: nn.Module,
-    backend: str | type[SparseBackend] = "csr",
-    masks: Any = None,
-    *,
-    config: Any = None,
-    keep_dense: bool = True,
-    **backend_options: Any,
-) -> nn.Module:
-    """Swap every masked ``nn.Linear`` / ``Conv1D`` of ``model`` for a :class:`SparseLinear` on ``backend``.
+def resolve_masks(model: nn.Module, masks: Any = None, config: Any = None) -> dict[str, torch.Tensor]:
+    """The masks ``sparsify_for_inference(model, masks=masks, config=config)`` would use, by parameter name.
 
-    Args:
-        model: a transformers model (DDP / accelerate wrappers are unwrapped).
-        backend: a registered backend name (``csr``, ``masked_dense``, ``semi_structured``,
-            ``emulator``) or class.
-        masks: where the masks come from; see the module docstring (default: the
-            model folder's ``sparsity_masks.safetensors``).
-        config: a :class:`~hf_sparsity.SparsityConfig` choosing the targets for ``masks="zeros"``.
-        keep_dense: keep the original modules so :func:`restore_dense` puts them back
-            unchanged (default). ``False`` frees the dense weights; restoring then
-            rebuilds them from the sparse ones (masked positions exactly 0).
-        **backend_options: passed to the backend's ``from_dense`` (e.g. ``kernel="torch"``).
-
-    Returns the same model, modified in place. ``model.generate`` works as before.
+    ``masks`` as in the module docstring (``None``: the model folder's mask file; a path; a dict;
+    ``"zeros"``). Raises :class:`~hf_sparsity.utils.SparsityError` when there are none or they do
+    not match the model.
     """
-    model_u = unwrap_model(model)
-    klass = get_backend(backend)
-    if any(isinstance(m, SparseLinear) for m in model_u.modules()):
-        raise SparsityError("The model is already sparsified for inference; call restore_dense(model) first.")
-    found = _resolve_masks(model_u, masks, config)
-    swapped = 0
+    return _resolve_masks(unwrap_model(model), masks, config)
+
+
+def _sparse_targets(model_u: nn.Module, found: dict[str, torch.Tensor]) -> list[tuple]:
+    """``(name, module_name, owner, weight [out, in], mask [out, in])`` per mask; checks everything first."""
+    params = dict(model_u.named_parameters(remove_duplicate=False))
+    out = []
     for name, mask in found.items():
         module_name, _, attr = name.rpartition(".")
+        if name not in params:
+            raise SparsityError(
+                f"Mask {name!r} names no parameter of this {type(model_u).__name__}: the mask file belongs "
+                "to "
+                "another model. Pass the masks saved with this model (or masks='zeros' for a finalized one)."
+            )
         owner = model_u.get_submodule(module_name) if module_name else model_u
         if attr != "weight" or not (isinstance(owner, nn.Linear) or _is_conv1d(owner)):
             raise SparsityError(
@@ -151,18 +136,245 @@ def sparsify_for_inference(
                 "sparsify_for_inference only swaps linear layers."
             )
         weight = owner.weight
+        if not torch.is_tensor(mask) or tuple(mask.shape) != tuple(weight.shape):
+            got = list(mask.shape) if torch.is_tensor(mask) else type(mask).__name__
+            raise SparsityError(
+                f"Mask {name!r} has shape {got}, the weight {list(weight.shape)}: the masks do not match "
+                "this model. Pass the masks saved with this model."
+            )
         mask = mask.to(weight.device)
         if _is_conv1d(owner):  # Conv1D stores [in, out]; backends take [out, in]
-            w2, m2 = weight.t().contiguous(), mask.t().contiguous()
+            w2, m2 = weight.detach().t().contiguous(), mask.t().contiguous()
         else:
-            w2, m2 = weight, mask
-        prepared = klass.from_dense(w2.detach(), m2, **backend_options)
-        parent_name, _, child = module_name.rpartition(".")
-        parent = model_u.get_submodule(parent_name) if parent_name else model_u
-        setattr(parent, child, SparseLinear(owner, prepared, keep_dense=keep_dense))
-        swapped += 1
-    logger.info("sparsify_for_inference: %d layers now run on %s.", swapped, klass.name)
+            w2, m2 = weight.detach(), mask
+        out.append((name, module_name, owner, w2, m2))
+    return out
+
+
+def _swap(model_u: nn.Module, module_name: str, new: nn.Module) -> None:
+    parent_name, _, child = module_name.rpartition(".")
+    parent = model_u.get_submodule(parent_name) if parent_name else model_u
+    setattr(parent, child, new)
+
+
+@torch.no_grad()
+def sparsify_for_inference(
+    model: nn.Module,
+    backend: str | type[SparseBackend] = "csr",
+    masks: Any = None,
+    *,
+    config: Any = None,
+    keep_dense: bool | None = None,
+    verbose: bool = False,
+    **backend_options: Any,
+) -> nn.Module:
+    """Swap every masked ``nn.Linear`` / ``Conv1D`` of ``model`` for a :class:`SparseLinear` on ``backend``.
+
+    Args:
+        model: a transformers model (DDP / accelerate wrappers are unwrapped).
+        backend: a registered backend name (``auto``, ``bitmask``, ``nm24``, ``csr``,
+            ``masked_dense``, ``semi_structured``, ``emulator``, ...) or class. ``auto`` measures,
+            per group of like layers, dense and every sparse format for decoding and prefill and
+            keeps the fastest (never slower than dense); it also gives the LM head the native
+            multi-threaded GEMV when that is faster (``lm_head=False`` to skip). The choices are
+            in :func:`auto_choices` / :func:`auto_report`.
+        masks: where the masks come from; see the module docstring (default: the
+            model folder's ``sparsity_masks.safetensors``).
+        config: a :class:`~hf_sparsity.SparsityConfig` choosing the targets for ``masks="zeros"``.
+        keep_dense: keep the original modules so :func:`restore_dense` puts them back
+            unchanged. ``False`` frees the dense weights; restoring then rebuilds them from
+            the sparse ones (masked positions exactly 0). Default: ``False`` for ``auto``,
+            ``bitmask``, ``nm24`` and ``native_dense`` (the point is memory), ``True`` otherwise.
+        verbose: print the per-layer choice of ``auto``.
+        **backend_options: passed to the backend's ``from_dense`` (e.g. ``kernel="torch"``), or to
+            :func:`hf_sparsity.backends.auto.plan_layers` for ``auto``.
+
+    Nothing is changed unless every layer converts: a bad mask file, dtype, device or
+    structure raises a :class:`~hf_sparsity.utils.SparsityError` with the model untouched.
+    Returns the same model, modified in place. ``model.generate`` works as before.
+    """
+    from .backends.auto import AutoBackend, plan_layers
+
+    model_u = unwrap_model(model)
+    klass = get_backend(backend)
+    if keep_dense is None:
+        keep_dense = klass.name not in ("auto", "bitmask", "nm24", "native_dense")
+    if any(isinstance(m, SparseLinear) for m in model_u.modules()):
+        raise SparsityError("The model is already sparsified for inference; call restore_dense(model) first.")
+    found = _resolve_masks(model_u, masks, config)
+    targets = _sparse_targets(model_u, found)
+    swaps: list[tuple[str, nn.Module]] = []
+    choices: dict[str, dict] = {}
+    check = False
+    if klass is AutoBackend:
+        lm_head = backend_options.pop("lm_head", True)
+        check = backend_options.pop("check", True)
+        plan = plan_layers({t[0]: (t[3], t[4]) for t in targets}, **backend_options)
+        for name, module_name, owner, _, _ in targets:
+            b, prefill, keep, choice = plan[name]
+            choices[module_name] = choice
+            if b is not None:
+                swaps.append(
+                    (
+                        module_name,
+                        SparseLinear(owner, AutoBackend._wrap(b, prefill, keep, choice), keep_dense),
+                    )
+                )
+        head = _plan_lm_head(model_u, {t[1] for t in targets}, backend_options) if lm_head else None
+        if head is not None:
+            choices[head[0]] = head[2]
+            if head[1] is not None:
+                swaps.append((head[0], head[1]))
+    else:
+        for _name, module_name, owner, w2, m2 in targets:
+            prepared = klass.from_dense(w2, m2, **backend_options)
+            swaps.append((module_name, SparseLinear(owner, prepared, keep_dense=keep_dense)))
+    if check and swaps:
+        swaps = _check_whole_model(model_u, swaps, choices)
+    for module_name, new in swaps:  # every layer prepared: now swap them all
+        _swap(model_u, module_name, new)
+    if klass is AutoBackend:
+        model_u._hf_sparsity_auto = choices
+        if verbose:
+            print(auto_report(model_u))
+    logger.info("sparsify_for_inference: %d layers now run on %s.", len(swaps), klass.name)
     return model
+
+
+def _check_whole_model(
+    model_u: nn.Module, swaps: list, choices: dict, rounds: int = 3, tokens: int = 8
+) -> list:
+    """``auto``'s per-layer choices checked on the whole model: greedy decoding of ``tokens`` tokens with
+    and without the swaps, interleaved ``rounds`` times (medians). If the converted model is slower, no
+    layer is converted (recorded as ``whole_model_check`` in every choice). Layer timings in isolation
+    can mislead (caches, thread hand-offs between torch and the native pool); this is the guard."""
+    import statistics
+
+    from .backends.bench import decode_tok_s
+
+    if not hasattr(model_u, "generate") or not getattr(getattr(model_u, "config", None), "vocab_size", None):
+        return swaps
+    originals = {name: model_u.get_submodule(name) for name, _ in swaps}
+    ids = torch.randint(2, int(model_u.config.vocab_size), (1, 8), generator=torch.Generator().manual_seed(0))
+    speeds: dict[str, list[float]] = {"dense": [], "auto": []}
+    was_training = model_u.training
+    model_u.eval()
+    try:
+        decode_tok_s(model_u, ids, 2)
+        for name, new in swaps:
+            _swap(model_u, name, new)
+        decode_tok_s(model_u, ids, 2)
+        for _ in range(rounds):
+            for name, old in originals.items():
+                _swap(model_u, name, old)
+            speeds["dense"].append(decode_tok_s(model_u, ids, tokens))
+            for name, new in swaps:
+                _swap(model_u, name, new)
+            speeds["auto"].append(decode_tok_s(model_u, ids, tokens))
+    finally:
+        for name, old in originals.items():
+            _swap(model_u, name, old)
+        model_u.train(was_training)
+    ratio = statistics.median(speeds["auto"]) / statistics.median(speeds["dense"])
+    kept = ratio >= 1.0
+    for c in choices.values():
+        c["whole_model_check"] = {
+            "auto_vs_dense": round(ratio, 3),
+            "kept": kept,
+            "tokens": tokens,
+            "rounds": rounds,
+        }
+    if kept:
+        return swaps
+    logger.warning(
+        "auto: the converted model decoded at %.2fx dense in the whole-model check; keeping every layer "
+        "dense.",
+        ratio,
+    )
+    for c in choices.values():
+        c["planned"] = {k: c[k] for k in ("decode", "decode_vs_dense", "prefill", "prefill_vs_dense")}
+        c["decode"], c["prefill"], c["decode_vs_dense"], c["prefill_vs_dense"] = "dense", "dense", 1.0, 1.0
+    return []
+
+
+def _plan_lm_head(model_u: nn.Module, taken: set[str], options: dict) -> tuple | None:
+    """``(module name, SparseLinear or None, choice)`` for the output embedding: dense vs native GEMV."""
+    from .backends.auto import AutoBackend, plan_layers
+
+    head = model_u.get_output_embeddings() if hasattr(model_u, "get_output_embeddings") else None
+    if not isinstance(head, nn.Linear) or head.weight.device.type != "cpu":
+        return None
+    if head.weight.dtype not in AutoBackend.capabilities.dtypes:
+        return None
+    name = next((n for n, m in model_u.named_modules() if m is head), None)
+    if name is None or name in taken:
+        return None
+    opts = {k: v for k, v in options.items() if k in ("rounds", "margin", "threads", "prefill_batch")}
+    w = head.weight.detach()
+    plan = plan_layers(
+        {name: (w, torch.ones((), dtype=torch.uint8).expand(w.shape))}, formats=("native_dense",), **opts
+    )
+    b, prefill, keep, choice = plan[name]
+    choice = dict(choice, lm_head=True)
+    if b is None:
+        return name, None, choice
+    return name, SparseLinear(head, AutoBackend._wrap(b, prefill, keep, choice), keep_dense=True), choice
+
+
+def auto_choices(model: nn.Module) -> dict[str, dict]:
+    """What ``auto`` chose per layer (module name -> decode / prefill format and measured times)."""
+    return dict(getattr(unwrap_model(model), "_hf_sparsity_auto", {}) or {})
+
+
+def auto_report(model: nn.Module) -> str:
+    """A per-layer table of ``auto``'s choices (one line per layer, grouped layers share timings)."""
+    rows = auto_choices(model)
+    if not rows:
+        return "(no auto choices recorded)"
+    lines = [f"{'layer':<44} {'group':<32} {'decode':>12} {'x dense':>7} {'prefill':>8} {'x dense':>7}"]
+    for name, c in rows.items():
+        lines.append(
+            f"{name:<44} {c['group']:<32} {c['decode']:>12} {c['decode_vs_dense']:>7.2f} "
+            f"{c['prefill']:>8} {c['prefill_vs_dense']:>7.2f}"
+        )
+    return "\n".join(lines)
+
+
+def resident_weight_bytes(model: nn.Module) -> int:
+    """Bytes of every distinct tensor storage the model holds: parameters, buffers and sparse formats.
+
+    Tied weights count once. For a sparsified model the packed formats count (values, bit masks,
+    indices) and the dense copies only where they are still held (``keep_dense=True``).
+    """
+    model_u = unwrap_model(model)
+    seen: dict[int, int] = {}
+
+    def add(t: torch.Tensor | None) -> None:
+        if t is None or not torch.is_tensor(t) or t.device.type == "meta":
+            return
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+
+    for t in model_u.parameters():
+        add(t)
+    for t in model_u.buffers():
+        add(t)
+    for m in model_u.modules():
+        if isinstance(m, SparseLinear):
+            b = m.backend
+            if hasattr(b, "storage_tensors"):
+                ts = b.storage_tensors()
+            elif hasattr(b, "_tensors"):
+                ts = b._tensors()
+            else:
+                from .backends.auto import _storage
+
+                ts = _storage(b)
+            for t in ts:
+                add(t)
+            if m._original[0] is not None:
+                add(m._original[0].weight)
+    return sum(seen.values())
 
 
 def restore_dense(model: nn.Module) -> nn.Module:

@@ -192,7 +192,7 @@ def test_mask_wins_over_weight_and_default_mask_is_zeros():
     x = torch.randn(2, 12)
     want = x @ (w * mask).t()
     for name in available_backends():
-        if name == "semi_structured":
+        if name == "semi_structured" or get_backend(name).capabilities.structure:
             continue
         torch.testing.assert_close(get_backend(name).from_dense(w, mask).linear(x), want)
     wz = w * mask
@@ -261,6 +261,7 @@ def test_native_kernel_portable_build_matches_emulator(tmp_path):
     code = (
         "import torch\n"
         "from hf_sparsity.backends import _native, get_backend\n"
+        "from hf_sparsity import masks as M\n"
         "g = torch.Generator().manual_seed(0)\n"
         "w = torch.randn(37, 300, generator=g); m = (torch.rand(37, 300, generator=g) < "
         "0.2).to(torch.uint8)\n"
@@ -268,6 +269,12 @@ def test_native_kernel_portable_build_matches_emulator(tmp_path):
         "ref = get_backend('emulator').from_dense(w, m, float64_accumulator=True).linear(x)\n"
         "b = get_backend('csr').from_dense(w, m, kernel='native')\n"
         "torch.testing.assert_close(b.linear(x), ref, rtol=1e-5, atol=1e-5)\n"
+        "b = get_backend('bitmask').from_dense(w, m, kernel='native')\n"
+        "torch.testing.assert_close(b.linear(x), ref, rtol=1e-5, atol=1e-5)\n"
+        "m = M.nm_mask(torch.rand(37, 300, generator=g), 2, 4, dim=1)\n"
+        "ref = get_backend('emulator').from_dense(w, m, float64_accumulator=True).linear(x.repeat(3, 1))\n"
+        "b = get_backend('nm24').from_dense(w, m, kernel='native')\n"
+        "torch.testing.assert_close(b.linear(x.repeat(3, 1)), ref, rtol=1e-5, atol=1e-5)\n"
         "print(_native.simd())\n"
     )
     assert _run_fresh(code, tmp_path, HF_SPARSITY_NATIVE_PORTABLE="1") == ["False"]
@@ -408,3 +415,143 @@ def test_cli_bench_layer_json(capsys):
     assert main(["bench", "--backend", "nope"]) == 2
     assert main(["bench", "--shape", "12by4"]) == 2
     assert "unknown sparse backend" in capsys.readouterr().err.lower()
+
+
+# ---------------------------------------------------------------------------- packed CPU formats
+PACKED_KERNELS = ["torch"] + (["native"] if NATIVE else [])
+
+
+def _nm24_mask(out_f, in_f, g):
+    """A 2:4 mask along the input dim where some groups keep fewer than two (padded slots)."""
+    mask = M.nm_mask(torch.rand(out_f, in_f, generator=g), 2, 4, dim=1)
+    drop = torch.rand(out_f, in_f, generator=g) < 0.2
+    return mask * (~drop).to(torch.uint8)
+
+
+@pytest.mark.parametrize("kernel", PACKED_KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", ["bitmask", "nm24", "native_dense"])
+def test_packed_formats_match_the_emulator(name, dtype, kernel):
+    # odd shapes (scalar tails), every batch path (1, the 4-row tiles, > SMALL_BATCH) with and without bias
+    g = torch.Generator().manual_seed(11)
+    shapes = [(1, 8), (33, 20), (24, 48), (40, 264)]
+    for out_f, in_f in shapes:
+        for level in (0.0, 0.5, 0.75, 0.97):
+            if name == "nm24":
+                if level:
+                    continue
+                mask = _nm24_mask(out_f, in_f, g)
+            else:
+                mask = (torch.rand(out_f, in_f, generator=g) >= level).to(torch.uint8)
+            w = (torch.randn(out_f, in_f, generator=g) / math.sqrt(in_f)).to(dtype)
+            emu = get_backend("emulator").from_dense(w.float(), mask, float64_accumulator=True)
+            bias = torch.randn(out_f, generator=g).to(dtype)
+            xs = torch.randn(35, in_f, generator=g).to(dtype)
+            wants = emu.linear(xs.float(), bias.float()).split([1, 3, 4, 7, 20])
+            for opts in ({}, {"prefill": "native"}):
+                b = get_backend(name).from_dense(w, mask, kernel=kernel, **opts)
+                assert b.kernel == kernel and b.dtype == dtype
+                torch.testing.assert_close(b.to_dense(), (w.float() * mask).to(dtype), rtol=0, atol=0)
+                for x, want in zip(xs.split([1, 3, 4, 7, 20]), wants):
+                    batch = x.shape[0]
+                    got = b.linear(x, bias)
+                    assert got.dtype == dtype and got.shape == (batch, out_f)
+                    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=3e-2)
+                    torch.testing.assert_close(got.float(), want, **tol)
+
+
+@pytest.mark.parametrize("name", ["bitmask", "nm24"])
+def test_packed_formats_keep_no_dense_copy_and_reach_the_byte_bounds(name):
+    g = torch.Generator().manual_seed(5)
+    out_f, in_f = 256, 512
+    mask = (
+        M.nm_mask(torch.rand(out_f, in_f, generator=g), 2, 4, dim=1)
+        if name == "nm24"
+        else M.random_mask((out_f, in_f), 0.5, 0, "w")
+    )
+    w = torch.randn(out_f, in_f, generator=g)
+    for dtype, bound in ((torch.float32, 2.125), (torch.bfloat16, 1.125)):
+        b = get_backend(name).from_dense(w.to(dtype), mask)
+        assert all(t.numel() < out_f * in_f for t in b._tensors()), "a dense-sized tensor is kept"
+        assert not hasattr(b, "_tmp")
+        per_weight = b.storage_bytes / (out_f * in_f)
+        assert per_weight <= bound + 0.02, per_weight  # + row offsets and the 8-value pad
+        assert torch.equal(b.mask, mask)
+        torch.testing.assert_close(b.weight, (w * mask).to(dtype), rtol=0, atol=0)
+
+
+def test_packed_formats_pass_gradients_to_x():
+    w = torch.randn(16, 32)
+    mask = M.random_mask((16, 32), 0.5, 0, "w")
+    x = torch.randn(3, 32, requires_grad=True)
+    y = get_backend("bitmask").from_dense(w, mask).linear(x)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, (w * mask).sum(0).expand(3, 32))
+
+
+def test_packed_formats_refuse_bad_input_naming_alternatives():
+    w = torch.randn(8, 16)
+    with pytest.raises(SparsityError, match=r"bitmask.*float16.*(csr|masked_dense)"):
+        get_backend("bitmask").from_dense(w.half())
+    with pytest.raises(SparsityError, match=r"runs on cpu.*meta"):
+        get_backend("nm24").from_dense(torch.empty(8, 16, device="meta"))
+    with pytest.raises(SparsityError, match='structure="2:4"'):
+        get_backend("nm24").from_dense(w, M.random_mask((8, 16), 0.5, 0, "w"))
+    with pytest.raises(SparsityError, match="prefill"):
+        get_backend("bitmask").from_dense(w, prefill="sometimes")
+    with pytest.raises(SparsityError, match="no dense weight"):
+        get_backend("bitmask").from_dense(w).refresh()
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
+@pytest.mark.parametrize("name", ["bitmask", "nm24", "csr", "native_dense", "auto"])
+def test_native_kernels_are_custom_ops_torch_compile_traces_without_graph_breaks(name):
+    from torch import nn
+
+    from hf_sparsity.inference import SparseLinear
+
+    g = torch.Generator().manual_seed(2)
+    layers = []
+    for _ in range(3):
+        lin = nn.Linear(64, 64).eval()
+        if name == "nm24":
+            mask = M.nm_mask(torch.rand(64, 64, generator=g), 2, 4, dim=1)
+        else:
+            mask = (torch.rand(64, 64, generator=g) > 0.5).to(torch.uint8)
+        opts = {"formats": ("bitmask",), "margin": -100.0, "rounds": 1} if name == "auto" else {}
+        layers.append(SparseLinear(lin, get_backend(name).from_dense(lin.weight.detach(), mask, **opts)))
+    mod = nn.Sequential(*layers)
+    x = torch.randn(1, 64, generator=g)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = mod(x)
+        got = torch.compile(mod, fullgraph=True, backend="aot_eager")(x)  # fullgraph: a break raises
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch._dynamo.reset()
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
+def test_native_kernels_avx2_build_matches_emulator(tmp_path):
+    # on an AVX-512 CPU the bitmask kernel takes a 16-lane path; this checks the AVX2 one it would
+    # use
+    # elsewhere
+    code = (
+        "import torch\n"
+        "from hf_sparsity.backends import get_backend\n"
+        "from hf_sparsity import masks as M\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "for in_f in (40, 296):\n"
+        "    w = torch.randn(37, in_f, generator=g); m = (torch.rand(37, in_f, generator=g) < "
+        "0.5).to(torch.uint8)\n"
+        "    x = torch.randn(1, in_f, generator=g)\n"
+        "    ref = get_backend('emulator').from_dense(w, m, float64_accumulator=True).linear(x)\n"
+        "    for dt in (torch.float32, torch.bfloat16):\n"
+        "        b = get_backend('bitmask').from_dense(w.to(dt), m, kernel='native')\n"
+        "        r = get_backend('emulator').from_dense(w.to(dt).float(), m, "
+        "float64_accumulator=True).linear(x)\n"
+        "        torch.testing.assert_close(b.linear(x.to(dt)).float(), r, rtol=2e-2, atol=3e-2)\n"
+        "    torch.testing.assert_close(get_backend('bitmask').from_dense(w, m).linear(x), ref, rtol=1e-5, "
+        "atol=1e-5)\n"
+        "print('ok')\n"
+    )
+    assert _run_fresh(code, tmp_path, HF_SPARSITY_NATIVE_NO_AVX512="1") == ["ok"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -170,7 +171,7 @@ def test_cli_bench_model_with_emulator(tmp_path, capsys):
 
 
 def test_decode_breakdown_times_the_named_layers_and_leaves_no_hooks():
-    from hf_sparsity.cli.bench import decode_breakdown, speedup_bounds
+    from hf_sparsity.backends.bench import decode_breakdown, speedup_bounds
 
     model, eng = _masked("gpt2", level=0.9)
     names = sorted({n.rpartition(".")[0] for n in eng.masks})
@@ -188,3 +189,163 @@ def test_decode_breakdown_times_the_named_layers_and_leaves_no_hooks():
     bounds = speedup_bounds({"total_ms": 40.0, "layers_ms": 20.0}, 0.1)
     assert bounds["bound_layers_free"] == pytest.approx(2.0)
     assert bounds["bound_layers_ideal"] == pytest.approx(40 / 22)
+
+
+# ---------------------------------------------------------------------------- auto and the packed formats
+def _state(model):
+    return {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+
+
+def _untouched(model, before):
+    assert not any(isinstance(m, SparseLinear) for m in model.modules())
+    now = dict(model.named_parameters())
+    assert set(now) == set(before)
+    for n, (p, val) in before.items():
+        assert now[n] is p and torch.equal(p, val)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("forced", ["bitmask", "csr", None])
+def test_auto_matches_dense_records_choices_frees_memory_and_restores(arch, forced):
+    from hf_sparsity.inference import auto_choices, auto_report, resident_weight_bytes
+
+    model, eng = _masked(arch, level=0.75)
+    ids = torch.randint(2, 128, (2, 20), generator=torch.Generator().manual_seed(0))  # 40 rows: prefill path
+    with torch.no_grad():
+        want = model(ids).logits
+    gen_want = model.generate(
+        ids[:1, :5],
+        attention_mask=torch.ones_like(ids[:1, :5]),
+        max_new_tokens=4,
+        do_sample=False,
+        pad_token_id=1,
+    )
+    dense_bytes = resident_weight_bytes(model)
+    # margin=-100 forces the sparse format (the mechanics); the default rule is checked below
+    opts = {"formats": (forced,), "margin": -100.0, "check": False} if forced else {}
+    sparsify_for_inference(model, "auto", masks=eng.masks, rounds=3, sample_layers=2, lm_head=False, **opts)
+    choices = auto_choices(model)
+    assert {f"{n}.weight" for n in choices} == set(eng.masks)
+    for c in choices.values():
+        assert c["decode"] in ("dense", "native_dense", "bitmask", "csr", "nm24")
+        if forced:
+            assert c["decode"] == forced
+        else:  # never a format measured slower than dense
+            assert c["decode_ms"][c["decode"]] <= c["decode_ms"]["dense"]
+    assert "decode" in auto_report(model) and len(auto_report(model).splitlines()) == len(choices) + 1
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(model(ids[:1, :1]).logits, want[:1, :1], rtol=1e-4, atol=1e-4)
+    gen_got = model.generate(
+        ids[:1, :5],
+        attention_mask=torch.ones_like(ids[:1, :5]),
+        max_new_tokens=4,
+        do_sample=False,
+        pad_token_id=1,
+    )
+    assert torch.equal(gen_got, gen_want)
+    if forced == "bitmask":  # the dense copies are gone: 25% kept -> ~1.06 of 4 bytes per sparse weight
+        sparse_numel = sum(m.numel() for m in eng.masks.values())
+        assert resident_weight_bytes(model) <= dense_bytes - 0.6 * 4 * sparse_numel
+        assert all(m._original[0] is None for m in sparse_layers(model).values())
+    restore_dense(model)
+    assert not sparse_layers(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_lm_head_and_nm24_on_a_2_4_model():
+    from hf_sparsity.inference import auto_choices
+
+    model = tiny_model("llama").eval()
+    eng = SparsityEngine(model, SparsityConfig(sparsity=0.5, structure="2:4"))
+    eng.build_masks()
+    eng.apply()
+    ids = torch.randint(2, 128, (1, 6))
+    with torch.no_grad():
+        want = model(ids).logits
+    sparsify_for_inference(
+        model, "auto", masks=eng.masks, formats=("nm24",), margin=-100.0, rounds=3, check=False
+    )
+    choices = auto_choices(model)
+    assert all(c["decode"] == "nm24" for n, c in choices.items() if not c.get("lm_head"))
+    head = [c for c in choices.values() if c.get("lm_head")]
+    assert len(head) == 1 and head[0]["decode"] in ("dense", "native_dense")
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, want, rtol=1e-4, atol=1e-4)
+    restore_dense(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_input_leaves_the_model_untouched():
+    model, eng = _masked("llama", level=0.5)
+    before = _state(model)
+    # masks of another model (other shapes)
+    bad = {n: torch.ones(3, 5, dtype=torch.uint8) for n in eng.masks}
+    with pytest.raises(SparsityError, match="do not match"):
+        sparsify_for_inference(model, "bitmask", masks=bad)
+    with pytest.raises(SparsityError, match="names no parameter"):
+        sparsify_for_inference(model, "auto", masks={"model.nope.weight": torch.ones(2, 2)})
+    _untouched(model, before)
+    # N:M asked for on masks that are not N:M: fails on a late layer, the early ones are not swapped
+    with pytest.raises(SparsityError, match='structure="2:4"'):
+        sparsify_for_inference(model, "nm24", masks=eng.masks)
+    _untouched(model, before)
+    # a format on a dtype it does not support names the alternatives
+    half = tiny_model("llama").half().eval()
+    before_h = _state(half)
+    with pytest.raises(SparsityError, match=r"float16.*csr"):
+        sparsify_for_inference(half, "bitmask", masks=eng.masks)
+    with pytest.raises(SparsityError, match=r"auto runs on CPU with float32 or bfloat16"):
+        sparsify_for_inference(half, "auto", masks=eng.masks)
+    _untouched(half, before_h)
+
+
+def test_cli_bench_model_with_auto(tmp_path, capsys):
+    from hf_sparsity.cli import main
+
+    model, eng = _masked("gpt2", level=0.7)
+    model.save_pretrained(tmp_path / "m")
+    eng.save(tmp_path / "m")
+    rc = main(["bench", "--model", str(tmp_path / "m"), "--backend", "auto", "--new-tokens", "2",
+               "--rounds", "1", "--json"])  # fmt: skip
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["backend"] == "auto" and res["max_abs_err"] < 1e-4 and res["dense_tok_s"] > 0
+    assert sum(g["layers"] for g in res["auto_groups"].values()) >= len(eng.masks)
+
+
+def test_native_kernel_source_ships_as_package_data():
+    from pathlib import Path
+
+    from hf_sparsity.backends import _native
+
+    assert os.path.isfile(_native.SOURCE_PATH) and "hfs_run" in _native.source()
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert '[tool.setuptools.package-data]\n"hf_sparsity.backends" = ["csrc/*.c"]' in text
+
+
+def test_auto_whole_model_check_keeps_dense_when_the_converted_model_is_slower(monkeypatch):
+    from hf_sparsity.backends import bench
+    from hf_sparsity.inference import auto_choices
+
+    def fake_tok_s(model, ids, n):  # the converted model "decodes" at half the dense speed
+        return 1.0 if any(isinstance(m, SparseLinear) for m in model.modules()) else 2.0
+
+    monkeypatch.setattr(bench, "decode_tok_s", fake_tok_s)
+    model, eng = _masked("llama", level=0.75)
+    before = _state(model)
+    sparsify_for_inference(model, "auto", masks=eng.masks, formats=("bitmask",), margin=-100.0, rounds=1)
+    _untouched(model, before)
+    choices = auto_choices(model)
+    assert choices and all(c["decode"] == "dense" and c["decode_vs_dense"] == 1.0 for c in choices.values())
+    assert all(c["planned"]["decode"] in ("bitmask", "native_dense", "dense") for c in choices.values())
+    assert all(c["whole_model_check"] == {"auto_vs_dense": 0.5, "kept": False, "tokens": 8, "rounds": 3}
+               for c in choices.values())  # fmt: skip
+    monkeypatch.setattr(bench, "decode_tok_s", lambda model, ids, n: 3.0 - fake_tok_s(model, ids, n))
+    sparsify_for_inference(
+        model, "auto", masks=eng.masks, formats=("bitmask",), margin=-100.0, rounds=1, lm_head=False
+    )
+    assert len(sparse_layers(model)) == len(eng.masks)
+    assert all(c["whole_model_check"]["kept"] for c in auto_choices(model).values())

@@ -6,6 +6,12 @@ Built in:
 * ``csr`` - compressed sparse rows for inference: a native row-parallel kernel with
   16-bit column indices for batch-1 decoding on CPU, torch.sparse CSR elsewhere.
 * ``semi_structured`` - 2:4 sparsity through torch's semi-structured tensors (CUDA, Ampere+).
+* ``bitmask`` - 1 bit per weight + packed values (fp32 / bf16), native AVX2 kernels on CPU:
+  the format for 50-75% sparsity.
+* ``nm24`` - 2:4 on CPU: packed values + 2-bit positions, native AVX2 kernels.
+* ``native_dense`` - dense weight, native multi-threaded GEMV (LM heads, dense-winning layers).
+* ``auto`` - per layer, the fastest of dense and the sparse formats, measured at conversion,
+  separately for decoding (batch 1) and prefill; never slower than dense.
 * ``emulator`` - a reference model of a sparsity-accelerating dataflow machine: exact,
   one AXPY per nonzero weight, with work counters and a cycle model. Every other
   backend is tested against it.
@@ -99,21 +105,36 @@ def backend_table() -> list[dict]:
     return rows
 
 
+from .auto import AutoBackend  # noqa: E402
 from .csr import CSRBackend  # noqa: E402
 from .emulator import EmulatorBackend, MachineSpec  # noqa: E402
+from .formats import BitmaskBackend, NativeDenseBackend, NM24Backend  # noqa: E402
 from .masked_dense import MaskedDenseBackend  # noqa: E402
 from .semi_structured import SemiStructuredBackend  # noqa: E402
 
-for _klass in (MaskedDenseBackend, CSRBackend, SemiStructuredBackend, EmulatorBackend):
+for _klass in (
+    MaskedDenseBackend,
+    CSRBackend,
+    SemiStructuredBackend,
+    EmulatorBackend,
+    BitmaskBackend,
+    NM24Backend,
+    NativeDenseBackend,
+    AutoBackend,
+):
     register_backend(_klass)
 
 __all__ = [
     "PHASES",
+    "AutoBackend",
     "BackendCapabilities",
+    "BitmaskBackend",
     "CSRBackend",
     "EmulatorBackend",
     "MachineSpec",
     "MaskedDenseBackend",
+    "NM24Backend",
+    "NativeDenseBackend",
     "SemiStructuredBackend",
     "SparseBackend",
     "WorkCounters",

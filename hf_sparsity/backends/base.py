@@ -161,13 +161,15 @@ class SparseBackend:
         if weight.device.type not in caps.devices:
             raise SparsityError(
                 f"Backend {cls.name!r} runs on {', '.join(caps.devices)}, but the weight is on "
-                f"{weight.device}. Move the model (model.to(...)) or pick another backend."
+                f"{weight.device}. Move the model (model.to(...)) or pick a backend that runs there: "
+                f"{_alternatives(weight.device.type, weight.dtype)}."
             )
         if weight.dtype not in caps.dtypes:
             names = ", ".join(str(t).replace("torch.", "") for t in caps.dtypes)
             raise SparsityError(
                 f"Backend {cls.name!r} supports dtypes {names}, not {weight.dtype}. Cast the model "
-                "(model.to(dtype)) or pick another backend."
+                f"(model.to(dtype)) or pick a backend that takes it: "
+                f"{_alternatives(weight.device.type, weight.dtype)}."
             )
         if mask is None:
             mask = weight.detach() != 0
@@ -270,6 +272,18 @@ def check_nm(mask: torch.Tensor, n: int, m: int, dim: int = 1, backend: str = ""
             f'dimension); this mask is unstructured. Build masks with SparsityConfig(structure="{n}:{m}") '
             "or hf_sparsity.masks.nm_mask."
         )
+
+
+def _alternatives(device_type: str, dtype: torch.dtype) -> str:
+    """Registered backends that run on ``device_type`` with ``dtype`` (for error messages)."""
+    from . import _REGISTRY
+
+    names = [
+        n
+        for n, k in sorted(_REGISTRY.items())
+        if device_type in k.capabilities.devices and dtype in k.capabilities.dtypes and n != "emulator"
+    ]
+    return ", ".join(names) or "none registered"
 
 
 def _shape(t: Any) -> str:

@@ -114,6 +114,10 @@ class CSRBackend(SparseBackend):
         x2d = x.reshape(-1, self.in_features)
         if x2d.shape[0] > NATIVE_MAX_BATCH and self.options.get("kernel", "auto") == "auto":
             return super().linear(x, bias)
+        if torch.compiler.is_compiling():  # a custom op: no graph break at this layer
+            return torch.ops.hf_sparsity.csr_linear(
+                x, nat.rowptr, nat.idx, nat.values, bias, nat.rows, self.threads or 0
+            )
         self._count("forward", x2d.shape[0])
         return nat.matmul(x2d, self.threads, bias).view(*x.shape[:-1], self.out_features)
 

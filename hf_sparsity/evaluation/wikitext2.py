@@ -93,7 +93,8 @@ def wikitext2_perplexity(
         "seqlen": seqlen,
         "windows": len(losses),
         "windows_available": total,
-        "protocol": "wanda/sparsegpt: rows joined with \\n\\n, floor(tokens/seqlen) windows, exp(mean window loss)",
+        "protocol": "wanda/sparsegpt: rows joined with \\n\\n, floor(tokens/seqlen) windows, exp(mean "
+                    "window loss)",
     }
 
 

@@ -31,7 +31,8 @@ def check_out_dir(model_dir: str | os.PathLike | None, out_dir: str | os.PathLik
             )
     if out.exists() and not overwrite:
         raise SparsityError(
-            f"Output folder {str(out_dir)!r} already exists. Choose another path or pass --overwrite to replace it."
+            f"Output folder {str(out_dir)!r} already exists. Choose another path or pass --overwrite to "
+            "replace it."
         )
 
 

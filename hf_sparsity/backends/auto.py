@@ -1,0 +1,301 @@
+"""``auto``: per layer, the fastest of dense and each sparse format, measured at conversion.
+
+Decoding (batch 1) and prefill (a batch of ``prefill_batch`` rows, default 128) are
+measured separately, on this machine, with the current thread count:
+
+1. Layers are grouped by shape, dtype, density (to 0.05) and whether the mask is 2:4;
+   layers in a group compute the same amount of work the same way.
+2. For each group, every candidate format (``dense`` = ``F.linear``, ``native_dense``,
+   ``bitmask``, ``nm24`` for 2:4 masks, ``csr``) is built for up to ``sample_layers``
+   layers of the group, and one pass over those layers is timed round-robin (dense,
+   bitmask, ..., dense, ...) for ``rounds`` rounds; medians. Streaming through several
+   distinct layers keeps the weights out of the fastest caches, as in a real decode step.
+3. The decode choice is the fastest candidate, unless it beats the fastest dense variant
+   by less than ``margin`` (3%): then the dense variant. So a layer is never converted to
+   something measured slower than dense.
+4. Prefill: for the chosen format, its own batched path and "unpack" (rebuild the dense
+   weight, one GEMM) are timed against dense ``F.linear``; the faster of the two is used.
+   If both are slower than dense, ``keep_dense_for_prefill=True`` keeps the dense weight
+   for prefill (more memory); by default the faster path is used and the ratio recorded.
+
+The choice, with every measured time, is in :attr:`AutoBackend.choice`; for a whole model,
+:func:`hf_sparsity.inference.auto_report` prints the per-layer table.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..utils import SparsityError
+from . import _native
+from .base import BackendCapabilities, SparseBackend, check_nm
+from .formats import SMALL_BATCH
+
+logger = logging.getLogger(__name__)
+
+CANDIDATES = ("dense", "native_dense", "bitmask", "nm24", "csr")
+DENSE = ("dense", "native_dense")
+
+
+def _is_24(mask: torch.Tensor) -> bool:
+    try:
+        check_nm(mask, 2, 4)
+        return True
+    except SparsityError:
+        return False
+
+
+def _build(fmt: str, w: torch.Tensor, m: torch.Tensor, threads: int | None) -> SparseBackend:
+    from . import get_backend
+
+    if fmt == "dense":
+        return get_backend("native_dense").from_dense(w, m, kernel="torch")
+    if fmt == "native_dense":
+        return get_backend(fmt).from_dense(w, m, threads=threads)
+    if fmt == "csr":
+        b = get_backend("csr").from_dense(w, m, kernel="native", threads=threads)
+        _slim_csr(b)
+        return b
+    return get_backend(fmt).from_dense(w, m, prefill="native", threads=threads)
+
+
+def _slim_csr(b: SparseBackend) -> None:
+    """Drop the dense weight and mask a ``csr`` backend keeps (auto never trains or refreshes)."""
+    b.__dict__["weight"] = torch.empty(0, dtype=b.weight.dtype)
+    b.__dict__["mask"] = torch.ones((), dtype=torch.uint8).expand(b.out_features, b.in_features)
+
+
+def _storage(b: SparseBackend) -> list[torch.Tensor]:
+    if hasattr(b, "_tensors"):
+        return list(b._tensors())
+    nat = getattr(b, "_native", None)
+    if nat is not None:
+        return [nat.rowptr, nat.idx, nat.values]
+    return [b.weight, b.mask]
+
+
+def _median_times(fns: dict[str, Any], rounds: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[k].append((time.perf_counter() - t) * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+class AutoBackend(SparseBackend):
+    """Wraps the backend chosen for one layer (decode) and how prefill runs; see the module docstring.
+
+    Options (for :meth:`from_dense` and ``sparsify_for_inference(model, "auto", ...)``):
+    ``formats`` (candidates, default all that apply), ``prefill_batch`` (128), ``rounds`` (7),
+    ``sample_layers`` (8), ``margin`` (0.03), ``keep_dense_for_prefill`` (False), ``threads``.
+    """
+
+    name = "auto"
+    capabilities = BackendCapabilities(
+        devices=("cpu",),
+        dtypes=(torch.float32, torch.bfloat16),
+        training=False,
+        description="per layer the fastest of dense, native_dense, bitmask, nm24, csr (measured); never "
+        "slower",
+    )
+
+    def __init__(self, weight: torch.Tensor, mask: torch.Tensor, **options: Any):
+        b, prefill, keep, choice = plan_layers({"layer": (weight, mask)}, **options)["layer"]
+        if b is None:  # dense won: F.linear on the masked weight
+            b = _build("dense", weight, mask, options.get("threads"))
+        self._adopt((b, prefill, keep, choice))
+
+    @classmethod
+    def _wrap(cls, decode: SparseBackend, prefill: str, prefill_weight, choice: dict) -> AutoBackend:
+        self = cls.__new__(cls)
+        self._adopt((decode, prefill, prefill_weight, choice))
+        return self
+
+    def _adopt(self, parts) -> None:
+        from .base import _new_counters
+
+        self.decode, self.prefill, self.prefill_weight, self.choice = parts
+        d = self.decode
+        self.out_features, self.in_features = d.out_features, d.in_features
+        self.nnz = d.nnz
+        self.options = {}
+        self.counters = _new_counters()
+        self.dtype = d.dtype if hasattr(d, "dtype") else d.weight.dtype
+        self.kernel = self.choice["decode"]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.to_dense()
+
+    @property
+    def mask(self) -> torch.Tensor:
+        d = self.decode
+        return d.mask if hasattr(d, "_tensors") else (self.to_dense() != 0).to(torch.uint8)
+
+    @property
+    def storage_bytes(self) -> int:
+        ts = _storage(self.decode) + ([self.prefill_weight] if self.prefill_weight is not None else [])
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def storage_tensors(self) -> list[torch.Tensor]:
+        return _storage(self.decode) + ([self.prefill_weight] if self.prefill_weight is not None else [])
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.numel() // max(self.in_features, 1)
+        if rows <= SMALL_BATCH or self.prefill == "own":
+            return self.decode.linear(x, bias)
+        w = self.prefill_weight if self.prefill_weight is not None else self.decode.to_dense()
+        return F.linear(x, w.to(x.dtype), bias)
+
+    __call__ = linear
+
+    def _forward(self, x2d: torch.Tensor) -> torch.Tensor:
+        return self.linear(x2d)
+
+    def to_dense(self) -> torch.Tensor:
+        return self.decode.to_dense().to(self.dtype)
+
+    def extra_repr(self) -> str:
+        c = self.choice
+        return f"{super().extra_repr()}, decode={c['decode']}, prefill={c['prefill']}"
+
+
+def plan_layers(
+    layers: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    formats: tuple[str, ...] | None = None,
+    prefill_batch: int = 128,
+    rounds: int = 7,
+    sample_layers: int = 8,
+    margin: float = 0.03,
+    keep_dense_for_prefill: bool = False,
+    threads: int | None = None,
+) -> dict[str, tuple]:
+    """Choose a format per layer (``name -> (weight [out, in], mask)``); see the module docstring.
+
+    Returns ``name -> (decode backend or None for dense, prefill mode, prefill weight, choice dict)``
+    where a ``None`` backend means: leave the layer dense (``F.linear``).
+    """
+    formats = tuple(formats or CANDIDATES)
+    bad = [f for f in formats if f not in CANDIDATES]
+    if bad:
+        raise SparsityError(f"auto: unknown format(s) {bad}; choose from {', '.join(CANDIDATES)}.")
+    if "dense" not in formats:
+        formats = ("dense", *formats)  # the reference every choice is measured against
+    if _native.load() is None:
+        formats = tuple(f for f in formats if f == "dense")  # without the native kernels nothing beats dense
+    for name, (w, _m) in layers.items():
+        if w.device.type != "cpu" or w.dtype not in AutoBackend.capabilities.dtypes:
+            raise SparsityError(
+                f"auto: layer {name!r} is {w.dtype} on {w.device}; auto runs on CPU with float32 or bfloat16 "
+                "weights. Cast or move the model (model.float(), model.to('cpu')), or use backend='csr' "
+                "(any dtype, CUDA via torch.sparse) or 'masked_dense'."
+            )
+    groups: dict[tuple, list[str]] = {}
+    meta: dict[str, tuple] = {}
+    for name, (w, m) in layers.items():
+        density = float(m.sum()) / max(m.numel(), 1)
+        is24 = w.shape[1] % 4 == 0 and _is_24(m)
+        key = (tuple(w.shape), w.dtype, round(density * 20) / 20, is24)
+        groups.setdefault(key, []).append(name)
+        meta[name] = (density, is24)
+    out: dict[str, tuple] = {}
+    for key, names in groups.items():
+        shape, dtype, _, is24 = key
+        cands = [f for f in formats if f != "nm24" or is24]
+        step = max(1, len(names) // sample_layers)
+        sample = names[::step][:sample_layers]
+        best, decode_ms, prefill_ms = _measure(layers, sample, cands, prefill_batch, rounds, threads, margin)
+        if best in DENSE:
+            best_pf = "dense"
+            pf_ms = prefill_ms["dense"]
+        else:
+            pf = {"own": prefill_ms[f"{best}:own"], "unpack": prefill_ms[f"{best}:unpack"]}
+            best_pf = min(pf, key=pf.__getitem__)
+            pf_ms = pf[best_pf]
+            if keep_dense_for_prefill and pf_ms > prefill_ms["dense"]:
+                best_pf, pf_ms = "dense", prefill_ms["dense"]
+        for name in names:
+            w, m = layers[name]
+            choice = {
+                "decode": best,
+                "prefill": best_pf,
+                "group": f"{shape[0]}x{shape[1]} {str(dtype).replace('torch.', '')} "
+                f"density~{key[2]:.2f}{' 2:4' if is24 else ''}",
+                "measured_on": len(sample),
+                "decode_ms": {k: round(v, 4) for k, v in decode_ms.items()},
+                "prefill_ms": {k: round(v, 4) for k, v in prefill_ms.items()},
+                "decode_vs_dense": round(decode_ms["dense"] / decode_ms[best], 3),
+                "prefill_vs_dense": round(prefill_ms["dense"] / pf_ms, 3),
+                "density": round(meta[name][0], 4),
+            }
+            if best == "dense":
+                out[name] = (None, "dense", None, choice)
+            elif best == "native_dense":  # batches above SMALL_BATCH run F.linear on its dense weight
+                out[name] = (_build(best, w, m, threads), "own", None, choice)
+            elif best_pf == "dense":
+                out[name] = (_build(best, w, m, threads), "dense", (w * m.to(w.dtype)).contiguous(), choice)
+            else:
+                out[name] = (_build(best, w, m, threads), best_pf, None, choice)
+        logger.info(
+            "auto: %d layer(s) %s -> decode %s (%.2fx dense), prefill %s (%.2fx dense)",
+            len(names),
+            out[names[0]][3]["group"],
+            best,
+            out[names[0]][3]["decode_vs_dense"],
+            best_pf,
+            out[names[0]][3]["prefill_vs_dense"],
+        )
+    return out
+
+
+def _measure(layers, sample, cands, prefill_batch, rounds, threads, margin):
+    """Decode: median ms of one pass over the ``sample`` layers per candidate (batch 1); then prefill
+    (``prefill_batch`` rows, two layers) of dense and of the decode winner's own path and unpack path.
+    Returns ``(best, decode_ms, prefill_ms)``."""
+    built: dict[str, list] = {}
+    for f in cands:
+        try:
+            if f == "dense":
+                built[f] = [(layers[n][0] * layers[n][1].to(layers[n][0].dtype)).contiguous() for n in sample]
+            else:
+                built[f] = [_build(f, *layers[n], threads) for n in sample]
+        except SparsityError:
+            continue
+    in_f = layers[sample[0]][0].shape[1]
+    dtype = layers[sample[0]][0].dtype
+    g = torch.Generator().manual_seed(0)
+    x1 = torch.randn(1, in_f, generator=g).to(dtype)
+    xp = torch.randn(prefill_batch, in_f, generator=g).to(dtype)
+
+    def run(f, x):
+        if f == "dense":
+            return lambda: [F.linear(x, w) for w in built[f]]
+        return lambda: [b.linear(x) for b in built[f]]
+
+    with torch.inference_mode():
+        decode_ms = _median_times({f: run(f, x1) for f in built}, rounds)
+        for f in cands:  # candidates that could not be built are absent: never chosen
+            decode_ms.setdefault(f, float("inf"))
+        dense_best = min((f for f in cands if f in DENSE), key=decode_ms.__getitem__)
+        sparse = [f for f in cands if f not in DENSE]
+        best = min(sparse, key=decode_ms.__getitem__) if sparse else dense_best
+        if decode_ms[best] == float("inf") or decode_ms[best] > decode_ms[dense_best] * (1 - margin):
+            best = dense_best  # a sparse format must beat the fastest dense variant by ``margin``
+        two = built["dense"][:2]
+        pf_fns = {"dense": lambda: [F.linear(xp, w) for w in two]}
+        if best not in DENSE:
+            bs = built[best][:2]
+            pf_fns[f"{best}:own"] = lambda: [b.linear(xp) for b in bs]
+            pf_fns[f"{best}:unpack"] = lambda: [F.linear(xp, b.to_dense().to(xp.dtype)) for b in bs]
+        prefill_ms = _median_times(pf_fns, max(3, rounds // 3))
+    return best, decode_ms, prefill_ms

@@ -1,0 +1,323 @@
+"""Compact CPU formats for moderate sparsity: ``bitmask`` and ``nm24`` (2:4), plus ``native_dense``.
+
+At 50-75% sparsity CSR does not pay: fp32 values with 16-bit column indices read 3 bytes
+per weight at 50% against dense's 4, and decoding is memory-bound. These formats read
+close to the bound:
+
+* ``bitmask``: one bit per weight (kept or not) plus the kept values packed in row order.
+  fp32 values: ``4 * density + 0.125`` bytes per weight (2.125 at 50%, 1.8x fewer than
+  dense); bf16 values: ``2 * density + 0.125``. Any unstructured mask.
+* ``nm24``: 2:4 along the input dimension: two values per four weights and their two
+  2-bit positions, one byte per eight weights (fp32: 2.125 bytes per weight; bf16: 1.125).
+  Refuses a mask that is not 2:4.
+* ``native_dense``: the masked weight stored dense, multiplied by the native multi-threaded
+  GEMV for small batches (torch's fp32 GEMV may use one core). Used by ``auto`` for layers
+  where dense wins and for the LM head; it is "dense with the same improvements".
+
+Values are fp32 or bf16 (the weight's dtype); the kernels compute in fp32. The native
+AVX2/FMA kernels (:mod:`hf_sparsity.backends._native`, ``csrc/hfs_kernels.c``) run batch 1
+and small batches; larger batches (prefill) go through a dense GEMM on the weight rebuilt
+on the fly (``prefill="unpack"``, default: no dense copy kept) or the native kernel
+(``prefill="native"``). Without a C compiler a pure-torch path computes the same thing,
+slowly (it rebuilds the dense weight per call).
+
+These backends keep **no dense copy**: after ``from_dense`` the weight and mask tensors are
+dropped; ``weight`` / ``mask`` / ``to_dense()`` rebuild them from the packed form.
+Inference only (``capabilities.training`` is False); gradients of ``x`` still flow.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..utils import SparsityError
+from . import _native
+from .base import BackendCapabilities, SparseBackend
+
+SMALL_BATCH = 16
+"""Rows of ``x`` up to which the native kernels run; above, a dense GEMM on the unpacked weight."""
+
+_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[out, ceil(in/8)]``: bit ``i`` of byte ``g`` is ``mask[:, 8g + i]``."""
+    out_f, in_f = mask.shape
+    pad = (-in_f) % 8
+    m = F.pad(mask.to(torch.uint8), (0, pad)).view(out_f, -1, 8)
+    return (m * _BITS).sum(-1, dtype=torch.int32).to(torch.uint8)
+
+
+def _unpack_bits(bits: torch.Tensor, in_f: int) -> torch.Tensor:
+    """Bool ``[out, in]`` from :func:`_pack_bits`."""
+    return ((bits.unsqueeze(-1) & _BITS) != 0).reshape(bits.shape[0], -1)[:, :in_f]
+
+
+class _PackedBackend(SparseBackend):
+    """Shared machinery: packed storage, dropped dense tensors, native / torch dispatch."""
+
+    capabilities = BackendCapabilities(devices=("cpu",), dtypes=(torch.float32, torch.bfloat16))
+    op = ""
+
+    def __init__(self, weight: torch.Tensor, mask: torch.Tensor, **options):
+        self._tmp = (weight, mask)
+        super().__init__(weight, mask, **options)
+        del self._tmp  # the dense weight and mask are not kept
+
+    # weight / mask: set once by SparseBackend.__init__, rebuilt from the packed form afterwards
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.to_dense()
+
+    @weight.setter
+    def weight(self, value) -> None:
+        self.dtype = value.dtype
+        self.device = value.device
+
+    @property
+    def mask(self) -> torch.Tensor:
+        if hasattr(self, "_tmp"):
+            return self._tmp[1]
+        return self._dense_mask()
+
+    @mask.setter
+    def mask(self, value) -> None:
+        if hasattr(self, "_tmp"):
+            self._tmp = (self._tmp[0], value)
+
+    def _prepare(self) -> None:
+        prefill = self.options.get("prefill", "unpack")
+        if prefill not in ("unpack", "native"):
+            raise SparsityError(f"{self.name}: prefill must be 'unpack' or 'native', not {prefill!r}.")
+        kernel = self.options.get("kernel", "auto")
+        if kernel not in ("auto", "native", "torch"):
+            raise SparsityError(f"{self.name}: unknown kernel {kernel!r}; use auto, native or torch.")
+        if kernel == "native" and _native.load() is None:
+            raise SparsityError(f"{self.name}: the native kernel is unavailable here: {_native.error()}")
+        self.kernel = "native" if kernel != "torch" and _native.load() is not None else "torch"
+        self.threads = self.options.get("threads")
+        w, m = self._tmp
+        self._pack(w.detach(), m.bool())
+
+    def refresh(self) -> None:
+        raise SparsityError(
+            f"{self.name} keeps no dense weight to re-read; build a new backend with from_dense(weight, "
+            "mask)."
+        )
+
+    @property
+    def storage_bytes(self) -> int:
+        """Bytes of every tensor the packed weight holds (values, bitmask / positions, row offsets)."""
+        return sum(t.numel() * t.element_size() for t in self._tensors())
+
+    @property
+    def index_bytes(self) -> int:
+        return self.storage_bytes - self.values.numel() * self.values.element_size()
+
+    # ------------------------------------------------------------------ compute
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise SparsityError(
+                f"Input has {x.shape[-1]} features; the sparse weight expects {self.in_features}."
+            )
+        if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+            return F.linear(x, self.to_dense().to(x.dtype), bias)  # autograd for x (and bias)
+        lead = x.shape[:-1]
+        x2d = x.reshape(-1, self.in_features)
+        batch = x2d.shape[0]
+        if torch.compiler.is_compiling() and self.kernel == "native" and batch <= SMALL_BATCH:
+            t = self._tensors()
+            meta, rowptr = (
+                (t[0], t[1]) if self.op == "bitmask" else (t[0] if self.op == "nm24" else None, None)
+            )
+            return torch.ops.hf_sparsity.packed_linear(
+                x,
+                self.values,
+                meta,
+                rowptr,
+                bias,
+                self.op,
+                self.out_features,
+                self._work_per_row,
+                self.threads or 0,
+            )
+        self._count("forward", batch)
+        if self.kernel == "native" and (batch <= SMALL_BATCH or self.options.get("prefill") == "native"):
+            if x2d.dtype != torch.float32 or not x2d.is_contiguous():
+                x2d = x2d.float().contiguous()
+            y = self._native_mm(x2d, bias)
+            if x.dtype != torch.float32:
+                y = y.to(x.dtype)
+        else:
+            y = F.linear(x2d, self.to_dense().to(x2d.dtype), bias)
+        return y.view(*lead, self.out_features)
+
+    __call__ = linear
+
+    def _forward(self, x2d: torch.Tensor) -> torch.Tensor:
+        return self.linear(x2d)
+
+    def _threads(self, batch: int) -> int:
+        return _native.threads_for(self._work_per_row * batch, self.threads)
+
+    @property
+    def _work_per_row(self) -> int:
+        return self.out_features * self.in_features if self.op == "gemv" else self.nnz
+
+    def _count(self, phase: str, batch: int) -> None:  # without rebuilding the dense mask
+        c = self.counters[phase]
+        c.calls += 1
+        c.macs += self.nnz * batch
+        c.macs_skipped += (self.out_features * self.in_features - self.nnz) * batch
+
+    def to_dense(self) -> torch.Tensor:
+        """The masked dense weight ``[out, in]`` in the values' dtype (rebuilt; nothing dense is kept)."""
+        return self._unpack().to(self.dtype)
+
+    # subclasses: _pack, _tensors, _native_mm, _unpack, _dense_mask
+
+
+class BitmaskBackend(_PackedBackend):
+    """1 bit per weight + packed kept values (fp32 or bf16). Any unstructured mask, CPU."""
+
+    name = "bitmask"
+    op = "bitmask"
+    capabilities = BackendCapabilities(
+        devices=("cpu",),
+        dtypes=(torch.float32, torch.bfloat16),
+        training=False,
+        description="1-bit mask + packed values (2.125 B/weight at 50% fp32); native AVX2 kernel",
+    )
+
+    def _pack(self, w: torch.Tensor, m: torch.Tensor) -> None:
+        self.bits = _pack_bits(m).contiguous()
+        counts = m.sum(1, dtype=torch.int64)
+        self.rowptr = torch.zeros(self.out_features + 1, dtype=torch.int64)
+        torch.cumsum(counts, 0, out=self.rowptr[1:])
+        vals = w[m].to(self.dtype)
+        self.values = torch.cat([vals, vals.new_zeros(16)]).contiguous()  # the kernel reads 16 at a time
+
+    def _tensors(self):
+        return (self.bits, self.rowptr, self.values)
+
+    def _native_mm(self, x2d, bias):
+        return _native.run_op(
+            "bitmask", self.out_features, self.in_features, x2d, self.values, self.bits, self.rowptr,
+            bias, self._threads(x2d.shape[0]),
+        )  # fmt: skip
+
+    def _dense_mask(self) -> torch.Tensor:
+        return _unpack_bits(self.bits, self.in_features).to(torch.uint8)
+
+    def _unpack(self) -> torch.Tensor:
+        if self.kernel == "native" and self.out_features * self.in_features:
+            threads = _native.threads_for(self.out_features * self.in_features // 4, self.threads)
+            return _native.run_op(
+                "bitmask_unpack", self.out_features, self.in_features, None, self.values, self.bits,
+                self.rowptr, None, threads,
+            )  # fmt: skip
+        out = torch.zeros(self.out_features, self.in_features, dtype=torch.float32)
+        out[_unpack_bits(self.bits, self.in_features)] = self.values[: self.nnz].float()
+        return out
+
+
+class NM24Backend(_PackedBackend):
+    """2:4 along the input dimension on CPU: two values and two 2-bit positions per four weights."""
+
+    name = "nm24"
+    op = "nm24"
+    aliases = ("cpu_2_4", "nm_2_4")
+    capabilities = BackendCapabilities(
+        devices=("cpu",),
+        dtypes=(torch.float32, torch.bfloat16),
+        training=False,
+        structure="2:4",
+        description="CPU 2:4: packed values + 2-bit positions (2.125 B/weight fp32); native AVX2 kernel",
+    )
+
+    def _pack(self, w: torch.Tensor, m: torch.Tensor) -> None:
+        out_f, in_f = w.shape
+        g = m.view(out_f, in_f // 4, 4)
+        # the two kept positions of each group (a group keeping fewer is padded with unused positions)
+        key = (~g).to(torch.int8) * 4 + torch.arange(4, dtype=torch.int8)
+        pos = key.argsort(dim=-1, stable=True)[..., :2].sort(-1).values  # [out, groups, 2], ascending
+        vals = torch.gather((w * m).view(out_f, in_f // 4, 4), 2, pos)
+        self.values = torch.cat([vals.reshape(-1).to(self.dtype), vals.new_zeros(8, dtype=self.dtype)])
+        nib = (pos[..., 0] | (pos[..., 1] << 2)).to(torch.uint8)  # [out, groups]
+        if nib.shape[1] % 2:
+            nib = F.pad(nib, (0, 1))
+        nib = nib.view(out_f, -1, 2)
+        self.meta = (nib[..., 0] | (nib[..., 1] << 4)).contiguous()  # [out, ceil(in/8)]
+
+    def _tensors(self):
+        return (self.meta, self.values)
+
+    def _positions(self) -> torch.Tensor:
+        out_f, groups = self.out_features, self.in_features // 4
+        nib = torch.stack([self.meta & 15, self.meta >> 4], -1).view(out_f, -1)[:, :groups].long()
+        return torch.stack([nib & 3, nib >> 2], -1)  # [out, groups, 2]
+
+    def _native_mm(self, x2d, bias):
+        return _native.run_op(
+            "nm24", self.out_features, self.in_features, x2d, self.values, self.meta, None, bias,
+            self._threads(x2d.shape[0]),
+        )  # fmt: skip
+
+    def _unpack(self) -> torch.Tensor:
+        out_f, in_f = self.out_features, self.in_features
+        out = torch.zeros(out_f, in_f // 4, 4, dtype=torch.float32)
+        vals = self.values[: out_f * in_f // 2].float().view(out_f, in_f // 4, 2)
+        out.scatter_(2, self._positions(), vals)
+        return out.view(out_f, in_f)
+
+    def _dense_mask(self) -> torch.Tensor:
+        # the kept positions with a stored value; a padded slot (group keeping fewer than 2) holds 0
+        return (self._unpack() != 0).to(torch.uint8) if self.nnz < self.mask_slots else self._slot_mask()
+
+    @property
+    def mask_slots(self) -> int:
+        return self.out_features * self.in_features // 2
+
+    def _slot_mask(self) -> torch.Tensor:
+        out_f, in_f = self.out_features, self.in_features
+        out = torch.zeros(out_f, in_f // 4, 4, dtype=torch.uint8)
+        out.scatter_(2, self._positions(), 1)
+        return out.view(out_f, in_f)
+
+
+class NativeDenseBackend(_PackedBackend):
+    """The masked weight kept dense; a multi-threaded native GEMV for small batches, ``F.linear`` above."""
+
+    name = "native_dense"
+    op = "gemv"
+    aliases = ("gemv",)
+    capabilities = BackendCapabilities(
+        devices=("cpu",),
+        dtypes=(torch.float32, torch.bfloat16),
+        training=False,
+        description="dense weight, native multi-threaded GEMV for batch <= 16 (LM head, dense layers)",
+    )
+
+    def _pack(self, w: torch.Tensor, m: torch.Tensor) -> None:
+        self.values = (
+            (w * m).to(self.dtype).contiguous() if not bool(m.all()) else w.to(self.dtype).contiguous()
+        )
+
+    def _tensors(self):
+        return (self.values,)
+
+    def _native_mm(self, x2d, bias):
+        return _native.run_op(
+            "gemv", self.out_features, self.in_features, x2d, self.values, None, None, bias,
+            self._threads(x2d.shape[0]),
+        )  # fmt: skip
+
+    def to_dense(self) -> torch.Tensor:
+        return self.values
+
+    def _unpack(self) -> torch.Tensor:
+        return self.values
+
+    def _dense_mask(self) -> torch.Tensor:
+        return (self.values != 0).to(torch.uint8)
