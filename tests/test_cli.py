@@ -7,7 +7,7 @@ import pytest
 import hf_sparsity.cli as cli_pkg
 from hf_sparsity.cli import COMMANDS, build_parser
 
-EXPECTED = {"bench", "convert", "eval", "flops", "ift", "inspect", "validate"}
+EXPECTED = {"bench", "convert", "eval", "flops", "generate", "ift", "inspect", "prune", "validate"}
 
 
 def _subcommands(parser):

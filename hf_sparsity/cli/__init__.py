@@ -17,8 +17,10 @@ from .bench import bench_command_parser
 from .convert import convert_command_parser
 from .eval import eval_command_parser
 from .flops import flops_command_parser
+from .generate import generate_command_parser
 from .ift import ift_command_parser
 from .inspect import inspect_command_parser
+from .prune import prune_command_parser
 from .validate import validate_command_parser
 
 # Every subcommand, in help order. Add a new one here (and in tests/test_cli.py's expected list).
@@ -27,8 +29,10 @@ COMMANDS = (
     convert_command_parser,
     eval_command_parser,
     flops_command_parser,
+    generate_command_parser,
     ift_command_parser,
     inspect_command_parser,
+    prune_command_parser,
     validate_command_parser,
 )
 
