@@ -76,7 +76,9 @@ class SparsityCallback(TrainerCallback, ExportableState):
         print_report: print the per-layer sparsity table at the end of training.
         seq_len: tokens per sample, for FLOP accounting when the Trainer does not count
             tokens (``include_num_input_tokens_seen``); default: the model's context length.
-        log_layers: log each layer's sparsity (``sparsity/layer/<name>``) besides the total.
+        log_layers: log each layer's sparsity (``sparsity/layer/<name>``) besides the total: to
+            TensorBoard and the other reporters, not to the console line
+            (:mod:`hf_sparsity.logging_utils` says how to change that).
     """
 
     def __init__(
@@ -173,6 +175,9 @@ class SparsityCallback(TrainerCallback, ExportableState):
         self.engine.attach(optimizer, step_hooks=False)
         self.engine.install_save_hook()
         self._init_flops(model, state)
+        from .logging_utils import arrange_for_callback
+
+        arrange_for_callback(self)  # run before the reporters; per-layer values off the console line
         set_sparsity_config(model.config, self.config, state=self.engine.state())
         return control
 
