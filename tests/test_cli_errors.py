@@ -78,6 +78,8 @@ CASES = {
         (["eval", "M", "--suite", "pile", "--data-dir", "nosuchdir", *SMALL], "--data-dir"),
         (["eval", "M", "--suite", "pile", "--data-dir", "DATA", "--dtype", "int3", *SMALL], "dtype"),
         (["eval", "M", "--suite", "pile", "--data-dir", "DATA", "--batch-size", "0", *SMALL], "--batch-size"),
+        (["eval", "M", "--suite", "pile", "--data-dir", "DATA", "--context", "100000", *SMALL], "--context"),
+        (["eval", "M", "--suite", "harness7", *SMALL], "--data-dir"),  # offline: no Hub data
         (["eval", "--suite", "pile"], "Name the model folder"),
         (["eval", "--compare", "M"], "--out"),
         (["eval", "--compare", "nosuch", "--out", "cmp"], "nosuch"),
@@ -142,6 +144,7 @@ def _cases():
 def test_bad_input_is_one_line(workdir, argv, expect, capsys, monkeypatch):
     root, data = workdir
     monkeypatch.chdir(root)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # as in CI: nothing from the Hub
     argv = [str(data) if a == "DATA" else a for a in argv]
     before = _tree(root)
     try:

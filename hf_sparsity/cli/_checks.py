@@ -178,6 +178,39 @@ def _backend(name: str) -> None:
     get_backend(name)  # SparsityError naming the registered backends
 
 
+def _context_fits(model: str, context: int | None) -> None:
+    """``--context`` no longer than the positions the model has (else an index error deep in the model)."""
+    if not context:
+        return
+    import json
+
+    cfg = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
+    for key in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"):
+        limit = cfg.get(key)
+        if isinstance(limit, int) and limit > 0:
+            if context > limit:
+                raise SparsityError(
+                    f"--context {context} is longer than the model's {key}={limit}; use at most {limit}."
+                )
+            return
+
+
+def _offline_tasks(spec: str, data_dir: str | None) -> None:
+    """lm-eval tasks without ``--data-dir`` download their data: say so up front when the Hub is off."""
+    from ..evaluation.runner import harness_tasks, parse_suites
+
+    offline = any(
+        os.environ.get(v, "").lower() in ("1", "true", "yes")
+        for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    )
+    tasks = harness_tasks(parse_suites(spec))
+    if tasks and not data_dir and offline:
+        raise SparsityError(
+            f"{', '.join(tasks)} would download their data, but HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set: "
+            "pass --data-dir DIR with local task data (laid out like shared/data/tasks)."
+        )
+
+
 # ------------------------------------------------------------------ one call per subcommand
 def eval_args(args) -> None:
     """``hf_sparsity eval MODEL ...``."""
@@ -198,6 +231,8 @@ def eval_args(args) -> None:
         ("--stride", args.stride),
     ):
         positive(value, flag)
+    _context_fits(args.model, args.context)
+    _offline_tasks(args.suite, args.data_dir)
     if args.dtype is not None:
         from ..evaluation.models import resolve_dtype
 
