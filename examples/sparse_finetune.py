@@ -1,0 +1,128 @@
+"""Sparse fine-tuning of your own model folder with ``transformers.Trainer`` + ``SparsityCallback``.
+
+The model folder is anything ``save_pretrained`` wrote (with its tokenizer). Masks come from
+the sparsity config (e.g. 50% ``topk``, built at train begin) or, for a folder that already
+holds ``sparsity_masks.safetensors``, from that file. The text is a ``.jsonl`` file with a
+``"text"`` field per line (Pile / OpenWebText style) or a plain ``.txt`` file.
+
+    python examples/sparse_finetune.py --model DIR --config examples/sparsity_topk50.yaml \\
+        --data ../shared/data/corpus/openwebtext-1000.jsonl --output_dir out/smol50 --max_steps 20
+
+Checkpoints (``OUT/checkpoint-N``, each with its mask file) every ``--save_steps``; rerun the
+same command with ``--resume`` after an interruption (``--stop_after N`` simulates one right
+after the checkpoint of step N). The final model and tokenizer go to ``OUT/final``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+
+
+def _texts(path: str, limit: int) -> list[str]:
+    from hf_sparsity.utils import SparsityError
+
+    if not os.path.isfile(path):
+        raise SparsityError(
+            f"--data {path!r} does not exist. Give a .jsonl file with a 'text' field or a .txt file."
+        )
+    with open(path, encoding="utf-8") as f:
+        if path.endswith((".jsonl", ".json")):
+            texts = [json.loads(line)["text"] for _, line in zip(range(limit), f) if line.strip()]
+        else:
+            texts = [f.read()]
+    if not texts:
+        raise SparsityError(f"--data {path!r} holds no text.")
+    return texts
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="model folder (weights + tokenizer)")
+    ap.add_argument("--config", help="params YAML with a `sparsity:` section (default: 50%% topk)")
+    ap.add_argument("--data", required=True, help=".jsonl with a 'text' field per line, or a .txt file")
+    ap.add_argument("--output_dir", required=True)
+    ap.add_argument("--max_steps", type=int, default=20)
+    ap.add_argument("--save_steps", type=int, default=10)
+    ap.add_argument("--logging_steps", type=int, default=5)
+    ap.add_argument("--block_size", type=int, default=128)
+    ap.add_argument("--batch_size", type=int, default=2)
+    ap.add_argument("--learning_rate", type=float, default=1e-5)
+    ap.add_argument("--docs", type=int, default=200, help="documents read from --data")
+    ap.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output_dir")
+    ap.add_argument(
+        "--stop_after", type=int, help="exit right after the checkpoint of this step (test resume)"
+    )
+    ap.add_argument("--report_to", default=None, help="tensorboard (default when installed) or none")
+    args = ap.parse_args(argv)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
+
+    from hf_sparsity import SparsityCallback, SparsityConfig
+    from hf_sparsity.cli import _checks
+    from hf_sparsity.data import BlockDataset, pack_tokens
+    from hf_sparsity.utils import SparsityError
+
+    try:
+        _checks.model_dir(args.model, "--model")
+        _checks.tokenizer_source(args.model)
+        for flag in ("max_steps", "save_steps", "logging_steps", "block_size", "batch_size", "docs"):
+            _checks.positive(getattr(args, flag), "--" + flag)
+        if args.resume and not os.path.isdir(args.output_dir):
+            raise SparsityError(f"--resume: {args.output_dir!r} does not exist; run once without --resume.")
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        blocks = pack_tokens(_texts(args.data, args.docs), tokenizer, args.block_size)
+        if len(blocks) < args.batch_size:
+            raise SparsityError(
+                f"--data gives {len(blocks)} blocks of {args.block_size} tokens; give more text."
+            )
+        sparsity = (
+            SparsityConfig.from_yaml(args.config)
+            if args.config
+            else SparsityConfig(sparsity=0.5, init_method="topk")
+        )
+    except SparsityError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    model = AutoModelForCausalLM.from_pretrained(args.model)  # a sparse folder brings its masks along
+    report_to = args.report_to or ("tensorboard" if importlib.util.find_spec("tensorboard") else "none")
+
+    class StopAfter(TrainerCallback):
+        def on_save(self, a, state, control, **kw):
+            if args.stop_after and state.global_step >= args.stop_after:
+                sys.exit(
+                    f"stopped after step {state.global_step} (simulated interruption); rerun with --resume"
+                )
+
+    trainer = Trainer(
+        model=model,
+        args=TrainingArguments(
+            output_dir=args.output_dir,
+            max_steps=args.max_steps,
+            per_device_train_batch_size=args.batch_size,
+            learning_rate=args.learning_rate,
+            lr_scheduler_type="constant",
+            logging_steps=args.logging_steps,
+            save_steps=args.save_steps,
+            report_to=report_to,
+            disable_tqdm=True,
+            use_cpu=not __import__("torch").cuda.is_available(),
+            seed=0,
+        ),
+        train_dataset=BlockDataset(blocks),
+        processing_class=tokenizer,
+        callbacks=[SparsityCallback(sparsity, seq_len=args.block_size, print_report=True), StopAfter()],
+    )
+    trainer.train(resume_from_checkpoint=True if args.resume else None)
+    final = os.path.join(args.output_dir, "final")
+    trainer.save_model(final)  # weights + sparsity_masks.safetensors + the config's sparsity section
+    print(f"wrote {final}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

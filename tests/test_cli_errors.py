@@ -1,0 +1,172 @@
+"""Every subcommand answers bad input with one ``error: ...`` line and exit code 2, and writes nothing.
+
+Each case runs ``hf_sparsity.cli.main`` in a scratch folder and checks: the exit status is
+nonzero, stderr is one line naming the problem (the expected words below), no traceback
+escaped (any other exception fails the test), and the folder holds exactly what it held before.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hf_sparsity.cli import main
+
+from .conftest import tiny_model
+
+SMALL = ["--limit", "2", "--device", "cpu", "--no-progress"]
+
+CASES = {
+    "validate": [
+        (["validate", "--config", "nosuch.yaml", "--model", "M"], "does not exist"),
+        (["validate", "--config", "S.yaml", "--model", "empty"], "no config.json"),
+        (["validate", "--config", "S.yaml", "--model", "badtype"], "cannot read this config"),
+        (["validate", "--config", "bad.yaml", "--model", "M"], "sparsity"),
+    ],
+    "inspect": [
+        (["inspect", "nosuch"], "does not exist"),
+        (["inspect", "noweights"], "no weights"),
+        (["inspect", "empty"], "no config.json"),
+        (["inspect", "M/config.json"], "is a file"),
+    ],
+    "convert": [
+        (["convert", "--finalize", "nosuch", "out"], "does not exist"),
+        (["convert", "--finalize", "noweights", "out"], "no weights"),
+        (["convert", "--finalize", "M", "existing"], "already exists"),
+        (["convert", "--finalize", "dense", "out"], "nothing to finalize"),
+        (["convert", "M", "out"], "one of the arguments"),
+    ],
+    "flops": [
+        (["flops", "--config", "nosuch"], "no config.json"),
+        (["flops", "--config", "badtype"], "cannot read this config"),
+        (["flops", "--config", "M", "--sparsity", "1.5"], "1.5"),
+        (["flops", "--config", "M", "--seq-len", "0"], "--seq-len"),
+    ],
+    "ift": [
+        (["ift", "--config", "nosuch", "--sparsity", "0.5", "--transform", "wide"], "no config.json"),
+        (["ift", "--config", "M", "--sparsity", "1.5", "--transform", "wide"], "1.5"),
+        (["ift", "--config", "M", "--sparsity", "0.5", "--transform", "nosuch"], "invalid choice"),
+        (
+            ["ift", "--config", "M", "--sparsity", "0.5", "--transform", "wide", "--out", "existing"],
+            "already exists",
+        ),
+    ],
+    "eval": [
+        (["eval", "M", "--suite", "nosuchtask", "--data-dir", "DATA", *SMALL], "arc_easy"),
+        (["eval", "M", "--suite", "pile", "--limit", "0", "--data-dir", "DATA"], "positive"),
+        (["eval", "M", "--suite", "pile", "--limit", "pile=0", "--data-dir", "DATA"], "for pile"),
+        (["eval", "M", "--suite", "pile", "--limit", "x"], "Bad --limit"),
+        (
+            ["eval", "M", "--suite", "pile", "--data-dir", "DATA", "--limit", "2", "--device", "cuda:99"],
+            "cuda",
+        ),
+        (
+            ["eval", "M", "--suite", "pile", "--data-dir", "DATA", "--limit", "2", "--device", "tpu0"],
+            "device",
+        ),
+        (["eval", "M", "--suite", "pile", "--pile-data", "nosuch.jsonl", *SMALL], "--pile-data"),
+        (["eval", "M", "--suite", "wikitext103", "--wikitext", "nosuch.tokens", *SMALL], "--wikitext"),
+        (["eval", "nosuch", "--suite", "pile", "--data-dir", "DATA", *SMALL], "does not exist"),
+        (["eval", "noweights", "--suite", "pile", "--data-dir", "DATA", *SMALL], "no weights"),
+        (["eval", "notok", "--suite", "pile", "--data-dir", "DATA", *SMALL], "--tokenizer DIR"),
+        (
+            ["eval", "notok", "--suite", "pile", "--tokenizer", "nosuch", "--data-dir", "DATA", *SMALL],
+            "nosuch",
+        ),
+        (["eval", "M", "--suite", "pile", "--data-dir", "nosuchdir", *SMALL], "--data-dir"),
+        (["eval", "M", "--suite", "pile", "--data-dir", "DATA", "--dtype", "int3", *SMALL], "dtype"),
+        (["eval", "M", "--suite", "pile", "--data-dir", "DATA", "--batch-size", "0", *SMALL], "--batch-size"),
+        (["eval", "M", "--suite", "pile", "--data-dir", "DATA", "--context", "100000", *SMALL], "--context"),
+        (["eval", "M", "--suite", "harness7", *SMALL], "--data-dir"),  # offline: no Hub data
+        (["eval", "--suite", "pile"], "Name the model folder"),
+        (["eval", "--compare", "M"], "--out"),
+        (["eval", "--compare", "nosuch", "--out", "cmp"], "nosuch"),
+    ],
+    "bench": [
+        (["bench", "--backend", "nosuch", "--shape", "8x8"], "nosuch"),
+        (["bench", "--device", "cuda:99", "--shape", "8x8"], "cuda"),
+        (["bench", "--model", "nosuch"], "does not exist"),
+        (["bench", "--model", "noweights"], "no weights"),
+        (["bench", "--model", "M", "--masks", "nosuch.safetensors"], "--masks"),
+        (["bench", "--shape", "8x8", "--repeats", "0"], "--repeats"),
+        (["bench", "--model", "M", "--new-tokens", "0"], "--new-tokens"),
+        (["bench", "--shape", "axb"], "--shape"),
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A scratch folder with a good sparse model ``M`` and the broken folders the cases name."""
+    from transformers import GPT2TokenizerFast
+
+    from hf_sparsity.config import SparsityConfig
+    from hf_sparsity.engine import SparsityEngine
+
+    from .conftest import shared_data_dir
+
+    data = shared_data_dir()
+    root = tmp_path_factory.mktemp("cli_errors")
+    tok = GPT2TokenizerFast.from_pretrained(data / "tokenizer/gpt2")
+    model = tiny_model("gpt2", vocab=len(tok))
+    model.save_pretrained(root / "dense")
+    tok.save_pretrained(root / "dense")
+    model.save_pretrained(root / "M")
+    engine = SparsityEngine(model, SparsityConfig(sparsity=0.5, init_method="topk"))
+    engine.build_masks()
+    engine.save(root / "M")
+    tok.save_pretrained(root / "M")
+    model.save_pretrained(root / "notok")
+    (root / "empty").mkdir()
+    (root / "noweights").mkdir()
+    model.config.to_json_file(root / "noweights" / "config.json")
+    (root / "badtype").mkdir()
+    (root / "badtype" / "config.json").write_text(json.dumps({"model_type": "nosuch_arch"}))
+    (root / "existing").mkdir()
+    (root / "S.yaml").write_text("sparsity:\n  sparsity: 0.5\n")
+    (root / "bad.yaml").write_text("sparsity:\n  sparsity: 7\n")
+    return root, data
+
+
+def _tree(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+def _cases():
+    for command, cases in CASES.items():
+        for argv, expect in cases:
+            yield pytest.param(argv, expect, id=f"{command}:{' '.join(argv[1:])}"[:90])
+
+
+@pytest.mark.parametrize("argv,expect", list(_cases()))
+def test_bad_input_is_one_line(workdir, argv, expect, capsys, monkeypatch):
+    root, data = workdir
+    monkeypatch.chdir(root)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # as in CI: nothing from the Hub
+    argv = [str(data) if a == "DATA" else a for a in argv]
+    before = _tree(root)
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse: usage line + one error line
+        rc = e.code
+    err = capsys.readouterr().err.strip()
+    assert rc not in (0, None), f"{argv} succeeded"
+    assert "Traceback" not in err
+    last = err.splitlines()[-1] if err else ""
+    print(f"MSG {' '.join(argv)} -> {last}")  # pytest -s shows every message
+    assert last.startswith(("error:", "hf_sparsity")), err
+    if not last.startswith("hf_sparsity"):  # argparse puts usage first; ours is one line
+        assert len(err.splitlines()) == 1, err
+    assert expect.lower() in last.lower(), f"expected {expect!r} in {last!r}"
+    assert _tree(root) == before, f"{argv} left {sorted(_tree(root) - before)}"
+
+
+def test_every_subcommand_has_cases():
+    from hf_sparsity.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    mine = {"validate", "inspect", "convert", "flops", "ift", "eval", "bench"}
+    assert mine <= set(sub.choices), set(sub.choices)
+    assert mine <= set(CASES)
