@@ -47,6 +47,10 @@ def __getattr__(name):
         from . import evaluation
 
         return evaluation.EvalCallback if name == "EvalCallback" else evaluation.evaluate
+    if name == "merge_sparse":
+        from .lora import merge_sparse
+
+        return merge_sparse
     if name == "sparse_ift":
         from .ift import sparse_ift
 
@@ -74,6 +78,7 @@ __all__ = [
     "get_sparsity_config",
     "inspect_checkpoint",
     "load_sparse_model",
+    "merge_sparse",
     "plan_sparsity",
     "register_backend",
     "restore_dense",

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .constants import CONFIG_SECTION
+from .lora import check_lora_mode
 from .utils import SparsityError, library_version
 
 logger = logging.getLogger(__name__)
@@ -137,6 +138,13 @@ class SparsityConfig:
         default=None,
         metadata={"help": "Optional N:M structure, e.g. '2:4' (for the semi-structured backend)."},
     )
+    lora: str | None = field(
+        default=None,
+        metadata={
+            "help": "peft LoRA on the sparse model: masked (adapter update applied as (B·A) ⊙ M; merges exactly) "
+            "or merge_then_mask (plain adapter; hf_sparsity.merge_sparse re-applies the mask)."
+        },
+    )
     groups: list[SparsityConfig] | None = field(
         default=None,
         metadata={
@@ -155,6 +163,7 @@ class SparsityConfig:
                 f"`algorithm` = {self.algorithm!r} is not supported. Use one of: {', '.join(ALGORITHMS)}."
             )
         check_structure(self.structure)
+        self.lora = check_lora_mode(self.lora)
         self._check_schedule_keys()
         self.param_name_patterns = _normalize_patterns(self.param_name_patterns)
         if self.param_filter is not None:

@@ -46,6 +46,7 @@ from torch import nn
 from . import masks as M
 from .config import SparsityConfig, check_structure, set_sparsity_config
 from .constants import SPARSITY_MASKS_NAME
+from .lora import peft_view
 from .schedules import Schedule, compile_schedule
 from .serialization import check_mask_names, load_masks, save_masks
 from .targeting import TargetDecision, log_plan, plan_sparsity, unwrap_model
@@ -103,7 +104,7 @@ class SparsityEngine:
         if state_masking not in ("auto", "always"):
             raise SparsityError(f"state_masking={state_masking!r}: use 'auto' or 'always'.")
         self.state_masking = state_masking
-        self.model = unwrap_model(model)
+        self.model = peft_view(unwrap_model(model))  # a PeftModel: its base model under plain names
         self.config = config
         self.plan: list[TargetDecision] = plan_sparsity(self.model, config, strict=strict)
         self.targets: dict[str, TargetDecision] = {d.name: d for d in self.plan if d.sparsify}
@@ -330,6 +331,8 @@ class SparsityEngine:
             local = _local_slice(mask, p).to(_local(p).device)
             self._dev_masks[name] = local
             self._mask_by_param[id(p)] = local
+        if hasattr(self.model, "masks_changed"):  # peft: masked-mode adapters follow the masks
+            self.model.masks_changed(self)
 
     def _check_params(self) -> None:
         for name, p in self._params.items():
@@ -491,7 +494,7 @@ class SparsityEngine:
         """
         if self._orig_save_pretrained is not None:
             return
-        model = self.model
+        model = getattr(self.model, "peft_model", self.model)
         orig = model.save_pretrained
         self._orig_save_pretrained = orig
         engine = self
@@ -508,7 +511,7 @@ class SparsityEngine:
 
     def uninstall_save_hook(self) -> None:
         if self._orig_save_pretrained is not None:
-            self.model.__dict__.pop("save_pretrained", None)
+            getattr(self.model, "peft_model", self.model).__dict__.pop("save_pretrained", None)
             self._orig_save_pretrained = None
 
     # ------------------------------------------------------------------ reporting

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .config import SparsityConfig, check_structure
+from .lora import peft_view
 from .utils import SparsityError
 
 logger = logging.getLogger(__name__)
@@ -138,7 +139,7 @@ def plan_sparsity(model: nn.Module, config: SparsityConfig, strict: bool = True)
     With ``strict`` (the default) an explicit pattern that matches no parameter is an
     error: it is almost always a typo, and silently training dense is the worst outcome.
     """
-    model = unwrap_model(model)
+    model = peft_view(unwrap_model(model))  # a PeftModel: its base weights under the plain names
     owners: dict[str, nn.Module] = {}
     for mname, mod in model.named_modules():
         for pname, _ in mod.named_parameters(recurse=False):
