@@ -135,7 +135,7 @@ def train_one(args) -> dict:
     res["peak_rss_over_start_mb"] = peak_rss_mb() - rss0
     res["train_loss"] = out.training_loss
     res["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    res["step_s_median"] = statistics.median(timer.times[2:])
+    res["step_s_median"] = statistics.median(timer.times[2:] or timer.times)
     res["restored_from"] = cb.restored_from
     names = list(cb.engine.masks)
     view = cb.engine.model

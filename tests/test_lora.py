@@ -89,9 +89,12 @@ def test_trainer_steps_then_merge_keep_masks_exact(tmp_path, arch, mode):
     model = load(path)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     model = lora(model, arch)
+    b_before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
     cb = SparsityCallback(SparsityConfig(sparsity=0.5, lora=mode))
     trainer = make_trainer(model, tmp_path / "out", [cb], max_steps=4)
     trainer.train()
+    assert all(not torch.equal(p, b_before[n]) for n, p in model.named_parameters() if "lora_B" in n)
+    assert cb.metrics()["sparsity/effective_sparsity"] == pytest.approx(0.5, abs=0.01)  # FLOPs see the masks
     assert cb.restored_from == path  # masks came from the sparse base folder
     assert set(cb.engine.masks) == set(masks)
     assert all(torch.equal(cb.engine.masks[n], masks[n]) for n in masks)
