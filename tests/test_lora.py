@@ -180,3 +180,25 @@ def test_engine_masks_file_from_peft_uses_base_names(tmp_path):
     masks, _ = load_masks(tmp_path / SPARSITY_MASKS_NAME)
     plain_names = {n for n, _ in tiny_model("llama").named_parameters()}
     assert masks and set(masks) <= plain_names
+
+
+def test_trainer_checkpoint_of_peft_model_resumes_with_base_name_masks(tmp_path):
+    from hf_sparsity import SparsityCallback
+
+    path, masks = sparse_base(tmp_path, "llama")
+    cfg = SparsityConfig(sparsity=0.5, lora="masked")
+    model = lora(load(path), "llama")
+    trainer = make_trainer(
+        model, tmp_path / "out", [SparsityCallback(cfg)], max_steps=2, save_strategy="steps", save_steps=2
+    )
+    trainer.train()
+    ckpt = tmp_path / "out" / "checkpoint-2"
+    saved, _ = load_masks(ckpt)
+    assert set(saved) == set(masks)
+    model2 = lora(load(path), "llama")
+    cb2 = SparsityCallback(cfg)
+    trainer2 = make_trainer(model2, tmp_path / "out", [cb2], max_steps=4)
+    trainer2.train(resume_from_checkpoint=str(ckpt))
+    assert cb2.restored_from == str(ckpt)
+    assert all(torch.equal(cb2.engine.masks[n], masks[n]) for n in masks)
+    assert_masked_zero(cb2.engine.model, masks)
