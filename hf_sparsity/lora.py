@@ -135,7 +135,7 @@ class PeftBaseView:
     # -------------------------------------------------------------- engine hook
     def masks_changed(self, engine) -> None:
         """Called by the engine whenever its masks change: (re)install masked mode if the config asks."""
-        self.peft_model._hf_sparsity = {"masks": engine.masks, "config": engine.config}
+        self.peft_model._hf_sparsity = {"masks": engine.masks, "config": engine.config, "engine": engine}
         if getattr(engine.config, "lora", None) == "masked":
             apply_masked_mode(self, engine.masks)
 
@@ -302,8 +302,10 @@ def merge_sparse(
     for name, mask in mask_dict.items():
         p = merged.get_parameter(name)
         p.mul_(mask.to(p.device, p.dtype))
-    merged.__dict__.pop("_hf_sparsity", None)
+    trained = (getattr(peft_model, "_hf_sparsity", None) or {}).get("engine")
     engine = SparsityEngine(merged, config, strict=False)
+    if trained is not None:  # the card and a resumed run see the steps and events of the LoRA run
+        engine.optimizer_steps, engine.events = trained.optimizer_steps, list(trained.events)
     engine.set_masks(mask_dict)
     engine.install_save_hook()
     set_sparsity_config(merged.config, config, state=engine.state())

@@ -63,8 +63,9 @@ def split_front_matter(text: str) -> tuple[dict[str, Any], str]:
 
 
 def _projection_type(name: str) -> str:
-    parts = name.split(".")
-    return parts[-2] if len(parts) >= 2 else name
+    """``model.layers.3.self_attn.q_proj.weight`` -> ``self_attn.q_proj`` (GPT-2 has attn.c_proj and mlp.c_proj)."""
+    parts = name.split(".")[:-1]
+    return ".".join(parts[-2:]) if parts else name
 
 
 def card_figures(src: str | os.PathLike, out: str | os.PathLike) -> dict[str, Any]:

@@ -55,5 +55,6 @@ def test_lora_sparse_example_runs(tmp_path):
     final = tmp_path / "final"
     card = (final / "README.md").read_text()
     assert "sparse" in yaml.safe_load(card.split("---")[1])["tags"]
+    assert "| optimizer steps trained with masks | 6 |" in card and "| lora | `masked` |" in card
     rows = [r for r in inspect_checkpoint(final)["layers"] if r["name"].endswith("proj.weight")]
     assert rows and all(abs(r["zero_fraction"] - 0.6) < 0.01 for r in rows)

@@ -65,7 +65,7 @@ def test_card_yaml_and_figures_match_inspect(tmp_path, arch):
     by_type = {}
     for r in masked:
         final = next(x for x in rep["layers"] if x["name"] == r["name"])
-        k = r["name"].split(".")[-2]
+        k = ".".join(r["name"].split(".")[-3:-1])
         p, nz = by_type.get(k, (0, 0))
         by_type[k] = (p + final["numel"], nz + final["nonzeros"])
     assert len(by_type) >= 3
