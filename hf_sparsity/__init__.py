@@ -48,6 +48,10 @@ def __getattr__(name):
         from . import evaluation
 
         return evaluation.EvalCallback if name == "EvalCallback" else evaluation.evaluate
+    if name == "merge_sparse":
+        from .lora import merge_sparse
+
+        return merge_sparse
     if name == "prune_oneshot":
         from .pruning import prune_oneshot
 
@@ -79,6 +83,7 @@ __all__ = [
     "get_sparsity_config",
     "inspect_checkpoint",
     "load_sparse_model",
+    "merge_sparse",
     "plan_sparsity",
     "prune_oneshot",
     "register_backend",

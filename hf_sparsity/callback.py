@@ -169,7 +169,7 @@ class SparsityCallback(TrainerCallback, ExportableState):
 
         seq_len = self.seq_len or context_length(model.config)
         try:
-            self.flops = FlopAccountant(model, targets=self.engine.targets, seq_len=seq_len)
+            self.flops = FlopAccountant(self.engine.model, targets=self.engine.targets, seq_len=seq_len)
         except Exception as e:  # an architecture the FLOP counter does not know: train anyway
             logger.warning("FLOP accounting disabled: %s", e)
             self.flops = None

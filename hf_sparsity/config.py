@@ -30,6 +30,7 @@ from typing import Any
 
 from .checks import check_level, check_structure
 from .constants import CONFIG_SECTION
+from .lora import check_lora_mode
 from .schedules import validate_drop_fraction, validate_schedule, validate_update
 from .utils import SparsityError, library_version
 
@@ -120,6 +121,14 @@ class SparsityConfig:
         default=None,
         metadata={"help": "Optional N:M structure, e.g. '2:4' (for the semi-structured backend)."},
     )
+    lora: str | None = field(
+        default=None,
+        metadata={
+            "help": "peft LoRA on the sparse model: masked (adapter update applied as (B·A) ⊙ M; merges "
+                    "exactly) "
+            "or merge_then_mask (plain adapter; hf_sparsity.merge_sparse re-applies the mask)."
+        },
+    )
     groups: list[SparsityConfig] | None = field(
         default=None,
         metadata={
@@ -138,6 +147,7 @@ class SparsityConfig:
                 f"`algorithm` = {self.algorithm!r} is not supported. Use one of: {', '.join(ALGORITHMS)}."
             )
         check_structure(self.structure)
+        self.lora = check_lora_mode(self.lora)
         self._check_schedule_keys()
         self.param_name_patterns = _normalize_patterns(self.param_name_patterns)
         if self.param_filter is not None:

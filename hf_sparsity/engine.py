@@ -44,6 +44,7 @@ from .config import SparsityConfig, check_structure, set_sparsity_config
 from .constants import SPARSITY_MASKS_NAME
 from .enforcement import ZERO_PRESERVING_OPTIMIZERS, MaskEnforcer, local_slice
 from .hooks import carry_masks_in_save_pretrained
+from .lora import peft_view
 from .mask_state import MaskState, _state_field
 from .modeling import full_tensor, is_dtensor, local, sparsity_table
 from .schedules import Schedule, ScheduledEvent, compile_schedule
@@ -79,7 +80,7 @@ class SparsityEngine:
         state_masking: str = "auto",
         total_steps: int | None = None,
     ):
-        self.model = unwrap_model(model)
+        self.model = peft_view(unwrap_model(model))  # a PeftModel: its base model under plain names
         self.enforcer = MaskEnforcer(self.model, state_masking)
         self.config = config
         self.plan: list[TargetDecision] = plan_sparsity(self.model, config, strict=strict)
@@ -240,6 +241,10 @@ class SparsityEngine:
         self.state_.set(name, new)
         return f"{'pruned' if want > have else 'regrown'} {have:.4f} -> {want:.4f}"
 
+    def _saving_model(self) -> nn.Module:
+        """The module whose ``save_pretrained`` writes the checkpoint: the ``PeftModel`` under a peft view."""
+        return getattr(self.model, "peft_model", self.model)
+
     def stamp_config(self) -> None:
         """Write the config and the current state into ``model.config`` (so ``config.json`` carries them)."""
         set_sparsity_config(self.model.config, self.config, state=self.state())
@@ -247,11 +252,11 @@ class SparsityEngine:
     def install_save_hook(self) -> None:
         """Make ``model.save_pretrained(dir)`` also write the masks and the config section."""
         if self._orig_save_pretrained is None:
-            self._orig_save_pretrained = carry_masks_in_save_pretrained(self.model, self)
+            self._orig_save_pretrained = carry_masks_in_save_pretrained(self._saving_model(), self)
 
     def uninstall_save_hook(self) -> None:
         if self._orig_save_pretrained is not None:
-            self.model.__dict__.pop("save_pretrained", None)
+            self._saving_model().__dict__.pop("save_pretrained", None)
             self._orig_save_pretrained = None
 
     # ------------------------------------------------------------------ changing masks
@@ -353,6 +358,8 @@ class SparsityEngine:
     def refresh(self) -> None:
         """Re-read parameter objects (after ``.to()``, DDP/FSDP wrapping) and re-place the masks."""
         self.enforcer.place(self.masks)
+        if hasattr(self.model, "masks_changed"):  # peft: masked-mode adapters follow the masks
+            self.model.masks_changed(self)
 
     def apply(self) -> None:
         """Zero masked weights and masked optimizer state now (call after building or changing masks)."""

@@ -68,10 +68,22 @@ def _rewrite_shards(src: Path, dst: Path, transform) -> set[str]:
 
 
 def finalize_checkpoint(
-    in_dir: str | os.PathLike, out_dir: str | os.PathLike, overwrite: bool = False
+    in_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    overwrite: bool = False,
+    *,
+    model_card: bool = True,
+    results: str | os.PathLike | None = None,
 ) -> str:
     """Masked weights -> exact 0; no mask file; no ``sparsity`` section. Atomic; refuses an existing
-    ``out_dir``."""
+    ``out_dir``.
+
+    With ``model_card`` (the default) ``README.md`` gets the Hub card of :mod:`hf_sparsity.model_card`,
+    with the evaluation table of ``results`` (an ``hf_sparsity eval`` results.json) when given.
+    """
+    from .model_card import load_eval_results, write_model_card
+
+    eval_results = load_eval_results(results)
     src = Path(in_dir)
     masks = MaskReader(src)
     if masks.path is None and CONFIG_SECTION not in read_config(src):
@@ -100,6 +112,8 @@ def finalize_checkpoint(
             )
         _copy_side_files(src, tmp, skip={SPARSITY_MASKS_NAME, CONFIG_NAME})
         _write_config(src, tmp, None)
+        if model_card:
+            write_model_card(src, tmp, eval_results)
     return str(out_dir)
 
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .config import SparsityConfig, check_structure
+from .lora import peft_view
 from .modeling import input_dim, linear_kind
 from .utils import SparsityError
 
@@ -132,7 +133,7 @@ def plan_sparsity(model: nn.Module, config: SparsityConfig, strict: bool = True)
     error: it is almost always a typo, and silently training dense is the worst outcome.
     """
     # Long by design: one pass deciding every parameter, each rule recording its reason.
-    model = unwrap_model(model)
+    model = peft_view(unwrap_model(model))  # a PeftModel: its base weights under the plain names
     owners: dict[str, nn.Module] = {}
     for mname, mod in model.named_modules():
         for pname, _ in mod.named_parameters(recurse=False):

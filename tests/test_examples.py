@@ -1,5 +1,6 @@
 """The examples run as shipped (a few steps)."""
 
+import os
 import subprocess
 import sys
 
@@ -32,3 +33,28 @@ def test_accelerate_loop_example(tmp_path):
     for name, m in masks.items():
         assert int((m == 0).sum()) == round(0.75 * m.numel())
         assert torch.count_nonzero(weights[name][m == 0]) == 0
+
+
+@pytest.mark.slow
+def test_lora_sparse_example_runs(tmp_path):
+    """examples/lora_sparse.py end to end: merged weights exactly sparse, finalized folder with a card."""
+    pytest.importorskip("peft")
+    import yaml
+
+    from hf_sparsity.checkpoint import inspect_checkpoint
+
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "lora_sparse.py"), "--out", str(tmp_path), "--steps", "6"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "merged: 60.00% of the" in proc.stdout
+    final = tmp_path / "final"
+    card = (final / "README.md").read_text()
+    assert "sparse" in yaml.safe_load(card.split("---")[1])["tags"]
+    assert "| optimizer steps trained with masks | 6 |" in card and "| lora | `masked` |" in card
+    rows = [r for r in inspect_checkpoint(final)["layers"] if r["name"].endswith("proj.weight")]
+    assert rows and all(abs(r["zero_fraction"] - 0.6) < 0.01 for r in rows)

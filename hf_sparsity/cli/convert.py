@@ -21,6 +21,10 @@ def convert_command_parser(subparsers):
     p.add_argument("input", metavar="IN", help="model folder")
     p.add_argument("output", metavar="OUT", help="new model folder")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.add_argument(
+        "--results", metavar="JSON", help="--finalize: `hf_sparsity eval` results for the model card"
+    )
+    p.add_argument("--no-model-card", action="store_true", help="--finalize: write no README.md model card")
     p.set_defaults(func=convert_command)
 
 
@@ -30,6 +34,7 @@ def convert_command(args) -> int:
 
     _checks.model_dir(args.input, "IN")
     fn = finalize_checkpoint if args.finalize else to_sentinel if args.to_sentinel else from_sentinel
-    out = fn(args.input, args.output, overwrite=args.overwrite)
+    card = {"model_card": not args.no_model_card, "results": args.results} if args.finalize else {}
+    out = fn(args.input, args.output, overwrite=args.overwrite, **card)
     print(f"wrote {out}")
     return 0

@@ -1,0 +1,322 @@
+"""LoRA (``peft``) on sparse models, and merging that keeps the masks exact.
+
+A ``PeftModel`` renames every wrapped weight: GPT-2's ``transformer.h.0.attn.c_attn.weight``
+becomes ``base_model.model.transformer.h.0.attn.c_attn.base_layer.weight`` beside the new
+``lora_A`` / ``lora_B`` weights. :class:`PeftBaseView` shows the engine the base model under
+its plain names, so the default targeting rule, explicit patterns, mask files from a sparse
+base folder and the mask file written from the ``PeftModel`` all use the base model's names.
+
+Two modes, chosen with ``lora:`` in the sparsity config:
+
+* ``masked``: the adapter's update is applied as ``(B·A) ⊙ M`` (``M`` the base weight's
+  mask), in the forward pass and in peft's own merge. The merged weight is exactly as
+  sparse as the base and the merged model computes what the adapter model computed. It
+  costs one dense ``out x in`` update matrix per wrapped layer and step.
+* ``merge_then_mask`` (also what an unset ``lora`` means): a plain adapter; :func:`merge_sparse`
+  re-applies the mask after merging, which drops the part of ``B·A`` at masked positions.
+
+``peft`` is an optional dependency (``pip install hf_sparsity[peft]``): nothing here
+imports it unless a ``PeftModel`` is given.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import types
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .utils import SparsityError
+
+logger = logging.getLogger(__name__)
+
+LORA_MODES = ("masked", "merge_then_mask")
+# Path segments peft inserts around a wrapped module (collapsed) and adapter-owned ones (hidden).
+_WRAPPER_PARTS = ("base_layer", "original_module")
+_ADAPTER_PREFIXES = ("lora_", "modules_to_save")
+
+
+def check_lora_mode(value: Any) -> str | None:
+    if value is None or value in LORA_MODES:
+        return value
+    raise SparsityError(
+        f"`lora` = {value!r} is not a LoRA mode. Use `masked` (adapter update applied as (B·A) ⊙ M, "
+        "merges exactly) or `merge_then_mask` (plain adapter, mask re-applied when merging)."
+    )
+
+
+def is_peft_model(model: Any) -> bool:
+    return hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None))
+
+
+def base_name(name: str) -> str | None:
+    """The plain model's name for a parameter of a peft-wrapped model; None for adapter parameters."""
+    parts = name.split(".")
+    if any(p.startswith(_ADAPTER_PREFIXES) for p in parts):
+        return None
+    return ".".join(p for p in parts if p not in _WRAPPER_PARTS)
+
+
+class PeftBaseView:
+    """The base model inside a ``PeftModel``, under the plain model's parameter and module names.
+
+    It answers what :class:`~hf_sparsity.engine.SparsityEngine` and the targeting rules ask
+    of a model (``named_parameters``, ``get_parameter``, ``named_modules``, the embeddings,
+    ``config``); the tensors are the ``PeftModel``'s own, so masking them masks the model.
+    """
+
+    def __init__(self, peft_model: nn.Module):
+        self.peft_model = peft_model
+        self.base = peft_model.get_base_model()
+        self._real: dict[str, str] = {}
+        for name, _ in self.base.named_parameters():
+            plain = base_name(name)
+            if plain is None:
+                continue
+            if plain in self._real:
+                raise SparsityError(
+                    f"Parameters {self._real[plain]!r} and {name!r} of the peft model both map to {plain!r}; "
+                    "hf_sparsity cannot tell which is the base weight."
+                )
+            self._real[plain] = name
+
+    @property
+    def config(self):
+        return self.base.config
+
+    def real_name(self, name: str) -> str:
+        """The parameter's name inside the peft-wrapped base model (``...base_layer.weight``)."""
+        try:
+            return self._real[name]
+        except KeyError:
+            raise AttributeError(f"{type(self.base).__name__} has no parameter {name!r}") from None
+
+    def get_parameter(self, name: str) -> nn.Parameter:
+        return self.base.get_parameter(self.real_name(name))
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        for plain, real in self._real.items():
+            yield plain, self.base.get_parameter(real)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    def named_modules(self) -> Iterator[tuple[str, nn.Module]]:
+        for name, mod in self.base.named_modules():
+            parts = name.split(".")
+            if any(p.startswith(_ADAPTER_PREFIXES) for p in parts) or hasattr(mod, "base_layer"):
+                continue  # adapter modules, and the wrappers (their base_layer stands for them)
+            yield ".".join(p for p in parts if p not in _WRAPPER_PARTS), mod
+
+    def modules(self) -> Iterator[nn.Module]:
+        for _, m in self.named_modules():
+            yield m
+
+    def get_input_embeddings(self):
+        return self.base.get_input_embeddings()
+
+    def get_output_embeddings(self):
+        return self.base.get_output_embeddings()
+
+    def lora_layers(self) -> Iterator[tuple[str, nn.Module]]:
+        """(plain weight name, peft wrapper) for every module peft wrapped with an adapter."""
+        for name, mod in self.base.named_modules():
+            if hasattr(mod, "base_layer") and hasattr(mod, "lora_A"):
+                plain = base_name(name)
+                if plain is not None:
+                    yield f"{plain}.weight", mod
+
+    # -------------------------------------------------------------- engine hook
+    def masks_changed(self, engine) -> None:
+        """Called by the engine whenever its masks change: (re)install masked mode if the config asks."""
+        self.peft_model._hf_sparsity = {"masks": engine.masks, "config": engine.config, "engine": engine}
+        if getattr(engine.config, "lora", None) == "masked":
+            apply_masked_mode(self, engine.masks)
+
+
+def peft_view(model: Any) -> Any:
+    """``model`` itself, or a :class:`PeftBaseView` of it when it is a ``PeftModel``."""
+    return PeftBaseView(model) if is_peft_model(model) else model
+
+
+# ---------------------------------------------------------------------- masked mode
+def _check_maskable(name: str, layer: nn.Module) -> None:
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    base = layer.base_layer
+    if type(layer) is not LoraLinear or type(base).__name__ not in ("Linear", "Conv1D"):
+        raise SparsityError(
+            f"`lora: masked` cannot mask the adapter on {name!r}: peft wraps this {type(base).__name__} as "
+            f"{type(layer).__module__}.{type(layer).__name__}, whose update is not a (B·A) matrix in the "
+            "weight's layout. Leave it out of the adapter's target_modules, or use `lora: merge_then_mask`."
+        )
+    variants = [a for a in getattr(layer, "lora_variant", {})]
+    if variants or any(getattr(layer, "use_dora", {}).values()):
+        raise SparsityError(
+            f"`lora: masked` on {name!r}: the adapter uses a LoRA variant (DoRA or similar, adapters "
+            f"{variants or list(layer.use_dora)}), whose merged weight is not W + B·A. Use plain LoRA or "
+            "`lora: merge_then_mask`."
+        )
+    if any(getattr(layer, "lora_bias", {}).values()):
+        raise SparsityError(
+            f"`lora: masked` on {name!r}: the adapter trains a bias (lora_bias=True); masked mode masks "
+            "weights only. Set lora_bias=False."
+        )
+
+
+def _masked_delta(self, adapter: str) -> torch.Tensor:
+    delta = type(self).get_delta_weight(self, adapter)
+    return delta * self._hf_sparsity_mask.to(delta.device, delta.dtype)
+
+
+def _masked_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    if self.disable_adapters or self.merged:
+        return type(self).forward(self, x, *args, **kwargs)
+    if kwargs.get("adapter_names") is not None:
+        raise SparsityError("`lora: masked` does not support mixed-adapter batches (adapter_names=...).")
+    result = self.base_layer(x, *args, **kwargs)
+    out_dtype = result.dtype
+    for adapter in self.active_adapters:
+        if adapter not in self.lora_A:
+            continue
+        delta = self.get_delta_weight(adapter)  # masked, in the base weight's layout
+        weight = delta.t() if self.fan_in_fan_out else delta  # -> (out, in), as F.linear wants
+        xa = self._cast_input_dtype(x, weight.dtype)
+        result = result + F.linear(self.lora_dropout[adapter](xa), weight)
+    return result.to(out_dtype)
+
+
+def apply_masked_mode(view: PeftBaseView, masks: Mapping[str, torch.Tensor]) -> list[str]:
+    """Make every adapter on a masked weight apply ``(B·A) ⊙ M`` (forward and merge). Returns those names.
+
+    Checks everything before changing anything: an adapter covering no masked weight, or
+    a masked weight wrapped by a layer type whose update is not ``B·A``, is an error.
+    """
+    layers = list(view.lora_layers())
+    covered = [(n, layer) for n, layer in layers if n in masks]
+    if not covered:
+        wrapped = sorted({n.rsplit(".", 2)[-2] for n, _ in layers}) or ["none"]
+        raise SparsityError(
+            f"`lora: masked`: the adapter's target modules ({', '.join(wrapped)}) cover no sparse weight, so "
+            "there is nothing to keep masked. Add the sparse projections to LoraConfig(target_modules=...) "
+            "(e.g. the attention and MLP projections), or drop `lora: masked`."
+        )
+    for name, layer in covered:
+        _check_maskable(name, layer)
+    for name, layer in covered:
+        weight = layer.base_layer.weight
+        layer._hf_sparsity_mask = masks[name].to(weight.device, weight.dtype)
+        layer.get_delta_weight = types.MethodType(_masked_delta, layer)
+        layer.forward = types.MethodType(_masked_forward, layer)
+    logger.info("lora: masked: %d adapter layers apply (B·A) ⊙ M.", len(covered))
+    return [n for n, _ in covered]
+
+
+def remove_masked_mode(peft_model: nn.Module) -> None:
+    """Give every wrapped layer its plain peft forward and merge back."""
+    for mod in peft_model.modules():
+        if "_hf_sparsity_mask" in mod.__dict__:
+            for attr in ("_hf_sparsity_mask", "get_delta_weight", "forward"):
+                mod.__dict__.pop(attr, None)
+
+
+# ---------------------------------------------------------------------- merging
+def _masks_for(peft_model: nn.Module, view: PeftBaseView, masks: Any):
+    """(masks, config or None, where they came from): explicit, from an engine, or the base folder's file."""
+    from .config import get_sparsity_config
+    from .constants import SPARSITY_MASKS_NAME
+    from .serialization import load_masks
+
+    shapes = {n: tuple(p.shape) for n, p in view.named_parameters()}
+    if isinstance(masks, (str, os.PathLike)):
+        loaded, _ = load_masks(masks, expected_shapes=shapes)
+        return loaded, get_sparsity_config(view.config), str(masks)
+    if masks is not None:
+        from .serialization import check_mask_names
+
+        check_mask_names({n: {"shape": list(m.shape)} for n, m in masks.items()}, shapes)
+        return dict(masks), get_sparsity_config(view.config), "masks argument"
+    attached = getattr(peft_model, "_hf_sparsity", None)
+    if attached and attached["masks"]:
+        return dict(attached["masks"]), attached["config"], "the SparsityCallback / SparsityEngine"
+    source = getattr(view.config, "_name_or_path", None)
+    if source and os.path.isfile(os.path.join(str(source), SPARSITY_MASKS_NAME)):
+        loaded, _ = load_masks(source, expected_shapes=shapes)
+        return loaded, get_sparsity_config(view.config), str(source)
+    raise SparsityError(
+        f"merge_sparse: {type(view.base).__name__} has no masks: no SparsityCallback/SparsityEngine ran on "
+        "it "
+        f"and its base folder ({source!r}) holds no {SPARSITY_MASKS_NAME}. Pass the masks: "
+        "merge_sparse(model, masks='SPARSE_BASE_DIR'), or merge with peft's merge_and_unload() for a dense "
+        "model."
+    )
+
+
+@torch.no_grad()
+def merge_sparse(
+    peft_model: nn.Module,
+    masks: Mapping[str, torch.Tensor] | str | os.PathLike | None = None,
+    *,
+    output_dir: str | os.PathLike | None = None,
+    overwrite: bool = False,
+) -> nn.Module:
+    """Merge the LoRA adapters into the base weights and re-apply the masks exactly.
+
+    ``masks``: name -> mask with the base model's names, or a folder / mask file; by
+    default the masks of the SparsityCallback / SparsityEngine that trained the model,
+    else the base folder's ``sparsity_masks.safetensors``. Returns the merged
+    ``transformers`` model: masked weights exactly 0, and ``save_pretrained`` writes the
+    mask file and the config's ``sparsity`` section (so ``hf_sparsity convert --finalize``
+    and resumed sparse training take it as is). With ``output_dir`` it is also saved
+    there, atomically. Nothing is merged (and nothing written) when the masks are missing
+    or do not fit.
+    """
+    from .config import SparsityConfig, set_sparsity_config
+    from .engine import SparsityEngine
+    from .finalize import _levels_section
+    from .utils import atomic_dir
+
+    if not is_peft_model(peft_model):
+        raise SparsityError(
+            f"merge_sparse needs a peft PeftModel (get_peft_model(...)), got {type(peft_model).__name__}."
+        )
+    if output_dir is not None and os.path.exists(output_dir) and not overwrite:
+        raise SparsityError(
+            f"Output folder {str(output_dir)!r} already exists. Choose another path or pass overwrite=True."
+        )
+    view = PeftBaseView(peft_model)
+    mask_dict, config, source = _masks_for(peft_model, view, masks)
+    if not mask_dict:
+        raise SparsityError(
+            f"merge_sparse: the masks from {source} are empty; there is nothing to keep sparse."
+        )
+    if config is None:  # masks without a config: one anchored pattern per tensor, at its level
+        info = {n: {"level": 1.0 - float(m.sum()) / max(m.numel(), 1)} for n, m in mask_dict.items()}
+        config = SparsityConfig.from_dict(_levels_section(info))
+    merged = peft_model.merge_and_unload()
+    remove_masked_mode(merged)
+    for name, mask in mask_dict.items():
+        p = merged.get_parameter(name)
+        p.mul_(mask.to(p.device, p.dtype))
+    trained = (getattr(peft_model, "_hf_sparsity", None) or {}).get("engine")
+    engine = SparsityEngine(merged, config, strict=False)
+    if trained is not None:  # the card and a resumed run see the steps and events of the LoRA run
+        engine.optimizer_steps, engine.events = trained.optimizer_steps, list(trained.events)
+    engine.set_masks(mask_dict)
+    engine.install_save_hook()
+    set_sparsity_config(merged.config, config, state=engine.state())
+    merged.hf_sparsity_engine = engine
+    logger.info("merge_sparse: merged with %d exact masks from %s.", len(mask_dict), source)
+    if output_dir is not None:
+        with atomic_dir(output_dir, overwrite=overwrite) as tmp:
+            merged.save_pretrained(str(tmp))
+    return merged
+
+
+__all__ = ["LORA_MODES", "PeftBaseView", "apply_masked_mode", "merge_sparse", "peft_view"]

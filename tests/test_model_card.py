@@ -1,0 +1,107 @@
+"""The model card ``convert --finalize`` writes: Hub metadata, figures equal to ``inspect``'s, eval table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from hf_sparsity import SparsityConfig, SparsityEngine, SparsityError
+from hf_sparsity.checkpoint import inspect_checkpoint
+from hf_sparsity.cli import main as cli_main
+from hf_sparsity.model_card import split_front_matter
+
+from .conftest import tiny_model
+
+RESULTS = {
+    "model": "out/sparse",
+    "metrics": {"pile": {"loss": 3.5, "perplexity": 33.1}, "harness": {"arc_easy": {"acc": 0.41}}},
+    "settings": {"limit": 10, "dtype": "float32", "device": "cpu"},
+}
+
+
+def sparse_folder(tmp_path, arch="llama"):
+    model = tiny_model(arch)
+    cfg = SparsityConfig(sparsity=0.6, init_method="topk", seed=7)
+    eng = SparsityEngine(model, cfg)
+    eng.build_masks()
+    eng.apply()
+    eng.install_save_hook()
+    model.config._name_or_path = "HuggingFaceTB/SmolLM2-135M"  # as if loaded from the Hub
+    path = tmp_path / "sparse"
+    model.save_pretrained(path)
+    cfgj = json.loads((path / "config.json").read_text())
+    cfgj["_name_or_path"] = "HuggingFaceTB/SmolLM2-135M"
+    (path / "config.json").write_text(json.dumps(cfgj))
+    return path
+
+
+def cli(*argv):
+    try:
+        return cli_main(list(argv))
+    except SystemExit as e:
+        return e.code
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_card_yaml_and_figures_match_inspect(tmp_path, arch):
+    src = sparse_folder(tmp_path, arch)
+    (tmp_path / "results.json").write_text(json.dumps(RESULTS))
+    out = tmp_path / "final"
+    assert cli("convert", "--finalize", str(src), str(out), "--results", str(tmp_path / "results.json")) == 0
+    text = (out / "README.md").read_text()
+    assert text.startswith("---\n")
+    meta, body = split_front_matter(text)
+    assert meta["library_name"] == "transformers"
+    assert "sparse" in meta["tags"]
+    assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M"
+    assert meta["pipeline_tag"] == "text-generation"
+    rep = inspect_checkpoint(out)
+    t = rep["totals"]
+    assert f"Over all {t['params']:,} parameters, {t['nonzero_params']:,} are nonzero" in body
+    assert f"({t['sparsity']:.2%} sparse overall)" in body
+    masked = [r for r in inspect_checkpoint(src)["layers"] if r["masked"]]
+    by_type = {}
+    for r in masked:
+        final = next(x for x in rep["layers"] if x["name"] == r["name"])
+        k = ".".join(r["name"].split(".")[-3:-1])
+        p, nz = by_type.get(k, (0, 0))
+        by_type[k] = (p + final["numel"], nz + final["nonzeros"])
+    assert len(by_type) >= 3
+    for k, (p, nz) in by_type.items():
+        assert f"| {k} | " in body and f"| {p:,} | {nz:,} | {1 - nz / p:.2%} |" in body
+    tp, tnz = sum(v[0] for v in by_type.values()), sum(v[1] for v in by_type.values())
+    assert f"**{1 - tnz / tp:.2%} sparse**" in body and abs(1 - tnz / tp - 0.6) < 0.01
+    from hf_sparsity.flops import count_flops_from_config
+
+    fl = count_flops_from_config(str(src))
+    assert f"| {fl.inference_flops_per_token:.4g} | {fl.dense().inference_flops_per_token:.4g} |" in body
+    assert "| init_method | `topk` |" in body and "| sparsity | `0.6` |" in body
+    assert "| Pile-style loss ↓ | 3.5000 |" in body and "arc_easy acc" in body
+
+
+def test_existing_readme_kept_and_section_appended(tmp_path):
+    src = sparse_folder(tmp_path)
+    (src / "README.md").write_text("---\nlicense: apache-2.0\ntags:\n- llama\n---\n\n# My model\n\nHello.\n")
+    out = tmp_path / "final"
+    assert cli("convert", "--finalize", str(src), str(out)) == 0
+    meta, body = split_front_matter((out / "README.md").read_text())
+    assert meta["license"] == "apache-2.0" and meta["tags"][0] == "llama" and "sparse" in meta["tags"]
+    assert body.lstrip().startswith("# My model\n\nHello.")
+    assert "## Sparsity (hf_sparsity)" in body and "### Evaluation" not in body
+    yaml.safe_load((out / "README.md").read_text().split("---")[1])  # the Hub's YAML parser reads it
+
+
+def test_no_model_card_and_bad_results_change_nothing(tmp_path):
+    src = sparse_folder(tmp_path)
+    out = tmp_path / "final"
+    assert cli("convert", "--finalize", str(src), str(out), "--no-model-card") == 0
+    assert not (out / "README.md").exists()
+    (tmp_path / "bad.json").write_text(json.dumps({"rows": []}))
+    with pytest.raises(SparsityError, match="not an `hf_sparsity eval` results file"):
+        from hf_sparsity.finalize import finalize_checkpoint
+
+        finalize_checkpoint(src, tmp_path / "final2", results=tmp_path / "bad.json")
+    assert not (tmp_path / "final2").exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
