@@ -1,6 +1,6 @@
 """Prune wall time and peak memory per one-shot method, each run in a fresh process.
 
-    python benchmarks/prune.py                                   # a built-in 8-block Llama, random calibration
+    python benchmarks/prune.py              # a built-in 8-block Llama, random calibration
     python benchmarks/prune.py --model /work/models/smollm2/dense \\
         --calib-data ../shared/data/corpus/openwebtext-1000.jsonl --nsamples 32 --seqlen 512
 
@@ -85,8 +85,22 @@ def main(argv=None) -> None:
     runs: dict[str, list[dict]] = {m: [] for m in a.methods.split(",")}
     for _ in range(a.repeats):
         for m in runs:  # interleaved, so drifting machine load hits every method alike
-            cmd = [sys.executable, __file__, "--worker", m, "--model", a.model, "--nsamples", str(a.nsamples),
-                   "--seqlen", str(a.seqlen), "--batch-size", str(a.batch_size), "--structure", a.structure]  # fmt: skip
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                m,
+                "--model",
+                a.model,
+                "--nsamples",
+                str(a.nsamples),
+                "--seqlen",
+                str(a.seqlen),
+                "--batch-size",
+                str(a.batch_size),
+                "--structure",
+                a.structure,
+            ]
             if a.calib_data:
                 cmd += ["--calib-data", a.calib_data]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=dict(os.environ))

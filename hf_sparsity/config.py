@@ -124,9 +124,9 @@ class SparsityConfig:
     lora: str | None = field(
         default=None,
         metadata={
-            "help": "peft LoRA on the sparse model: masked (adapter update applied as (B·A) ⊙ M; merges "
-                    "exactly) "
-            "or merge_then_mask (plain adapter; hf_sparsity.merge_sparse re-applies the mask)."
+            "help": "peft LoRA on the sparse model: masked (adapter update applied as (B·A) ⊙ M; "
+            "merges exactly) or merge_then_mask (plain adapter; hf_sparsity.merge_sparse re-applies "
+            "the mask)."
         },
     )
     groups: list[SparsityConfig] | None = field(

@@ -219,7 +219,7 @@ def test_cli_text_and_errors(tmp_path, capsys):
     assert main(["flops", "--config", str(path), "--sparsity", "1.5"]) == 2
     assert "outside [0, 1)" in capsys.readouterr().err
     assert main(["flops", "--config", str(tmp_path / "none.json")]) == 2
-    assert "No config" in capsys.readouterr().err
+    assert "no config.json there" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------- training-time accounting

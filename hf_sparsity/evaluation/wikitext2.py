@@ -30,7 +30,8 @@ DEFAULT_WIKITEXT2 = "text/wikitext-2-raw/wiki.test.raw"
 
 
 def wikitext2_rows(path: str | os.PathLike) -> list[str]:
-    """The rows the HF ``wikitext`` builder yields for ``wiki.test.raw``: lines with their newline, blanks as ``""``."""
+    """The rows the HF ``wikitext`` builder yields for ``wiki.test.raw``: lines with their newline,
+    blanks as ``""``."""
     path = Path(path)
     if not path.is_file():
         raise SparsityError(
@@ -93,8 +94,9 @@ def wikitext2_perplexity(
         "seqlen": seqlen,
         "windows": len(losses),
         "windows_available": total,
-        "protocol": "wanda/sparsegpt: rows joined with \\n\\n, floor(tokens/seqlen) windows, exp(mean "
-                    "window loss)",
+        "protocol": (
+            "wanda/sparsegpt: rows joined with \\n\\n, floor(tokens/seqlen) windows, exp(mean window loss)"
+        ),
     }
 
 

@@ -72,7 +72,8 @@ def magnitude_prune(W: torch.Tensor, k: int, nm: tuple[int, int] | None = None) 
 
 
 def wanda_score(W: torch.Tensor, sq_norm: torch.Tensor) -> torch.Tensor:
-    """``|W_ij| * ||X_j||_2``: the weight times the L2 norm of its input feature over the calibration tokens."""
+    """``|W_ij| * ||X_j||_2``: the weight times the L2 norm of its input feature over the calibration
+    tokens."""
     return W.detach().abs().float() * sq_norm.float().sqrt().reshape(1, -1)
 
 
