@@ -37,3 +37,16 @@ def check_structure(value: Any) -> tuple[int, int] | None:
             f'`structure` = {value!r} is not an N:M pattern. Use e.g. "2:4" (keep 2 of every 4).'
         )
     return int(m.group(1)), int(m.group(2))
+
+
+LORA_MODES = ("masked", "merge_then_mask")
+
+
+def check_lora_mode(value: Any) -> str | None:
+    """The ``lora`` setting of a sparsity config: ``None``, ``masked`` or ``merge_then_mask``."""
+    if value is None or value in LORA_MODES:
+        return value
+    raise SparsityError(
+        f"`lora` = {value!r} is not a LoRA mode. Use `masked` (adapter update applied as (B·A) ⊙ M, "
+        "merges exactly) or `merge_then_mask` (plain adapter, mask re-applied when merging)."
+    )

@@ -28,9 +28,8 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .checks import check_level, check_structure
+from .checks import check_level, check_lora_mode, check_structure
 from .constants import CONFIG_SECTION
-from .lora import check_lora_mode
 from .schedules import validate_drop_fraction, validate_schedule, validate_update
 from .utils import SparsityError, library_version
 

@@ -43,7 +43,7 @@ from . import masks as M
 from .config import SparsityConfig, check_structure, set_sparsity_config
 from .constants import SPARSITY_MASKS_NAME
 from .enforcement import ZERO_PRESERVING_OPTIMIZERS, MaskEnforcer, local_slice
-from .hooks import carry_masks_in_save_pretrained
+from .hooks import carry_masks_in_save_pretrained, release_save_pretrained
 from .lora import peft_view
 from .mask_state import MaskState, _state_field
 from .modeling import full_tensor, is_dtensor, local, sparsity_table
@@ -241,10 +241,6 @@ class SparsityEngine:
         self.state_.set(name, new)
         return f"{'pruned' if want > have else 'regrown'} {have:.4f} -> {want:.4f}"
 
-    def _saving_model(self) -> nn.Module:
-        """The module whose ``save_pretrained`` writes the checkpoint: the ``PeftModel`` under a peft view."""
-        return getattr(self.model, "peft_model", self.model)
-
     def stamp_config(self) -> None:
         """Write the config and the current state into ``model.config`` (so ``config.json`` carries them)."""
         set_sparsity_config(self.model.config, self.config, state=self.state())
@@ -252,11 +248,11 @@ class SparsityEngine:
     def install_save_hook(self) -> None:
         """Make ``model.save_pretrained(dir)`` also write the masks and the config section."""
         if self._orig_save_pretrained is None:
-            self._orig_save_pretrained = carry_masks_in_save_pretrained(self._saving_model(), self)
+            self._orig_save_pretrained = carry_masks_in_save_pretrained(self.model, self)
 
     def uninstall_save_hook(self) -> None:
         if self._orig_save_pretrained is not None:
-            self._saving_model().__dict__.pop("save_pretrained", None)
+            release_save_pretrained(self.model)
             self._orig_save_pretrained = None
 
     # ------------------------------------------------------------------ changing masks
@@ -374,9 +370,6 @@ class SparsityEngine:
 
     def remove_grad_hooks(self) -> None:
         self.enforcer.remove_grad_hooks()
-
-    def _needs_per_step_state_masking(self, opt: torch.optim.Optimizer) -> bool:
-        return self.enforcer.needs_per_step_state_masking(opt)
 
     def before_step(self) -> None:
         """Call right before ``optimizer.step()``: masks gradients the hooks could not reach.

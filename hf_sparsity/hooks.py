@@ -51,8 +51,10 @@ def carry_masks_in_save_pretrained(model: nn.Module, engine: Any) -> Callable:
     The one place the library replaces a method on an instance, because there is no public
     way in: ``Trainer.save_model()`` fires no callback event, and both it and every
     checkpoint save go through ``model.save_pretrained``. ``tests/test_checkpoints.py``
-    fails loudly if Trainer stops calling it.
+    fails loudly if Trainer stops calling it. Under a peft view (:mod:`hf_sparsity.lora`) the
+    ``PeftModel`` is the module that saves.
     """
+    model = getattr(model, "peft_model", model)
     orig = model.save_pretrained
 
     def save_pretrained(save_directory, *args, **kwargs):
@@ -65,3 +67,8 @@ def carry_masks_in_save_pretrained(model: nn.Module, engine: Any) -> Callable:
     save_pretrained.__doc__ = orig.__doc__
     model.save_pretrained = save_pretrained
     return orig
+
+
+def release_save_pretrained(model: nn.Module) -> None:
+    """Undo :func:`carry_masks_in_save_pretrained`: the class's own ``save_pretrained`` again."""
+    getattr(model, "peft_model", model).__dict__.pop("save_pretrained", None)

@@ -22,7 +22,6 @@ imports it unless a ``PeftModel`` is given.
 from __future__ import annotations
 
 import logging
-import os
 import types
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -31,23 +30,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .checks import LORA_MODES, check_lora_mode
 from .utils import SparsityError
 
 logger = logging.getLogger(__name__)
 
-LORA_MODES = ("masked", "merge_then_mask")
 # Path segments peft inserts around a wrapped module (collapsed) and adapter-owned ones (hidden).
 _WRAPPER_PARTS = ("base_layer", "original_module")
 _ADAPTER_PREFIXES = ("lora_", "modules_to_save")
-
-
-def check_lora_mode(value: Any) -> str | None:
-    if value is None or value in LORA_MODES:
-        return value
-    raise SparsityError(
-        f"`lora` = {value!r} is not a LoRA mode. Use `masked` (adapter update applied as (B·A) ⊙ M, "
-        "merges exactly) or `merge_then_mask` (plain adapter, mask re-applied when merging)."
-    )
 
 
 def is_peft_model(model: Any) -> bool:
@@ -226,97 +216,4 @@ def remove_masked_mode(peft_model: nn.Module) -> None:
                 mod.__dict__.pop(attr, None)
 
 
-# ---------------------------------------------------------------------- merging
-def _masks_for(peft_model: nn.Module, view: PeftBaseView, masks: Any):
-    """(masks, config or None, where they came from): explicit, from an engine, or the base folder's file."""
-    from .config import get_sparsity_config
-    from .constants import SPARSITY_MASKS_NAME
-    from .serialization import load_masks
-
-    shapes = {n: tuple(p.shape) for n, p in view.named_parameters()}
-    if isinstance(masks, (str, os.PathLike)):
-        loaded, _ = load_masks(masks, expected_shapes=shapes)
-        return loaded, get_sparsity_config(view.config), str(masks)
-    if masks is not None:
-        from .serialization import check_mask_names
-
-        check_mask_names({n: {"shape": list(m.shape)} for n, m in masks.items()}, shapes)
-        return dict(masks), get_sparsity_config(view.config), "masks argument"
-    attached = getattr(peft_model, "_hf_sparsity", None)
-    if attached and attached["masks"]:
-        return dict(attached["masks"]), attached["config"], "the SparsityCallback / SparsityEngine"
-    source = getattr(view.config, "_name_or_path", None)
-    if source and os.path.isfile(os.path.join(str(source), SPARSITY_MASKS_NAME)):
-        loaded, _ = load_masks(source, expected_shapes=shapes)
-        return loaded, get_sparsity_config(view.config), str(source)
-    raise SparsityError(
-        f"merge_sparse: {type(view.base).__name__} has no masks: no SparsityCallback/SparsityEngine ran on "
-        "it "
-        f"and its base folder ({source!r}) holds no {SPARSITY_MASKS_NAME}. Pass the masks: "
-        "merge_sparse(model, masks='SPARSE_BASE_DIR'), or merge with peft's merge_and_unload() for a dense "
-        "model."
-    )
-
-
-@torch.no_grad()
-def merge_sparse(
-    peft_model: nn.Module,
-    masks: Mapping[str, torch.Tensor] | str | os.PathLike | None = None,
-    *,
-    output_dir: str | os.PathLike | None = None,
-    overwrite: bool = False,
-) -> nn.Module:
-    """Merge the LoRA adapters into the base weights and re-apply the masks exactly.
-
-    ``masks``: name -> mask with the base model's names, or a folder / mask file; by
-    default the masks of the SparsityCallback / SparsityEngine that trained the model,
-    else the base folder's ``sparsity_masks.safetensors``. Returns the merged
-    ``transformers`` model: masked weights exactly 0, and ``save_pretrained`` writes the
-    mask file and the config's ``sparsity`` section (so ``hf_sparsity convert --finalize``
-    and resumed sparse training take it as is). With ``output_dir`` it is also saved
-    there, atomically. Nothing is merged (and nothing written) when the masks are missing
-    or do not fit.
-    """
-    from .config import SparsityConfig, set_sparsity_config
-    from .engine import SparsityEngine
-    from .finalize import _levels_section
-    from .utils import atomic_dir
-
-    if not is_peft_model(peft_model):
-        raise SparsityError(
-            f"merge_sparse needs a peft PeftModel (get_peft_model(...)), got {type(peft_model).__name__}."
-        )
-    if output_dir is not None and os.path.exists(output_dir) and not overwrite:
-        raise SparsityError(
-            f"Output folder {str(output_dir)!r} already exists. Choose another path or pass overwrite=True."
-        )
-    view = PeftBaseView(peft_model)
-    mask_dict, config, source = _masks_for(peft_model, view, masks)
-    if not mask_dict:
-        raise SparsityError(
-            f"merge_sparse: the masks from {source} are empty; there is nothing to keep sparse."
-        )
-    if config is None:  # masks without a config: one anchored pattern per tensor, at its level
-        info = {n: {"level": 1.0 - float(m.sum()) / max(m.numel(), 1)} for n, m in mask_dict.items()}
-        config = SparsityConfig.from_dict(_levels_section(info))
-    merged = peft_model.merge_and_unload()
-    remove_masked_mode(merged)
-    for name, mask in mask_dict.items():
-        p = merged.get_parameter(name)
-        p.mul_(mask.to(p.device, p.dtype))
-    trained = (getattr(peft_model, "_hf_sparsity", None) or {}).get("engine")
-    engine = SparsityEngine(merged, config, strict=False)
-    if trained is not None:  # the card and a resumed run see the steps and events of the LoRA run
-        engine.optimizer_steps, engine.events = trained.optimizer_steps, list(trained.events)
-    engine.set_masks(mask_dict)
-    engine.install_save_hook()
-    set_sparsity_config(merged.config, config, state=engine.state())
-    merged.hf_sparsity_engine = engine
-    logger.info("merge_sparse: merged with %d exact masks from %s.", len(mask_dict), source)
-    if output_dir is not None:
-        with atomic_dir(output_dir, overwrite=overwrite) as tmp:
-            merged.save_pretrained(str(tmp))
-    return merged
-
-
-__all__ = ["LORA_MODES", "PeftBaseView", "apply_masked_mode", "merge_sparse", "peft_view"]
+__all__ = ["LORA_MODES", "PeftBaseView", "apply_masked_mode", "check_lora_mode", "peft_view"]
