@@ -143,3 +143,27 @@ def test_own_model_path(tmp_path, tiny_model_dir, capsys):
     assert "exact zeros" in printed.err
     speed = printed.err.strip().splitlines()[-1]
     assert "[auto:" in speed and "tok/s" in speed and "dense" in speed, speed
+
+
+def test_finetune_keeps_a_pruned_folder_at_its_own_level(tmp_path, tiny_model_dir):
+    """Without --config, the example keeps a 60% folder at 60% (not the 50% default), whether the
+    folder's config.json says how it was pruned or only its mask file does."""
+    model_dir, data = tiny_model_dir
+    pruned = tmp_path / "mag60"
+    assert cli(["prune", str(model_dir), str(pruned), "--method", "magnitude", "--sparsity", "0.6"]) == 0
+    oneshot, _ = load_masks(pruned)
+    for name, m in oneshot.items():
+        assert int((m == 0).sum()) == round(0.6 * m.numel()), name
+    ft = ["--data", str(data), "--max_steps", "1", "--save_steps", "1", "--block_size", "32"]
+    ft += ["--report_to", "none"]
+    assert _finetune(["--model", str(pruned), "--output_dir", str(tmp_path / "a"), *ft]) == 0
+
+    cfg_path = pruned / "config.json"  # a sparse folder without the sparsity section
+    cfg = json.loads(cfg_path.read_text())
+    del cfg["sparsity"]
+    cfg_path.write_text(json.dumps(cfg))
+    assert _finetune(["--model", str(pruned), "--output_dir", str(tmp_path / "b"), *ft]) == 0
+    for run in ("a", "b"):
+        masks, _ = load_masks(tmp_path / run / "final")
+        assert masks.keys() == oneshot.keys(), run
+        assert all(torch.equal(masks[k], oneshot[k]) for k in oneshot), run
