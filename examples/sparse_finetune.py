@@ -1,10 +1,19 @@
 """Sparse fine-tuning of your own model folder with ``transformers.Trainer`` + ``SparsityCallback``.
 
 The model folder is anything ``save_pretrained`` wrote (with its tokenizer). Masks come from
-the sparsity config (e.g. 50% ``topk``, built at train begin) or, for a folder that already
-holds ``sparsity_masks.safetensors``, from that file. The text is a ``.jsonl`` file with a
-``"text"`` field per line (Pile / OpenWebText style) or a plain ``.txt`` file.
 
+* the folder's ``sparsity_masks.safetensors`` when it has one (``hf_sparsity prune`` output, an
+  earlier run's ``final/``): they are kept as they are, and without ``--config`` the folder's own
+  sparsity section (``config.json``) or the levels in the mask file say which tensors stay sparse;
+  with a ``--config`` whose level differs, they are pruned further or regrown to it;
+* else the sparsity config (``--config``, default 50% ``topk``), built at train begin.
+
+The text is a ``.jsonl`` file with a ``"text"`` field per line (Pile / OpenWebText style) or a
+plain ``.txt`` file.
+
+    hf_sparsity prune DIR out/pruned --method wanda --sparsity 0.5 --calib-data CALIB.jsonl
+    python examples/sparse_finetune.py --model out/pruned \\
+        --data ../shared/data/corpus/openwebtext-1000.jsonl --output_dir out/ft --max_steps 20
     python examples/sparse_finetune.py --model DIR --config examples/sparsity_topk50.yaml \\
         --data ../shared/data/corpus/openwebtext-1000.jsonl --output_dir out/smol50 --max_steps 20
 
@@ -39,10 +48,38 @@ def _texts(path: str, limit: int) -> list[str]:
     return texts
 
 
+def _sparsity_config(config: str | None, model: str):
+    """``--config``; else what the model folder's masks say; else 50% ``topk``."""
+    from hf_sparsity import SparsityConfig
+    from hf_sparsity.config import get_sparsity_config
+    from hf_sparsity.serialization import has_masks, read_mask_metadata
+
+    if config:
+        return SparsityConfig.from_yaml(config)
+    if not has_masks(model):
+        return SparsityConfig(sparsity=0.5, init_method="topk")
+    with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
+        section = get_sparsity_config(json.load(f))
+    if section is not None:  # the folder says how it was sparsified (targets, levels)
+        return section
+    # No section: exactly the masked tensors, each at the level its mask has.
+    import re
+
+    from hf_sparsity.constants import SPARSITY_MASKS_NAME
+
+    tensors = read_mask_metadata(os.path.join(model, SPARSITY_MASKS_NAME))["tensors"]
+    patterns = {"^" + re.escape(n) + "$": {"sparsity": t["level"]} for n, t in tensors.items()}
+    return SparsityConfig.from_dict({"sparsity": 0.0, "param_name_patterns": patterns})
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="model folder (weights + tokenizer)")
-    ap.add_argument("--config", help="params YAML with a `sparsity:` section (default: 50%% topk)")
+    ap.add_argument(
+        "--config",
+        help="params YAML with a `sparsity:` section "
+        "(default: a sparse folder's masks as they are, else 50%% topk)",
+    )
     ap.add_argument("--data", required=True, help=".jsonl with a 'text' field per line, or a .txt file")
     ap.add_argument("--output_dir", required=True)
     ap.add_argument("--max_steps", type=int, default=20)
@@ -61,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
 
-    from hf_sparsity import SparsityCallback, SparsityConfig
+    from hf_sparsity import SparsityCallback
     from hf_sparsity.cli import _checks
     from hf_sparsity.data import BlockDataset, pack_tokens
     from hf_sparsity.utils import SparsityError
@@ -79,11 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SparsityError(
                 f"--data gives {len(blocks)} blocks of {args.block_size} tokens; give more text."
             )
-        sparsity = (
-            SparsityConfig.from_yaml(args.config)
-            if args.config
-            else SparsityConfig(sparsity=0.5, init_method="topk")
-        )
+        sparsity = _sparsity_config(args.config, args.model)
     except SparsityError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ from hf_sparsity.cli import main
 from .conftest import tiny_model
 
 SMALL = ["--limit", "2", "--device", "cpu", "--no-progress"]
+CALIB_SMALL = ["--nsamples", "2", "--seqlen", "16"]
 
 CASES = {
     "validate": [
@@ -94,6 +95,48 @@ CASES = {
         (["bench", "--model", "M", "--new-tokens", "0"], "--new-tokens"),
         (["bench", "--shape", "axb"], "--shape"),
     ],
+    "prune": [
+        (["prune", "nosuch", "out", "--method", "magnitude"], "does not exist"),
+        (["prune", "noweights", "out", "--method", "magnitude"], "no weights"),
+        (["prune", "empty", "out", "--method", "magnitude"], "no config.json"),
+        (["prune", "M/config.json", "out", "--method", "magnitude"], "is a file"),
+        (["prune", "notok", "out", "--calib-data", "CALIB", *CALIB_SMALL], "No tokenizer"),
+        (["prune", "dense", "out", "--method", "wanda", "--seqlen", "16"], "--calib-data"),
+        (["prune", "dense", "out", "--calib-data", "nosuch.jsonl", *CALIB_SMALL], "does not exist"),
+        (["prune", "dense", "out", "--method", "magnitude", "--sparsity", "1.5"], "outside [0, 1)"),
+        (["prune", "dense", "out", "--method", "magnitude", "--sparsity", "1"], "outside [0, 1)"),
+        (["prune", "dense", "out", "--method", "magnitude", "--device", "cuda:99"], "cuda"),
+        (["prune", "dense", "out", "--method", "magnitude", "--device", "tpu0"], "device"),
+        (["prune", "dense", "existing", "--method", "magnitude"], "--overwrite"),
+        (["prune", "dense", "dense/pruned", "--method", "magnitude"], "inside the model folder"),
+        (
+            ["prune", "dense", "out", "--calib-data", "CALIB", "--seqlen", "16", "--nsamples", "0"],
+            "--nsamples",
+        ),
+        (["prune", "dense", "out", "--calib-data", "CALIB", "--seqlen", "0"], "--seqlen"),
+        (["prune", "dense", "out", "--calib-data", "CALIB", "--seqlen", "100000"], "n_positions=64"),
+        (["prune", "dense", "out", "--calib-data", "CALIB", "--batch-size", "0"], "--batch-size"),
+        (
+            ["prune", "dense", "out", "--method", "sparsegpt", "--calib-data", "CALIB", "--blocksize", "0"],
+            "--blocksize",
+        ),
+        (["prune", "dense", "out", "--method", "sparsegpt", "--percdamp", "-1"], "--percdamp"),
+        (["prune", "dense", "out", "--method", "magnitude", "--structure", "x:y"], "N:M"),
+        (["prune", "dense", "out", "--method", "magnitude", "--config", "nosuch.yaml"], "does not exist"),
+        (["prune", "dense", "out", "--method", "nosuch"], "invalid choice"),
+    ],
+    "generate": [
+        (["generate", "nosuch", "--prompt", "hi"], "does not exist"),
+        (["generate", "noweights", "--prompt", "hi"], "no weights"),
+        (["generate", "empty", "--prompt", "hi"], "no config.json"),
+        (["generate", "notok", "--prompt", "hi"], "No tokenizer"),
+        (["generate", "M", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens"),
+        (["generate", "M", "--prompt", "hi", "--backend", "nosuch"], "nosuch"),
+        (["generate", "M", "--prompt", "hi", "--dtype", "int3"], "--dtype"),
+        (["generate", "M", "--prompt", "hi", "--masks", "nosuch.safetensors"], "--masks"),
+        (["generate", "M", "--prompt", "hi", "--threads", "0"], "--threads"),
+        (["generate", "M"], "--prompt"),
+    ],
 }
 
 
@@ -145,7 +188,8 @@ def test_bad_input_is_one_line(workdir, argv, expect, capsys, monkeypatch):
     root, data = workdir
     monkeypatch.chdir(root)
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # as in CI: nothing from the Hub
-    argv = [str(data) if a == "DATA" else a for a in argv]
+    calib = str(data / "corpus" / "openwebtext-1000.jsonl")
+    argv = [str(data) if a == "DATA" else calib if a == "CALIB" else a for a in argv]
     before = _tree(root)
     try:
         rc = main(argv)
@@ -167,6 +211,6 @@ def test_every_subcommand_has_cases():
     from hf_sparsity.cli import build_parser
 
     sub = next(a for a in build_parser()._actions if a.dest == "command")
-    mine = {"validate", "inspect", "convert", "flops", "ift", "eval", "bench"}
+    mine = {"validate", "inspect", "convert", "flops", "ift", "eval", "bench", "prune", "generate"}
     assert mine <= set(sub.choices), set(sub.choices)
     assert mine <= set(CASES)

@@ -76,4 +76,4 @@ def test_generate_refuses_bad_input(folders, tmp_path, capsys):
     assert main(["generate", str(masked), "--prompt", "x", "--backend", "nm24", "--no-dense"]) == 2
     assert "2:4" in capsys.readouterr().err
     assert main(["generate", str(tmp_path / "missing"), "--prompt", "x"]) == 2
-    assert "not a folder" in capsys.readouterr().err
+    assert "does not exist" in capsys.readouterr().err

@@ -183,7 +183,7 @@ def _backend(name: str) -> None:
     get_backend(name)  # SparsityError naming the registered backends
 
 
-def _context_fits(model: str, context: int | None) -> None:
+def _context_fits(model: str, context: int | None, flag: str = "--context") -> None:
     """``--context`` no longer than the positions the model has (else an index error deep in the model)."""
     if not context:
         return
@@ -195,7 +195,7 @@ def _context_fits(model: str, context: int | None) -> None:
         if isinstance(limit, int) and limit > 0:
             if context > limit:
                 raise SparsityError(
-                    f"--context {context} is longer than the model's {key}={limit}; use at most {limit}."
+                    f"{flag} {context} is longer than the model's {key}={limit}; use at most {limit}."
                 )
             return
 
@@ -256,3 +256,48 @@ def bench_args(args) -> None:
         raise SparsityError(f"--masks {args.masks!r} does not exist. Give a mask file or folder, or 'zeros'.")
     for flag in ("batch", "repeats", "rounds", "new_tokens", "prompt_len", "threads"):
         positive(getattr(args, flag, None), "--" + flag.replace("_", "-"))
+
+
+def _has_tokenizer(model: str, flag: str) -> None:
+    """A tokenizer saved in the model folder (for subcommands without ``--tokenizer``)."""
+    if not any((Path(model) / f).is_file() for f in TOKENIZER_FILES):
+        raise SparsityError(
+            f"No tokenizer in {flag} {model!r} (none of {', '.join(TOKENIZER_FILES)}): save it there with "
+            "tokenizer.save_pretrained(DIR)."
+        )
+
+
+def prune_args(args) -> None:
+    """``hf_sparsity prune MODEL_DIR OUT_DIR ...``."""
+    model_dir(args.model_dir, "MODEL_DIR")
+    device(args.device)
+    for flag in ("batch_size", "blocksize"):  # --nsamples / --seqlen: checked by prune_folder
+        positive(getattr(args, flag, None), "--" + flag.replace("_", "-"))
+    for flag in ("percdamp", "owl_lambda"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 0:
+            raise SparsityError(f"--{flag.replace('_', '-')} must not be negative, got {value}.")
+    calib = args.calib_data
+    if (
+        calib
+        and not Path(calib).is_file()
+        and (Path(calib).suffix in (".jsonl", ".json", ".txt") or os.sep in calib)
+    ):
+        raise SparsityError(
+            f"--calib-data {calib!r} does not exist. Give a .jsonl (one document per row) or .txt file."
+        )
+    if args.method != "magnitude":  # calibration: tokenize text, run windows through the model
+        _has_tokenizer(args.model_dir, "MODEL_DIR")
+        _context_fits(args.model_dir, args.seqlen, "--seqlen")
+
+
+def generate_args(args) -> None:
+    """``hf_sparsity generate MODEL_DIR ...``."""
+    model_dir(args.model_dir, "MODEL_DIR")
+    _has_tokenizer(args.model_dir, "MODEL_DIR")
+    _backend(args.backend)
+    if args.max_new_tokens < 1:
+        raise SparsityError("--max-new-tokens must be at least 1.")
+    positive(args.threads, "--threads")
+    if args.masks and args.masks != "zeros" and not os.path.exists(args.masks):
+        raise SparsityError(f"--masks {args.masks!r} does not exist. Give a mask file or folder, or 'zeros'.")

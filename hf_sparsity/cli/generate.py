@@ -64,9 +64,9 @@ def generate_command(args) -> int:
 
     from ..constants import SPARSITY_MASKS_NAME
     from ..inference import auto_report, resident_weight_bytes, sparsify_for_inference
+    from . import _checks
 
-    if args.max_new_tokens < 1:
-        raise SparsityError("--max-new-tokens must be at least 1.")
+    _checks.generate_args(args)  # one-line errors for bad input before anything loads
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok = _load(args.model_dir, args.dtype)

@@ -52,7 +52,9 @@ def prune_command_parser(subparsers) -> argparse.ArgumentParser:
 def prune_command(args: argparse.Namespace) -> int:
     """Run ``hf_sparsity prune``; returns the exit status."""
     from ..pruning.pipeline import prune_folder
+    from . import _checks
 
+    _checks.prune_args(args)  # one-line errors for bad input before anything loads or is written
     t0 = time.perf_counter()
     result = prune_folder(
         args.model_dir,
