@@ -146,11 +146,40 @@ def _fmt_level(level) -> str:
     return level if isinstance(level, str) else f"{level:.0%}"
 
 
-def model_decode(kind: str, level, rounds: int, new_tokens: int, prompt_len: int = 16, verbose=False) -> dict:
-    """Whole-model greedy decode: stock dense vs dense with the same improvements vs ``auto``."""
+def _dense_prefill_swaps(model) -> list[tuple]:
+    """What ``keep_dense_for_prefill=True`` would keep: for each auto layer whose prefill is slower than
+    dense, its dense weight. Returns ``(backend, dense weight)`` pairs for :func:`_set_dense_prefill`."""
+    from hf_sparsity.inference import sparse_layers
+
+    out = []
+    for m in sparse_layers(model).values():
+        b = m.backend
+        c = getattr(b, "choice", None)
+        if c and c["prefill"] != "dense" and c["prefill_vs_dense"] < 1.0:
+            out.append((b, b.prefill, b.decode.to_dense().contiguous()))
+    return out
+
+
+def _set_dense_prefill(swaps, on: bool) -> None:
+    for b, mode, w in swaps:
+        b.prefill, b.prefill_weight = ("dense", w) if on else (mode, None)
+
+
+def model_decode(
+    kind: str, level, rounds: int, new_tokens: int, prompt_len: int = 16, verbose=False, compile_=False
+) -> dict:
+    """Whole-model greedy decode: stock dense vs dense with the same improvements vs ``auto``
+    (and, with ``compile_``, dense and auto with the forward compiled)."""
     import copy
 
-    from hf_sparsity.inference import auto_choices, auto_report, resident_weight_bytes, sparsify_for_inference
+    from hf_sparsity.inference import (
+        auto_choices,
+        auto_report,
+        compiled_generate_kwargs,
+        resident_weight_bytes,
+        sparse_layer_bytes,
+        sparsify_for_inference,
+    )
 
     t0 = time.time()
     dense, masks = _build_model(kind, level)
@@ -167,28 +196,46 @@ def model_decode(kind: str, level, rounds: int, new_tokens: int, prompt_len: int
     with torch.inference_mode():
         ref = dense(ids).logits
         err = max((m(ids).logits - ref).abs().max().item() for m in (improved, auto))
-    tok_s: dict[str, list[float]] = {k: [] for k in variants}
-    for m in variants.values():
-        decode_tok_s(m, ids, 2)  # warm-up
+    runs = {k: (m, {}) for k, m in variants.items()}  # name -> (model, generate kwargs)
+    compile_s: dict[str, float] = {}
+    if compile_:  # the same models, generate with a static cache and the forward compiled
+        runs["dense-c"] = (dense, compiled_generate_kwargs())
+        runs["auto-c"] = (auto, compiled_generate_kwargs())
+    tok_s: dict[str, list[float]] = {k: [] for k in runs}
+    for k, (m, kw) in runs.items():  # warm-up; compiled: the first call compiles (same shapes as timed)
+        t = time.perf_counter()
+        decode_tok_s(m, ids, new_tokens if kw else 2, **kw)
+        if kw:
+            compile_s[k] = time.perf_counter() - t
     for _ in range(rounds):
-        for k, m in variants.items():
-            tok_s[k].append(decode_tok_s(m, ids, new_tokens))
+        for k, (m, kw) in runs.items():
+            tok_s[k].append(decode_tok_s(m, ids, new_tokens, **kw))
     med = {k: statistics.median(v) for k, v in tok_s.items()}
     # per-token split (timing hooks on a plain cached loop), one pass each, interleaved
     layer_names = sorted({n.rpartition(".")[0] for n in masks})
     split = {k: decode_breakdown(m, ids, new_tokens, layer_names) for k, m in variants.items()}
     # prefill: one forward of a 128-token prompt, interleaved rounds
     pids = torch.randint(2, vocab, (1, 128), generator=torch.Generator().manual_seed(1))
-    pf: dict[str, list[float]] = {k: [] for k in variants}
+    # "auto kd": as keep_dense_for_prefill=True would run (the dense weight where prefill loses)
+    swaps = _dense_prefill_swaps(auto)
+    _set_dense_prefill(swaps, True)
+    kd_bytes = resident_weight_bytes(auto)
+    _set_dense_prefill(swaps, False)
+    pf_variants = {**variants, "auto kd": auto}
+    pf: dict[str, list[float]] = {k: [] for k in pf_variants}
     with torch.inference_mode():
-        for m in variants.values():
+        for k, m in pf_variants.items():
+            _set_dense_prefill(swaps, k == "auto kd")
             m(pids)
         for _ in range(max(3, rounds)):
-            for k, m in variants.items():
+            for k, m in pf_variants.items():
+                _set_dense_prefill(swaps, k == "auto kd")
                 t = time.perf_counter()
                 m(pids)
                 pf[k].append((time.perf_counter() - t) * 1e3)
+    _set_dense_prefill(swaps, False)
     pf_med = {k: statistics.median(v) for k, v in pf.items()}
+    layer_bytes = sparse_layer_bytes(auto)
     choices = auto_choices(auto)
     groups: dict[str, dict] = {}
     for c in choices.values():
@@ -206,8 +253,12 @@ def model_decode(kind: str, level, rounds: int, new_tokens: int, prompt_len: int
         "split_ms": split,
         "prefill_ms": pf_med,
         "prefill_auto_vs_dense": pf_med["dense"] / pf_med["auto"],
-        "resident_bytes": {"dense": dense_bytes, "auto": resident_weight_bytes(auto)},
+        "prefill_auto_keep_dense_vs_dense": pf_med["dense"] / pf_med["auto kd"],
+        "resident_bytes": {"dense": dense_bytes, "auto": resident_weight_bytes(auto), "auto kd": kd_bytes},
         "resident_ratio": resident_weight_bytes(auto) / dense_bytes,
+        "resident_ratio_keep_dense": kd_bytes / dense_bytes,
+        "sparse_layer_bytes": layer_bytes,
+        "compile_s": compile_s,
         "max_abs_logit_err": err,
         "plan_s": plan_s,
         "groups": {g: {k: c[k] for k in GROUP_KEYS} for g, c in groups.items()},
@@ -217,12 +268,23 @@ def model_decode(kind: str, level, rounds: int, new_tokens: int, prompt_len: int
         f"\n== {kind} shape, {_fmt_level(level)} sparsity, greedy decode of {new_tokens} tokens after "
         f"{prompt_len}, {torch.get_num_threads()} threads, medians of {rounds} interleaved rounds =="
     )
-    for k in variants:
-        runs = ", ".join(f"{t:.1f}" for t in tok_s[k])
-        print(f"{k:>7}: {med[k]:7.2f} tok/s  ({med[k] / med['dense']:.2f}x dense)   rounds: {runs}")
-    print(f"auto vs dense+ (what sparsity itself buys): {res['auto_vs_dense_plus']:.2f}x; "
-          f"prefill (128 tokens): dense {pf_med['dense']:.1f} ms, dense+ {pf_med['dense+']:.1f} ms, "
-          f"auto {pf_med['auto']:.1f} ms ({res['prefill_auto_vs_dense']:.2f}x dense)")  # fmt: skip
+    for k in runs:
+        rs = ", ".join(f"{t:.1f}" for t in tok_s[k])
+        extra = f"   (compile + first call {compile_s[k]:.1f} s)" if k in compile_s else ""
+        print(f"{k:>7}: {med[k]:7.2f} tok/s  ({med[k] / med['dense']:.2f}x dense)   rounds: {rs}{extra}")
+    print(f"auto vs dense+ (what sparsity itself buys): {res['auto_vs_dense_plus']:.2f}x")
+    if compile_:
+        res["auto_c_vs_dense_c"] = med["auto-c"] / med["dense-c"]
+        res["auto_c_vs_dense"] = med["auto-c"] / med["dense"]
+        res["dense_c_vs_dense"] = med["dense-c"] / med["dense"]
+        print(f"compiled: auto-c vs dense-c (what sparsity buys, both compiled) "
+              f"{res['auto_c_vs_dense_c']:.2f}x; auto-c vs stock dense {res['auto_c_vs_dense']:.2f}x; "
+              f"dense-c vs dense "
+              f"{res['dense_c_vs_dense']:.2f}x")  # fmt: skip
+    print(f"prefill (128 tokens): dense {pf_med['dense']:.1f} ms, dense+ {pf_med['dense+']:.1f} ms, "
+          f"auto {pf_med['auto']:.1f} ms ({res['prefill_auto_vs_dense']:.2f}x dense), auto with "
+          f"keep_dense_for_prefill {pf_med['auto kd']:.1f} ms ({res['prefill_auto_keep_dense_vs_dense']:.2f}x"
+          f" dense, weights {res['resident_ratio_keep_dense']:.3f} of dense)")  # fmt: skip
     print(f"per token ms   {'total':>6} {'sparse-able layers':>18} {'LM head':>7} {'rest':>6}")
     for k, b in split.items():
         print(
@@ -231,8 +293,11 @@ def model_decode(kind: str, level, rounds: int, new_tokens: int, prompt_len: int
     rb = res["resident_bytes"]
     print(
         f"resident weight bytes: dense {rb['dense'] / 2**20:.1f} MiB, auto {rb['auto'] / 2**20:.1f} MiB "
-        f"({res['resident_ratio']:.3f} of dense); max |logit diff| {err:.2e}; auto planning {plan_s:.1f} s"
+        f"({res['resident_ratio']:.3f} of dense); the {layer_bytes['layers']} converted layers alone: "
+        f"{layer_bytes['sparse'] / 2**20:.1f} MiB vs {layer_bytes['dense'] / 2**20:.1f} MiB dense "
+        f"({layer_bytes['ratio']:.3f}); the rest (embedding / tied LM head, norms) stays dense"
     )
+    print(f"max |logit diff| {err:.2e}; auto planning {plan_s:.1f} s")
     print(
         f"{'auto choice per layer group':<48} {'layers':>6} {'decode':>12} {'x dense':>7} {'prefill':>7} "
         f"{'x dense':>7}"
@@ -262,6 +327,12 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=None, help="decode rounds (default 5, quick 3)")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens per round (default 32, quick 16)")
     p.add_argument("--verbose", action="store_true", help="print auto's choice for every layer")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also dense and auto with the forward compiled (static KV cache, inductor; see "
+        "hf_sparsity.inference.compiled_generate_kwargs)",
+    )
     p.add_argument("--json", default=None, help="write raw results here")
     args = p.parse_args(argv)
     if args.threads:
@@ -283,15 +354,30 @@ def main(argv=None) -> int:
             models.append((kind, level if ":" in level or level == "2:4" else float(level)))
     rounds = args.rounds or (3 if args.quick else 5)
     new_tokens = args.new_tokens or (16 if args.quick else 32)
-    out["models"] = [model_decode(k, lvl, rounds, new_tokens, verbose=args.verbose) for k, lvl in models]
+    out["models"] = [
+        model_decode(k, lvl, rounds, new_tokens, verbose=args.verbose, compile_=args.compile)
+        for k, lvl in models
+    ]
     print("\n== summary: whole-model greedy decode, tok/s ratios (medians) ==")
+    print("prefill: 128-token forward vs dense (kd: with keep_dense_for_prefill); bytes: resident weights vs "
+          "dense (whole model; kd; the converted layers alone)")  # fmt: skip
+    cols = (
+        f" | {'dense-c':>7} {'auto-c':>7} {'auto-c/dense-c':>14} {'auto-c/dense':>12}" if args.compile else ""
+    )
     print(f"{'model':>8} {'level':>5} | {'dense':>7} {'dense+':>7} {'auto':>7} | {'auto/dense':>10} "
-          f"{'auto/dense+':>11} {'prefill':>7} {'bytes':>6}")  # fmt: skip
+          f"{'auto/dense+':>11} | {'prefill':>7} {'kd':>5} | {'bytes':>6} {'kd':>6} {'layers':>6}"
+          f"{cols}")  # fmt: skip
     for r in out["models"]:
         m = r["median_tok_s"]
-        print(f"{r['model']:>8} {r['level']:>5} | {m['dense']:7.2f} {m['dense+']:7.2f} {m['auto']:7.2f} | "
-              f"{r['auto_vs_dense']:10.2f} {r['auto_vs_dense_plus']:11.2f} {r['prefill_auto_vs_dense']:7.2f} "
-              f"{r['resident_ratio']:6.3f}")  # fmt: skip
+        line = (f"{r['model']:>8} {r['level']:>5} | {m['dense']:7.2f} {m['dense+']:7.2f} {m['auto']:7.2f} | "
+                f"{r['auto_vs_dense']:10.2f} {r['auto_vs_dense_plus']:11.2f} | "
+                f"{r['prefill_auto_vs_dense']:7.2f} {r['prefill_auto_keep_dense_vs_dense']:5.2f} | "
+                f"{r['resident_ratio']:6.3f} "
+                f"{r['resident_ratio_keep_dense']:6.3f} {r['sparse_layer_bytes']['ratio']:6.3f}")  # fmt: skip
+        if args.compile:
+            line += (f" | {m['dense-c']:7.2f} {m['auto-c']:7.2f} {r['auto_c_vs_dense_c']:14.2f} "
+                     f"{r['auto_c_vs_dense']:12.2f}")  # fmt: skip
+        print(line)
     out["load_after"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     print(f"(total {time.time() - t0:.0f} s; load average after {out['load_after']})")
     if args.json:

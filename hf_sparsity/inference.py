@@ -377,6 +377,55 @@ def resident_weight_bytes(model: nn.Module) -> int:
     return sum(seen.values())
 
 
+def sparse_layer_bytes(model: nn.Module) -> dict[str, float]:
+    """Resident bytes of the converted (sparse-able) layers' weights against the same weights dense.
+
+    What the formats themselves save, without the parts that stay dense (embeddings, norms, a
+    tied LM head), which bound :func:`resident_weight_bytes`'s whole-model ratio. An LM head that
+    ``auto`` put on ``native_dense`` is not a sparse layer and is left out. Returns ``{"sparse":
+    bytes, "dense": bytes, "ratio": sparse / dense, "layers": count}``.
+    """
+    sparse = dense = n = 0
+    for m in unwrap_model(model).modules():
+        if not isinstance(m, SparseLinear) or (getattr(m.backend, "choice", None) or {}).get("lm_head"):
+            continue
+        b = m.backend
+        if hasattr(b, "storage_tensors"):
+            ts = b.storage_tensors()
+        elif hasattr(b, "_tensors"):
+            ts = b._tensors()
+        else:
+            from .backends.auto import _storage
+
+            ts = _storage(b)
+        if m._original[0] is not None:
+            ts = [*ts, m._original[0].weight]
+        sparse += sum(t.numel() * t.element_size() for t in ts)
+        dtype = getattr(b, "dtype", None) or b.weight.dtype
+        dense += b.out_features * b.in_features * torch.empty((), dtype=dtype).element_size()
+        n += 1
+    return {"sparse": sparse, "dense": dense, "ratio": sparse / dense if dense else float("nan"), "layers": n}
+
+
+def compiled_generate_kwargs(fullgraph: bool = True, backend: str = "inductor") -> dict[str, Any]:
+    """Keyword arguments for ``model.generate`` that decode with the model's forward compiled.
+
+    A static KV cache (``cache_implementation="static"``) and a transformers ``CompileConfig``
+    (inductor, static shapes, ``mode="default"``) flagged to compile on CPU too (transformers
+    compiles automatically only on accelerators). The native sparse kernels are torch custom ops,
+    so the graph does not break at sparse layers (``fullgraph=True`` checks it). The first call
+    compiles (tens of seconds on 2 cores; the inductor cache makes later processes faster) and
+    every new prompt length or ``max_new_tokens`` compiles again (the static cache's length is
+    part of the graph): compile pays for long or repeated generations of one shape. Figures:
+    docs/backends.md.
+    """
+    from transformers import CompileConfig
+
+    cc = CompileConfig(fullgraph=fullgraph, dynamic=False, backend=backend, mode="default")
+    cc._compile_all_devices = True  # transformers' own switch for compiling generate on CPU
+    return {"cache_implementation": "static", "compile_config": cc}
+
+
 def restore_dense(model: nn.Module) -> nn.Module:
     """Undo :func:`sparsify_for_inference`: put the dense modules back. Returns the model."""
     model_u = unwrap_model(model)

@@ -142,6 +142,19 @@ def _fmt_value(v: Any) -> str:
     return f"`{v}`"
 
 
+def _oneshot_rows(oneshot: dict[str, Any]) -> list[str]:
+    """Rows for masks made by ``hf_sparsity prune`` (its record in the section's ``_state``)."""
+    rows = [f"| masks made by | one-shot `{oneshot.get('method', '?')}` pruning (`hf_sparsity prune`) |"]
+    if oneshot.get("calib_data"):
+        n, seqlen = oneshot.get("nsamples", "?"), oneshot.get("seqlen", "?")
+        rows.append(
+            f"| calibration | `{oneshot['calib_data']}`: {n} samples x {seqlen} tokens, "
+            f"seed {oneshot.get('seed', '?')} |"
+        )
+    rows += [f"| {k} | {_fmt_value(v)} |" for k, v in sorted(oneshot.items()) if k in ("owl", "structure")]
+    return rows
+
+
 def _how_made(src: Path) -> list[str]:
     from .serialization import read_mask_metadata
 
@@ -149,8 +162,13 @@ def _how_made(src: Path) -> list[str]:
     lines = ["### How the masks were made", ""]
     if isinstance(section, dict):
         state = section.get("_state") or {}
-        keys = [k for k in section if k not in ("_state", "hf_sparsity_version")]
+        oneshot = state.get("oneshot") or {}
+        # masks from `hf_sparsity prune`: the method and calibration say how; init_method was not used
+        skip = ("_state", "hf_sparsity_version") + (("init_method",) if oneshot else ())
+        keys = [k for k in section if k not in skip]
         lines += ["| setting | value |", "|---|---|"]
+        if oneshot:
+            lines += _oneshot_rows(oneshot)
         lines += [f"| {k} | {_fmt_value(section[k])} |" for k in keys]
         if section.get("hf_sparsity_version"):
             lines.append(f"| hf_sparsity version | `{section['hf_sparsity_version']}` |")

@@ -26,6 +26,7 @@ from hf_sparsity.backends import (
     normalize_name,
     register_backend,
 )
+from hf_sparsity.backends.formats import SMALL_BATCH
 from hf_sparsity.utils import SparsityError
 
 CUDA = torch.cuda.is_available()
@@ -504,8 +505,37 @@ def test_packed_formats_refuse_bad_input_naming_alternatives():
 
 
 @pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_f", [8, 40, 296, 1544])
+def test_native_unpack_matches_torch_and_reuses_its_buffer(in_f, dtype):
+    # prefill's dense weight: the SIMD unpack kernels (bitmask, 2:4) give exactly the masked weight,
+    # written into one buffer per shape and thread (no fresh pages per call)
+    g = torch.Generator().manual_seed(in_f)
+    w = torch.randn(37, in_f, generator=g).to(dtype)
+    m = (torch.rand(37, in_f, generator=g) < 0.5).to(torch.uint8)
+    m24 = M.nm_mask(torch.rand(37, in_f, generator=g), 2, 4, dim=1)
+    m24[0, :4] = torch.tensor([0, 0, 1, 0], dtype=torch.uint8)  # groups keeping fewer than two
+    m24[1, :4] = 0
+    for name, mask in (("bitmask", m), ("nm24", m24)):
+        want = w.float() * mask
+        b = get_backend(name).from_dense(w, mask, kernel="native")
+        assert torch.equal(b.to_dense().float(), want), name
+        assert torch.equal(get_backend(name).from_dense(w, mask, kernel="torch").to_dense().float(), want)
+        first = b.dense_for_matmul()
+        assert torch.equal(first, want), name
+        assert b.dense_for_matmul().data_ptr() == first.data_ptr()  # the same buffer, rewritten
+        x = torch.randn(SMALL_BATCH + 24, in_f, generator=g).to(dtype)  # above SMALL_BATCH: unpack + GEMM
+        torch.testing.assert_close(
+            b.linear(x).float(), torch.nn.functional.linear(x.float(), want), rtol=2e-2, atol=2e-2
+        )
+    csr = get_backend("csr").from_dense(w.float(), m, kernel="native")
+    assert torch.equal(csr.dense_for_matmul(), w.float() * m)
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
+@pytest.mark.parametrize("batch", [1, SMALL_BATCH + 24])
 @pytest.mark.parametrize("name", ["bitmask", "nm24", "csr", "native_dense", "auto"])
-def test_native_kernels_are_custom_ops_torch_compile_traces_without_graph_breaks(name):
+def test_native_kernels_are_custom_ops_torch_compile_traces_without_graph_breaks(name, batch):
     from torch import nn
 
     from hf_sparsity.inference import SparseLinear
@@ -521,7 +551,7 @@ def test_native_kernels_are_custom_ops_torch_compile_traces_without_graph_breaks
         opts = {"formats": ("bitmask",), "margin": -100.0, "rounds": 1} if name == "auto" else {}
         layers.append(SparseLinear(lin, get_backend(name).from_dense(lin.weight.detach(), mask, **opts)))
     mod = nn.Sequential(*layers)
-    x = torch.randn(1, 64, generator=g)
+    x = torch.randn(batch, 64, generator=g)  # batch > SMALL_BATCH: prefill (unpack + GEMM) under compile
     torch._dynamo.reset()
     with torch.no_grad():
         want = mod(x)

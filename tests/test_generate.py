@@ -77,3 +77,23 @@ def test_generate_refuses_bad_input(folders, tmp_path, capsys):
     assert "2:4" in capsys.readouterr().err
     assert main(["generate", str(tmp_path / "missing"), "--prompt", "x"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_generate_compiled_streams_the_dense_tokens(folders, capsys):
+    # --compile: static cache + inductor for the dense and the sparse run, the same greedy tokens
+    from hf_sparsity.cli import main
+
+    model, tok, masked, _ = folders
+    prompt = "Sparse models are"
+    want = _dense_text(model, tok, prompt, 4)
+    torch._dynamo.reset()
+    try:
+        argv = ["generate", str(masked), "--prompt", prompt, "--max-new-tokens", "4", "--backend", "bitmask"]
+        rc = main([*argv, "--compile"])
+    finally:
+        torch._dynamo.reset()
+    assert rc == 0
+    out, err = capsys.readouterr()
+    assert out.startswith(prompt) and want.strip() in out
+    assert "compiled, compile + first run dense" in err and "bitmask" in err

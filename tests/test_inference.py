@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from hf_sparsity.backends import _native
 from hf_sparsity.config import SparsityConfig
 from hf_sparsity.engine import SparsityEngine
 from hf_sparsity.inference import SparseLinear, restore_dense, sparse_layers, sparsify_for_inference
@@ -349,3 +350,30 @@ def test_auto_whole_model_check_keeps_dense_when_the_converted_model_is_slower(m
     )
     assert len(sparse_layers(model)) == len(eng.masks)
     assert all(c["whole_model_check"]["kept"] for c in auto_choices(model).values())
+
+
+@pytest.mark.skipif(_native.load() is None, reason="native kernel did not build")
+def test_sparse_layer_bytes_and_compiled_generate_match_eager():
+    # the converted layers' bytes against the same weights dense (bitmask at 75%: 1.125 of 4 bytes per
+    # weight plus row offsets); generate with the forward compiled (static cache, fullgraph: a graph
+    # break raises) gives the eager tokens
+    from hf_sparsity.inference import compiled_generate_kwargs, sparse_layer_bytes
+
+    model, eng = _masked("llama", level=0.75)
+    ids = torch.randint(2, 128, (1, 5), generator=torch.Generator().manual_seed(0))
+    gen = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=1)
+    with torch.inference_mode():
+        want = model.generate(ids, **gen)
+    sparsify_for_inference(model, "bitmask", masks=eng.masks)
+    lb = sparse_layer_bytes(model)
+    numel = sum(m.numel() for m in eng.masks.values())
+    assert lb["layers"] == len(eng.masks) and lb["dense"] == 4 * numel
+    assert 0.25 < lb["ratio"] < 0.4
+    torch._dynamo.reset()
+    try:
+        with torch.inference_mode():
+            got = model.generate(ids, **gen, **compiled_generate_kwargs(backend="aot_eager"))
+        assert hasattr(model, "_compiled_call")  # transformers did compile the forward (on CPU)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(got, want)

@@ -105,3 +105,20 @@ def test_no_model_card_and_bad_results_change_nothing(tmp_path):
         finalize_checkpoint(src, tmp_path / "final2", results=tmp_path / "bad.json")
     assert not (tmp_path / "final2").exists()
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_card_of_a_one_shot_pruned_folder_names_method_and_calibration(tmp_path):
+    src = sparse_folder(tmp_path)
+    cfgj = json.loads((src / "config.json").read_text())
+    # what `hf_sparsity prune` records: the method and calibration; init_method is not used
+    cfgj["sparsity"]["init_method"] = "random"
+    cfgj["sparsity"]["_state"] = {
+        "oneshot": {"method": "wanda", "calib_data": "owt.jsonl", "nsamples": 32, "seqlen": 512, "seed": 0}
+    }
+    (src / "config.json").write_text(json.dumps(cfgj))
+    out = tmp_path / "final"
+    assert cli("convert", "--finalize", str(src), str(out)) == 0
+    body = (out / "README.md").read_text()
+    assert "| masks made by | one-shot `wanda` pruning (`hf_sparsity prune`) |" in body
+    assert "| calibration | `owt.jsonl`: 32 samples x 512 tokens, seed 0 |" in body
+    assert "init_method" not in body

@@ -203,7 +203,8 @@ class NativeCSR:
         return y
 
 
-OPS = {"bitmask": 0, "nm24": 1, "gemv": 2, "bitmask_unpack": 3}
+OPS = {"bitmask": 0, "nm24": 1, "gemv": 2, "bitmask_unpack": 3, "nm24_unpack": 4}
+UNPACK_OPS = ("bitmask_unpack", "nm24_unpack")
 
 
 def threads_for(work: int, nthreads: int | None = None) -> int:
@@ -225,14 +226,22 @@ def run_op(
     bias: torch.Tensor | None = None,
     nthreads: int = 1,
     chunk: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x2d @ W^T (+ bias)`` (or, for ``bitmask_unpack``, the dense ``[rows, in]`` weight) with a packed
-    weight; ``x2d`` float32 ``[B, in]`` contiguous; ``values`` float32 or bfloat16 (read as its bits)."""
+    """``x2d @ W^T (+ bias)`` (or, for the ``*_unpack`` ops, the dense ``[rows, in]`` weight) with a packed
+    weight; ``x2d`` float32 ``[B, in]`` contiguous; ``values`` float32 or bfloat16 (read as its bits).
+    ``out``: for the unpack ops, a contiguous float32 ``[rows, in]`` tensor to write into (a reused
+    buffer: no fresh pages to fault in)."""
     lib = load()
     if lib is None:
         raise RuntimeError(f"native kernel unavailable: {_error}")
-    if op == "bitmask_unpack":
-        y = torch.empty(rows, in_features, dtype=torch.float32)
+    if op in UNPACK_OPS:
+        if out is not None:
+            if out.shape != (rows, in_features) or out.dtype != torch.float32 or not out.is_contiguous():
+                raise ValueError(f"out must be a contiguous float32 [{rows}, {in_features}] tensor")
+            y = out
+        else:
+            y = torch.empty(rows, in_features, dtype=torch.float32)
         batch = 1
     else:
         batch = x2d.shape[0]
@@ -314,6 +323,50 @@ def csr_linear(
     elif bias is not None:
         y.copy_(bias.float().expand_as(y))
     return y.view(*x.shape[:-1], rows).to(x.dtype)
+
+
+@torch.library.custom_op("hf_sparsity::packed_unpack", mutates_args=())
+def packed_unpack(
+    values: torch.Tensor,
+    meta: torch.Tensor,
+    rowptr: torch.Tensor | None,
+    op: str,
+    rows: int,
+    in_features: int,
+    nthreads: int,
+) -> torch.Tensor:
+    """The dense float32 ``[rows, in]`` weight of a bitmask / 2:4 packed one (``op``: ``*_unpack``);
+    ``nthreads`` 0: as many as keep :data:`MIN_WORK_PER_THREAD` elements each (times 4)."""
+    nt = threads_for(rows * in_features // 4, nthreads or None)
+    return run_op(op, rows, in_features, None, values, meta, rowptr, None, nt)
+
+
+def csr_unpack_into(out: torch.Tensor, rowptr: torch.Tensor, idx: torch.Tensor, values: torch.Tensor):
+    """Write the dense float32 weight of a :class:`NativeCSR` (int64 rowptr, int16 / int32 column
+    indices, float32 values) into ``out`` ``[rows, cols]`` and return it."""
+    rows = torch.repeat_interleave(torch.arange(out.shape[0]), rowptr.diff())
+    cols = idx.to(torch.int64) & 0xFFFF if idx.dtype == torch.int16 else idx.to(torch.int64)
+    out.zero_()
+    out[rows, cols] = values.to(out.dtype)
+    return out
+
+
+@torch.library.custom_op("hf_sparsity::csr_unpack", mutates_args=())
+def csr_unpack(
+    rowptr: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, rows: int, cols: int
+) -> torch.Tensor:
+    """The dense float32 ``[rows, cols]`` weight of a native CSR one (see :func:`csr_unpack_into`)."""
+    return csr_unpack_into(torch.empty(rows, cols, dtype=torch.float32), rowptr, idx, values)
+
+
+@csr_unpack.register_fake
+def _csr_unpack_fake(rowptr, idx, values, rows, cols):
+    return values.new_empty(rows, cols, dtype=torch.float32)
+
+
+@packed_unpack.register_fake
+def _packed_unpack_fake(values, meta, rowptr, op, rows, in_features, nthreads):
+    return values.new_empty(rows, in_features, dtype=torch.float32)
 
 
 @csr_linear.register_fake

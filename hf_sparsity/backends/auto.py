@@ -154,7 +154,12 @@ class AutoBackend(SparseBackend):
         rows = x.numel() // max(self.in_features, 1)
         if rows <= SMALL_BATCH or self.prefill == "own":
             return self.decode.linear(x, bias)
-        w = self.prefill_weight if self.prefill_weight is not None else self.decode.to_dense()
+        if self.prefill_weight is not None:
+            w = self.prefill_weight
+        elif hasattr(self.decode, "dense_for_matmul") and not (torch.is_grad_enabled() and x.requires_grad):
+            w = self.decode.dense_for_matmul()  # unpacked into a reused buffer (or a custom op, compiled)
+        else:
+            w = self.decode.to_dense()
         return F.linear(x, w.to(x.dtype), bias)
 
     __call__ = linear
@@ -296,6 +301,11 @@ def _measure(layers, sample, cands, prefill_batch, rounds, threads, margin):
         if best not in DENSE:
             bs = built[best][:2]
             pf_fns[f"{best}:own"] = lambda: [b.linear(xp) for b in bs]
-            pf_fns[f"{best}:unpack"] = lambda: [F.linear(xp, b.to_dense().to(xp.dtype)) for b in bs]
+            unpack = (
+                (lambda b: b.dense_for_matmul())
+                if hasattr(bs[0], "dense_for_matmul")
+                else (lambda b: b.to_dense())
+            )
+            pf_fns[f"{best}:unpack"] = lambda: [F.linear(xp, unpack(b).to(xp.dtype)) for b in bs]
         prefill_ms = _median_times(pf_fns, max(3, rounds // 3))
     return best, decode_ms, prefill_ms

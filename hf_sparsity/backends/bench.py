@@ -170,8 +170,9 @@ def build_masks_for(
     return dict(eng.masks), f"{init} pruning to {sparsity}"
 
 
-def decode_tok_s(model, ids: torch.Tensor, new_tokens: int) -> float:
-    """Tokens/s of greedy ``generate`` producing exactly ``new_tokens`` tokens after the prompt."""
+def decode_tok_s(model, ids: torch.Tensor, new_tokens: int, **generate_kwargs: Any) -> float:
+    """Tokens/s of greedy ``generate`` producing exactly ``new_tokens`` tokens after the prompt
+    (``generate_kwargs``: e.g. :func:`hf_sparsity.inference.compiled_generate_kwargs`)."""
     t = time.perf_counter()
     with torch.inference_mode():  # as inference should run; dense and backend alike
         model.generate(
@@ -181,6 +182,7 @@ def decode_tok_s(model, ids: torch.Tensor, new_tokens: int) -> float:
             min_new_tokens=new_tokens,
             do_sample=False,
             pad_token_id=getattr(model.generation_config, "pad_token_id", None) or 0,
+            **generate_kwargs,
         )
     return new_tokens / (time.perf_counter() - t)
 

@@ -112,12 +112,15 @@ class CSRBackend(SparseBackend):
         ):
             return super().linear(x, bias)
         x2d = x.reshape(-1, self.in_features)
-        if x2d.shape[0] > NATIVE_MAX_BATCH and self.options.get("kernel", "auto") == "auto":
-            return super().linear(x, bias)
-        if torch.compiler.is_compiling():  # a custom op: no graph break at this layer
+        big = x2d.shape[0] > NATIVE_MAX_BATCH and self.options.get("kernel", "auto") == "auto"
+        if torch.compiler.is_compiling():  # custom ops: no graph break at this layer
+            if big:  # torch.sparse does not compile: one dense GEMM on the unpacked weight
+                return torch.nn.functional.linear(x, self.dense_for_matmul(), bias)
             return torch.ops.hf_sparsity.csr_linear(
                 x, nat.rowptr, nat.idx, nat.values, bias, nat.rows, self.threads or 0
             )
+        if big:
+            return super().linear(x, bias)
         self._count("forward", x2d.shape[0])
         return nat.matmul(x2d, self.threads, bias).view(*x.shape[:-1], self.out_features)
 
@@ -142,6 +145,19 @@ class CSRBackend(SparseBackend):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             return torch.sparse.mm(self._torch, x.t()).t().to(x2d.dtype)
+
+    def dense_for_matmul(self) -> torch.Tensor:
+        """The dense float32 weight for one GEMM (prefill), without autograd: written into a per-thread
+        buffer reused across calls (see ``formats.scratch_buffer``; valid until the next call for this
+        shape on this thread), or under ``torch.compile`` a fresh tensor from a custom op."""
+        n = self._native
+        if n is None:
+            return self.to_dense()
+        if torch.compiler.is_compiling():
+            return torch.ops.hf_sparsity.csr_unpack(n.rowptr, n.idx, n.values, n.rows, n.cols_n)
+        from .formats import scratch_buffer
+
+        return _native.csr_unpack_into(scratch_buffer(n.rows, n.cols_n), n.rowptr, n.idx, n.values)
 
     def to_dense(self) -> torch.Tensor:
         if self._native is not None:

@@ -28,6 +28,8 @@ Inference only (``capabilities.training`` is False); gradients of ``x`` still fl
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -39,6 +41,20 @@ SMALL_BATCH = 16
 """Rows of ``x`` up to which the native kernels run; above, a dense GEMM on the unpacked weight."""
 
 _BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+_scratch = threading.local()
+
+
+def scratch_buffer(rows: int, cols: int) -> torch.Tensor:
+    """A float32 ``[rows, cols]`` buffer reused per thread and shape: where prefill unpacks a packed
+    weight for one dense GEMM. A fresh tensor of that size would be new pages from the OS on every
+    call (the page faults cost about as much as the unpack itself); this one stays mapped. One buffer
+    per distinct layer shape (SmolLM2-135M: 4 shapes, 8.8 MB)."""
+    bufs = _scratch.__dict__.setdefault("bufs", {})
+    buf = bufs.get((rows, cols))
+    if buf is None:
+        buf = bufs[(rows, cols)] = torch.empty(rows, cols, dtype=torch.float32)
+    return buf
 
 
 def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
@@ -126,7 +142,10 @@ class _PackedBackend(SparseBackend):
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)
         batch = x2d.shape[0]
-        if torch.compiler.is_compiling() and self.kernel == "native" and batch <= SMALL_BATCH:
+        native_batch = batch <= SMALL_BATCH or self.options.get("prefill") == "native"
+        if torch.compiler.is_compiling() and self.kernel == "native":  # custom ops: no graph break
+            if not native_batch:
+                return F.linear(x, self.dense_for_matmul().to(x.dtype), bias)
             t = self._tensors()
             meta, rowptr = (
                 (t[0], t[1]) if self.op == "bitmask" else (t[0] if self.op == "nm24" else None, None)
@@ -143,15 +162,36 @@ class _PackedBackend(SparseBackend):
                 self.threads or 0,
             )
         self._count("forward", batch)
-        if self.kernel == "native" and (batch <= SMALL_BATCH or self.options.get("prefill") == "native"):
+        if self.kernel == "native" and native_batch:
             if x2d.dtype != torch.float32 or not x2d.is_contiguous():
                 x2d = x2d.float().contiguous()
             y = self._native_mm(x2d, bias)
             if x.dtype != torch.float32:
                 y = y.to(x.dtype)
         else:
-            y = F.linear(x2d, self.to_dense().to(x2d.dtype), bias)
+            y = F.linear(x2d, self.dense_for_matmul().to(x2d.dtype), bias)
         return y.view(*lead, self.out_features)
+
+    def dense_for_matmul(self) -> torch.Tensor:
+        """The dense weight for one GEMM (prefill), without autograd: with the native kernel, unpacked
+        into a per-thread buffer reused across calls (:func:`scratch_buffer`), valid until the next
+        call for this shape on this thread; under ``torch.compile``, a fresh tensor from the
+        ``hf_sparsity::packed_unpack`` custom op. Use :meth:`to_dense` for a tensor to keep."""
+        if self.op == "gemv" or self.kernel != "native" or not self.out_features * self.in_features:
+            return self.to_dense()
+        t = self._tensors()
+        meta, rowptr = (t[0], t[1]) if self.op == "bitmask" else (t[0], None)
+        if torch.compiler.is_compiling():
+            return torch.ops.hf_sparsity.packed_unpack(
+                self.values, meta, rowptr, f"{self.op}_unpack", self.out_features, self.in_features,
+                self.threads or 0,
+            )  # fmt: skip
+        threads = _native.threads_for(self.out_features * self.in_features // 4, self.threads)
+        buf = scratch_buffer(self.out_features, self.in_features)
+        return _native.run_op(
+            f"{self.op}_unpack", self.out_features, self.in_features, None, self.values, meta, rowptr,
+            None, threads, out=buf,
+        )  # fmt: skip
 
     __call__ = linear
 
@@ -266,6 +306,11 @@ class NM24Backend(_PackedBackend):
 
     def _unpack(self) -> torch.Tensor:
         out_f, in_f = self.out_features, self.in_features
+        if self.kernel == "native" and out_f * in_f:
+            threads = _native.threads_for(out_f * in_f // 4, self.threads)
+            return _native.run_op(
+                "nm24_unpack", out_f, in_f, None, self.values, self.meta, None, None, threads
+            )
         out = torch.zeros(out_f, in_f // 4, 4, dtype=torch.float32)
         vals = self.values[: out_f * in_f // 2].float().view(out_f, in_f // 4, 2)
         out.scatter_(2, self._positions(), vals)

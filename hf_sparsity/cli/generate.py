@@ -3,6 +3,7 @@
     hf_sparsity generate MODEL_DIR --prompt "The capital of France is"             # backend auto
     hf_sparsity generate MODEL_DIR --prompt TEXT --backend bitmask --max-new-tokens 64
     hf_sparsity generate MODEL_DIR --prompt TEXT --masks zeros      # a finalized folder: its exact zeros
+    hf_sparsity generate MODEL_DIR --prompt TEXT --compile          # torch.compile'd forward, static cache
 
 Masks: ``--masks`` (a mask file / folder, or ``zeros``); by default the folder's
 ``sparsity_masks.safetensors``, or, for a finalized folder without one, the exact zeros of
@@ -38,7 +39,7 @@ def _load(model_dir: str, dtype: str | None):
     return model, tok
 
 
-def _generate(model, ids, n: int, streamer=None) -> tuple[object, float]:
+def _generate(model, ids, n: int, streamer=None, **kw) -> tuple[object, float]:
     import torch
 
     t = time.perf_counter()
@@ -52,6 +53,7 @@ def _generate(model, ids, n: int, streamer=None) -> tuple[object, float]:
             pad_token_id=getattr(model.generation_config, "pad_token_id", None)
             or getattr(model.generation_config, "eos_token_id", None)
             or 0,
+            **kw,
         )
     dt = time.perf_counter() - t
     return out, (out.shape[1] - ids.shape[1]) / max(dt, 1e-9)
@@ -83,25 +85,44 @@ def generate_command(args) -> int:
         raise SparsityError("--prompt is empty after tokenization; pass some text.")
     dense_tok_s = None
     dense_bytes = resident_weight_bytes(model)
+    kw, compile_s = {}, {}
+    if args.compile:
+        from ..inference import compiled_generate_kwargs
+
+        kw = compiled_generate_kwargs()
+    # warm-up; compiled: the same lengths as the timed run (a new length compiles again)
+    warm = args.max_new_tokens if args.compile else 2
     if not args.no_dense:
-        _generate(model, ids, 2)  # warm-up
-        _, dense_tok_s = _generate(model, ids, args.max_new_tokens)
+        t = time.perf_counter()
+        _generate(model, ids, warm, **kw)
+        compile_s["dense"] = time.perf_counter() - t
+        _, dense_tok_s = _generate(model, ids, args.max_new_tokens, **kw)
     t = time.perf_counter()
     sparsify_for_inference(model, args.backend, masks=masks)
     convert_s = time.perf_counter() - t
     if args.backend == "auto" and args.show_choices:
         print(auto_report(model), file=sys.stderr)
-    _generate(model, ids, 2)  # warm-up
+    if args.compile:
+        import torch._dynamo
+
+        torch._dynamo.reset()  # the converted model is another graph
+        model.__dict__.pop("_compiled_call", None)
+    t = time.perf_counter()
+    _generate(model, ids, warm, **kw)
+    compile_s[args.backend] = time.perf_counter() - t
     print(args.prompt, end="", flush=True)
     streamer = TextStreamer(tok, skip_prompt=True)
-    _, tok_s = _generate(model, ids, args.max_new_tokens, streamer)
+    _, tok_s = _generate(model, ids, args.max_new_tokens, streamer, **kw)
     line = f"\n[{args.backend}: {tok_s:.2f} tok/s"
     if dense_tok_s:
         line += f", dense {dense_tok_s:.2f} tok/s ({tok_s / dense_tok_s:.2f}x)"
     line += (
         f"; weights {resident_weight_bytes(model) / 2**20:.1f} MiB vs dense {dense_bytes / 2**20:.1f} MiB; "
-        f"conversion {convert_s:.1f} s; {torch.get_num_threads()} threads]"
+        f"conversion {convert_s:.1f} s; {torch.get_num_threads()} threads"
     )
+    if args.compile:
+        line += "; compiled, compile + first run " + ", ".join(f"{k} {v:.0f} s" for k, v in compile_s.items())
+    line += "]"
     print(line, file=sys.stderr)
     return 0
 
@@ -125,5 +146,10 @@ def generate_command_parser(subparsers):
     p.add_argument("--threads", type=int, default=None, help="torch / native kernel threads")
     p.add_argument("--no-dense", action="store_true", help="Skip the dense comparison run")
     p.add_argument("--show-choices", action="store_true", help="With auto: print the choice per layer")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="Compile the forward (static KV cache, inductor) for both runs; the first run of each compiles",
+    )
     p.set_defaults(func=generate_command)
     return p

@@ -387,21 +387,64 @@ static void gemv_rows(const job_t* j, int64_t r0, int64_t r1) {
     gemv_rows_(j, r0, r1, 0);
 }
 
-/* Bitmask -> dense float32 rows (restore_dense, prefill through a dense GEMM). */
-static void bm_unpack_rows(const job_t* j, int64_t r0, int64_t r1) {
+/* Bitmask -> dense float32 rows (restore_dense, prefill through a dense GEMM). Per eight columns
+   (sixteen with AVX-512) the packed values are expanded into the lanes of the set bits, as in the
+   batch-1 kernel, and stored; the row's scalar tail after. */
+static inline __attribute__((always_inline)) void bm_unpack_rows_(const job_t* j, int64_t r0, int64_t r1,
+                                                                  const int BF) {
+  const void* const V = j->v;
   const int64_t in = j->in, mb = (in + 7) >> 3;
   const uint8_t* M = (const uint8_t*)j->idx;
   for (int64_t r = r0; r < r1; r++) {
     const uint8_t* m = M + r * mb;
     float* out = j->y + r * in;
-    int64_t o = j->rowptr[r];
-    for (int64_t c = 0; c < in; c++) {
+    int64_t o = j->rowptr[r], c = 0;
+#if HFS_SIMD
+#if defined(__AVX512F__)
+    for (; c + 16 <= in; c += 16) {
+      uint16_t k;
+      memcpy(&k, m + (c >> 3), 2);
+      _mm512_storeu_ps(out + c, _mm512_maskz_expand_ps(k, loadv16_(V, BF, o)));
+      o += __builtin_popcount(k);
+    }
+#endif
+    for (; c + 8 <= in; c += 8) {
+      const uint32_t b = m[c >> 3];
+      _mm256_storeu_ps(out + c, bm_expand(b, loadv8_(V, BF, o)));
+      o += __builtin_popcount(b);
+    }
+#endif
+    for (; c < in; c++) {
       if (m[c >> 3] >> (c & 7) & 1) {
-        out[c] = VAL(j, o);
+        out[c] = VALB(V, BF, o);
         o++;
       } else {
         out[c] = 0.f;
       }
+    }
+  }
+}
+static void bm_unpack_rows(const job_t* j, int64_t r0, int64_t r1) {
+  if (j->vbf16)
+    bm_unpack_rows_(j, r0, r1, 1);
+  else
+    bm_unpack_rows_(j, r0, r1, 0);
+}
+
+/* 2:4 -> dense float32 rows: per group of four columns, zeros and the two values at their positions. */
+static void nm24_unpack_rows(const job_t* j, int64_t r0, int64_t r1) {
+  const int64_t in = j->in, half = in >> 1;
+  const uint8_t* M = (const uint8_t*)j->idx;
+  for (int64_t r = r0; r < r1; r++) {
+    const uint8_t* m = M + r * ((in + 7) >> 3);
+    float* out = j->y + r * in;
+    const int64_t vo = r * half;
+    for (int64_t c = 0; c < in; c += 4) {
+      const uint32_t bits = (uint32_t)(m[c >> 3] >> ((c & 4) ? 4 : 0)) & 15u;
+      float g[4] = {0.f, 0.f, 0.f, 0.f};
+      g[bits & 3] = VAL(j, vo + c / 2);
+      g[bits >> 2] = VAL(j, vo + c / 2 + 1); /* the two positions differ (padding included) */
+      memcpy(out + c, g, sizeof g);
     }
   }
 }
@@ -502,16 +545,18 @@ void hfs_matmul(int kind, int64_t rows, int64_t chunk, int nthreads, const int64
   run(&j, nthreads);
 }
 
-/* op: 0 bitmask, 1 2:4, 2 dense GEMV, 3 bitmask unpack (y: [rows, in]). x: [B, in]; y: [B, rows]. */
+/* op: 0 bitmask, 1 2:4, 2 dense GEMV, 3 bitmask unpack, 4 2:4 unpack (y: [rows, in]).
+   x: [B, in]; y: [B, rows]. */
 void hfs_run(int op, int64_t rows, int64_t in, int64_t chunk, int nthreads, const int64_t* rowptr,
              const void* meta, const void* v, int vbf16, const float* x, float* y, int64_t B,
              const float* bias) {
-  static void (*const fns[4])(const job_t*, int64_t, int64_t) = {bm_rows, nm24_rows, gemv_rows, bm_unpack_rows};
-  if (op < 0 || op > 3) return;
+  static void (*const fns[5])(const job_t*, int64_t, int64_t) = {bm_rows, nm24_rows, gemv_rows, bm_unpack_rows,
+                                                                 nm24_unpack_rows};
+  if (op < 0 || op > 4) return;
   job_t j = {0, 0, rows, chunk, 0, B, rowptr, meta, (const float*)v, x, y, bias, fns[op], in, vbf16};
   run(&j, nthreads);
 }
 
 void hfs_set_spin(int64_t spin) { g_spin = spin; }
-int hfs_version(void) { return 5; }
+int hfs_version(void) { return 6; }
 int hfs_simd(void) { return HFS_SIMD; }
