@@ -5,6 +5,7 @@
     python benchmarks/backends.py --models smollm2:0.5 --verbose   # one model, every layer's choice
     python benchmarks/backends.py --layers               # + the per-layer CSR table
     python benchmarks/backends.py --json out.json        # also write the raw numbers
+    python benchmarks/backends.py --threads 2 --compile  # + dense and auto with the forward compiled
 
 Models (random weights, which is fine for speed; masks by magnitude, applied, so dense and
 sparse compute the same function): a Llama shaped like SmolLM2-135M (hidden 576, FFN 1536,
@@ -17,8 +18,17 @@ copies of the model, timed round-robin with greedy ``generate`` (batch 1):
   multi-threaded GEMV where it measures faster, e.g. the LM head): what is not sparsity;
 * ``auto``: ``sparsify_for_inference(model, "auto")``.
 
+With ``--compile`` also ``dense-c`` and ``auto-c``: the same models, ``generate`` with a static
+KV cache and the forward compiled (``hf_sparsity.inference.compiled_generate_kwargs``; the
+first call, which compiles, is timed separately): ``auto-c / dense-c`` is what sparsity buys
+when both are compiled, ``auto-c / dense`` the gain over stock transformers.
+
 Then the per-token split (sparse-able layers, LM head, rest), a 128-token prefill forward
-(auto vs dense), resident weight bytes, and auto's choice per group of like layers.
+(auto vs dense, and "auto kd": auto as ``keep_dense_for_prefill=True`` runs it, keeping the
+dense weight of every layer whose prefill is slower than dense), resident weight bytes (whole
+model, with kd, and the converted layers alone against the same layers dense: the tied
+embedding / LM head stays dense and bounds the whole-model ratio), and auto's choice per
+group of like layers.
 
 (Below: the original description of the per-layer CSR table, ``--layers``.)
 

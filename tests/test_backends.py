@@ -585,3 +585,32 @@ def test_native_kernels_avx2_build_matches_emulator(tmp_path):
         "print('ok')\n"
     )
     assert _run_fresh(code, tmp_path, HF_SPARSITY_NATIVE_NO_AVX512="1") == ["ok"]
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
+@pytest.mark.parametrize("name", ["bitmask", "nm24", "native_dense"])
+def test_batch1_fast_path_matches_with_bias_copies_and_thread_changes(name):
+    # the decode fast path caches the kernel call's fixed arguments: a deep copy, a new thread count
+    # and a bias must all still give the masked product, and the counters still count
+    import copy
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(37, 576, generator=g)
+    if name == "nm24":
+        m = M.nm_mask(torch.rand(37, 576, generator=g), 2, 4, dim=1)
+    else:
+        m = (torch.rand(37, 576, generator=g) < 0.5).to(torch.uint8)
+    b, bias, x = get_backend(name).from_dense(w, m), torch.randn(37, generator=g), torch.randn(1, 1, 576)
+    want = torch.nn.functional.linear(x, w * m, bias)
+    torch.testing.assert_close(b.linear(x, bias), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b.linear(x), want - bias, rtol=1e-5, atol=1e-5)
+    assert b.counters["forward"].calls == 2 and b.counters["forward"].macs == 2 * b.nnz
+    copied = copy.deepcopy(b)
+    del b
+    torch.testing.assert_close(copied.linear(x, bias), want, rtol=1e-5, atol=1e-5)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.testing.assert_close(copied.linear(x, bias), want, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(threads)

@@ -53,7 +53,10 @@ def scratch_buffer(rows: int, cols: int) -> torch.Tensor:
     bufs = _scratch.__dict__.setdefault("bufs", {})
     buf = bufs.get((rows, cols))
     if buf is None:
-        buf = bufs[(rows, cols)] = torch.empty(rows, cols, dtype=torch.float32)
+        with torch.inference_mode(
+            False
+        ):  # a normal tensor: usable (and writable) in and out of inference mode
+            buf = bufs[(rows, cols)] = torch.empty(rows, cols, dtype=torch.float32)
     return buf
 
 
@@ -115,6 +118,7 @@ class _PackedBackend(SparseBackend):
         self.threads = self.options.get("threads")
         w, m = self._tmp
         self._pack(w.detach(), m.bool())
+        self._batch1 = None  # the batch-1 call's fixed arguments, built on first use (see linear)
 
     def refresh(self) -> None:
         raise SparsityError(
@@ -132,7 +136,46 @@ class _PackedBackend(SparseBackend):
         return self.storage_bytes - self.values.numel() * self.values.element_size()
 
     # ------------------------------------------------------------------ compute
+    def _batch1_call(self):
+        """``(None, the kernel call's fixed leading arguments, threads, id(self))``: decode fast path."""
+        t = self._tensors()
+        meta, rowptr = (t[0], t[1]) if self.op == "bitmask" else (t[0] if self.op == "nm24" else None, None)
+        nt = self._threads(1)
+        chunk = max(4, -(-self.out_features // (16 * nt)))
+        lead = (
+            _native.OPS[self.op], self.out_features, self.in_features, chunk, nt,
+            None if rowptr is None else rowptr.data_ptr(), None if meta is None else meta.data_ptr(),
+            self.values.data_ptr(), int(self.values.dtype == torch.bfloat16),
+        )  # fmt: skip
+        # keyed by the thread count and by this object (a deep copy has its own tensors: rebuild)
+        return None, lead, torch.get_num_threads(), id(self)  # plain ints: copies and pickles
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # decode fast path (one fp32 row, no autograd, eager): the kernel call with its fixed arguments
+        # prepared once; ~5 us less Python per call than the general path (x ~200 layers per token)
+        if (
+            x.numel() == self.in_features
+            and x.dtype == torch.float32
+            and self.kernel == "native"
+            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+            and not (
+                torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+            )
+            and not torch.compiler.is_compiling()
+            and x.is_contiguous()
+        ):
+            call = self._batch1
+            if call is None or call[2] != torch.get_num_threads() or call[3] != id(self):
+                call = self._batch1 = self._batch1_call()
+            y = torch.empty(*x.shape[:-1], self.out_features)
+            c = self.counters["forward"]
+            c.calls += 1
+            c.macs += self.nnz
+            c.macs_skipped += self.out_features * self.in_features - self.nnz
+            _native._lib.hfs_run(
+                *call[1], x.data_ptr(), y.data_ptr(), 1, None if bias is None else bias.data_ptr()
+            )
+            return y
         if x.shape[-1] != self.in_features:
             raise SparsityError(
                 f"Input has {x.shape[-1]} features; the sparse weight expects {self.in_features}."
