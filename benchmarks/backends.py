@@ -69,7 +69,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgom
 import torch  # noqa: E402
 
 from hf_sparsity.backends import _native, get_backend  # noqa: E402
-from hf_sparsity.backends.bench import decode_breakdown, decode_tok_s, interleaved_ms  # noqa: E402
+from hf_sparsity.backends.bench import auto_groups, decode_breakdown, decode_tok_s, interleaved_ms  # noqa: E402
 from hf_sparsity.masks import random_mask  # noqa: E402
 
 SHAPES = [(768, 768), (3072, 768), (768, 3072)]
@@ -149,9 +149,6 @@ def _build_model(kind: str, level, seed: int = 0):
     return model, masks
 
 
-GROUP_KEYS = ("layers", "decode", "decode_vs_dense", "prefill", "prefill_vs_dense")
-
-
 def _fmt_level(level) -> str:
     return level if isinstance(level, str) else f"{level:.0%}"
 
@@ -183,7 +180,6 @@ def model_decode(
     import copy
 
     from hf_sparsity.inference import (
-        auto_choices,
         auto_report,
         compiled_generate_kwargs,
         resident_weight_bytes,
@@ -246,11 +242,7 @@ def model_decode(
     _set_dense_prefill(swaps, False)
     pf_med = {k: statistics.median(v) for k, v in pf.items()}
     layer_bytes = sparse_layer_bytes(auto)
-    choices = auto_choices(auto)
-    groups: dict[str, dict] = {}
-    for c in choices.values():
-        g = groups.setdefault(c["group"] + (" (LM head)" if c.get("lm_head") else ""), dict(c, layers=0))
-        g["layers"] += 1
+    groups, check = auto_groups(auto)
     res = {
         "model": kind,
         "level": _fmt_level(level),
@@ -271,7 +263,7 @@ def model_decode(
         "compile_s": compile_s,
         "max_abs_logit_err": err,
         "plan_s": plan_s,
-        "groups": {g: {k: c[k] for k in GROUP_KEYS} for g, c in groups.items()},
+        "groups": groups,
         "total_s": time.time() - t0,
     }  # fmt: skip
     print(
@@ -315,7 +307,6 @@ def model_decode(
     for g, c in res["groups"].items():
         print(f"{g:<48} {c['layers']:>6} {c['decode']:>12} {c['decode_vs_dense']:>7.2f} {c['prefill']:>7} "
               f"{c['prefill_vs_dense']:>7.2f}")  # fmt: skip
-    check = next((c.get("whole_model_check") for c in choices.values() if c.get("whole_model_check")), None)
     if check:
         verdict = "kept" if check["kept"] else "reverted to dense (the plan is in each choice's 'planned')"
         print(f"whole-model check at conversion: converted {check['auto_vs_dense']:.2f}x dense -> {verdict}")

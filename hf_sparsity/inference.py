@@ -193,7 +193,7 @@ def sparsify_for_inference(
     structure raises a :class:`~hf_sparsity.utils.SparsityError` with the model untouched.
     Returns the same model, modified in place. ``model.generate`` works as before.
     """
-    from .backends.auto import AutoBackend, plan_layers
+    from .backends.auto import AutoBackend
 
     model_u = unwrap_model(model)
     klass = get_backend(backend)
@@ -207,24 +207,8 @@ def sparsify_for_inference(
     choices: dict[str, dict] = {}
     check = False
     if klass is AutoBackend:
-        lm_head = backend_options.pop("lm_head", True)
         check = backend_options.pop("check", True)
-        plan = plan_layers({t[0]: (t[3], t[4]) for t in targets}, **backend_options)
-        for name, module_name, owner, _, _ in targets:
-            b, prefill, keep, choice = plan[name]
-            choices[module_name] = choice
-            if b is not None:
-                swaps.append(
-                    (
-                        module_name,
-                        SparseLinear(owner, AutoBackend._wrap(b, prefill, keep, choice), keep_dense),
-                    )
-                )
-        head = _plan_lm_head(model_u, {t[1] for t in targets}, backend_options) if lm_head else None
-        if head is not None:
-            choices[head[0]] = head[2]
-            if head[1] is not None:
-                swaps.append((head[0], head[1]))
+        swaps, choices = _auto_swaps(model_u, targets, keep_dense, backend_options)
     else:
         for _name, module_name, owner, w2, m2 in targets:
             prepared = klass.from_dense(w2, m2, **backend_options)
@@ -241,6 +225,28 @@ def sparsify_for_inference(
     return model
 
 
+def _auto_swaps(model_u: nn.Module, targets: list, keep_dense: bool, options: dict) -> tuple[list, dict]:
+    """``auto``: plan every target layer (and the LM head), build the swaps; nothing swapped yet."""
+    from .backends.auto import AutoBackend, plan_layers
+
+    lm_head = options.pop("lm_head", True)
+    plan = plan_layers({t[0]: (t[3], t[4]) for t in targets}, **options)
+    swaps: list[tuple[str, nn.Module]] = []
+    choices: dict[str, dict] = {}
+    for name, module_name, owner, _, _ in targets:
+        b, prefill, keep, choice = plan[name]
+        choices[module_name] = choice
+        if b is not None:
+            wrapped = AutoBackend._wrap(b, prefill, keep, choice)
+            swaps.append((module_name, SparseLinear(owner, wrapped, keep_dense)))
+    head = _plan_lm_head(model_u, {t[1] for t in targets}, options) if lm_head else None
+    if head is not None:
+        choices[head[0]] = head[2]
+        if head[1] is not None:
+            swaps.append((head[0], head[1]))
+    return swaps, choices
+
+
 def _check_whole_model(
     model_u: nn.Module, swaps: list, choices: dict, rounds: int = 3, tokens: int = 8
 ) -> list:
@@ -250,7 +256,7 @@ def _check_whole_model(
     can mislead (caches, thread hand-offs between torch and the native pool); this is the guard."""
     import statistics
 
-    from .backends.bench import decode_tok_s
+    from .backends import timing  # looked up at call time (tests substitute decode_tok_s)
 
     if not hasattr(model_u, "generate") or not getattr(getattr(model_u, "config", None), "vocab_size", None):
         return swaps
@@ -260,17 +266,17 @@ def _check_whole_model(
     was_training = model_u.training
     model_u.eval()
     try:
-        decode_tok_s(model_u, ids, 2)
+        timing.decode_tok_s(model_u, ids, 2)
         for name, new in swaps:
             _swap(model_u, name, new)
-        decode_tok_s(model_u, ids, 2)
+        timing.decode_tok_s(model_u, ids, 2)
         for _ in range(rounds):
             for name, old in originals.items():
                 _swap(model_u, name, old)
-            speeds["dense"].append(decode_tok_s(model_u, ids, tokens))
+            speeds["dense"].append(timing.decode_tok_s(model_u, ids, tokens))
             for name, new in swaps:
                 _swap(model_u, name, new)
-            speeds["auto"].append(decode_tok_s(model_u, ids, tokens))
+            speeds["auto"].append(timing.decode_tok_s(model_u, ids, tokens))
     finally:
         for name, old in originals.items():
             _swap(model_u, name, old)

@@ -328,13 +328,13 @@ def test_native_kernel_source_ships_as_package_data():
 
 
 def test_auto_whole_model_check_keeps_dense_when_the_converted_model_is_slower(monkeypatch):
-    from hf_sparsity.backends import bench
+    from hf_sparsity.backends import timing
     from hf_sparsity.inference import auto_choices
 
     def fake_tok_s(model, ids, n):  # the converted model "decodes" at half the dense speed
         return 1.0 if any(isinstance(m, SparseLinear) for m in model.modules()) else 2.0
 
-    monkeypatch.setattr(bench, "decode_tok_s", fake_tok_s)
+    monkeypatch.setattr(timing, "decode_tok_s", fake_tok_s)
     model, eng = _masked("llama", level=0.75)
     before = _state(model)
     sparsify_for_inference(model, "auto", masks=eng.masks, formats=("bitmask",), margin=-100.0, rounds=1)
@@ -344,7 +344,7 @@ def test_auto_whole_model_check_keeps_dense_when_the_converted_model_is_slower(m
     assert all(c["planned"]["decode"] in ("bitmask", "native_dense", "dense") for c in choices.values())
     assert all(c["whole_model_check"] == {"auto_vs_dense": 0.5, "kept": False, "tokens": 8, "rounds": 3}
                for c in choices.values())  # fmt: skip
-    monkeypatch.setattr(bench, "decode_tok_s", lambda model, ids, n: 3.0 - fake_tok_s(model, ids, n))
+    monkeypatch.setattr(timing, "decode_tok_s", lambda model, ids, n: 3.0 - fake_tok_s(model, ids, n))
     sparsify_for_inference(
         model, "auto", masks=eng.masks, formats=("bitmask",), margin=-100.0, rounds=1, lm_head=False
     )

@@ -175,21 +175,8 @@ class AutoBackend(SparseBackend):
         return f"{super().extra_repr()}, decode={c['decode']}, prefill={c['prefill']}"
 
 
-def plan_layers(
-    layers: dict[str, tuple[torch.Tensor, torch.Tensor]],
-    formats: tuple[str, ...] | None = None,
-    prefill_batch: int = 128,
-    rounds: int = 7,
-    sample_layers: int = 8,
-    margin: float = 0.03,
-    keep_dense_for_prefill: bool = False,
-    threads: int | None = None,
-) -> dict[str, tuple]:
-    """Choose a format per layer (``name -> (weight [out, in], mask)``); see the module docstring.
-
-    Returns ``name -> (decode backend or None for dense, prefill mode, prefill weight, choice dict)``
-    where a ``None`` backend means: leave the layer dense (``F.linear``).
-    """
+def _check_inputs(layers: dict, formats: tuple[str, ...] | None) -> tuple[str, ...]:
+    """The formats to measure (dense first); a clear error for an unknown format or a layer auto can't run."""
     formats = tuple(formats or CANDIDATES)
     bad = [f for f in formats if f not in CANDIDATES]
     if bad:
@@ -205,6 +192,25 @@ def plan_layers(
                 "weights. Cast or move the model (model.float(), model.to('cpu')), or use backend='csr' "
                 "(any dtype, CUDA via torch.sparse) or 'masked_dense'."
             )
+    return formats
+
+
+def plan_layers(
+    layers: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    formats: tuple[str, ...] | None = None,
+    prefill_batch: int = 128,
+    rounds: int = 7,
+    sample_layers: int = 8,
+    margin: float = 0.03,
+    keep_dense_for_prefill: bool = False,
+    threads: int | None = None,
+) -> dict[str, tuple]:
+    """Choose a format per layer (``name -> (weight [out, in], mask)``); see the module docstring.
+
+    Returns ``name -> (decode backend or None for dense, prefill mode, prefill weight, choice dict)``
+    where a ``None`` backend means: leave the layer dense (``F.linear``).
+    """
+    formats = _check_inputs(layers, formats)
     groups: dict[tuple, list[str]] = {}
     meta: dict[str, tuple] = {}
     for name, (w, m) in layers.items():

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..utils import SparsityError
+from .timing import decode_tok_s
 
 DTYPES = {
     "float32": torch.float32,
@@ -170,23 +171,6 @@ def build_masks_for(
     return dict(eng.masks), f"{init} pruning to {sparsity}"
 
 
-def decode_tok_s(model, ids: torch.Tensor, new_tokens: int, **generate_kwargs: Any) -> float:
-    """Tokens/s of greedy ``generate`` producing exactly ``new_tokens`` tokens after the prompt
-    (``generate_kwargs``: e.g. :func:`hf_sparsity.inference.compiled_generate_kwargs`)."""
-    t = time.perf_counter()
-    with torch.inference_mode():  # as inference should run; dense and backend alike
-        model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            pad_token_id=getattr(model.generation_config, "pad_token_id", None) or 0,
-            **generate_kwargs,
-        )
-    return new_tokens / (time.perf_counter() - t)
-
-
 def decode_breakdown(model, ids: torch.Tensor, new_tokens: int, layers) -> dict[str, float]:
     """Per-token milliseconds of greedy decoding, split into ``layers``, the LM head and the rest.
 
@@ -303,6 +287,23 @@ def modeled_model_speedup(model, machine=None) -> dict[str, Any]:
     }
 
 
+AUTO_GROUP_KEYS = ("layers", "decode", "decode_vs_dense", "prefill", "prefill_vs_dense")
+
+
+def auto_groups(model) -> tuple[dict[str, dict[str, Any]], dict | None]:
+    """``auto``'s choices per group of like layers (the LM head apart), and its whole-model check."""
+    from ..inference import auto_choices
+
+    groups: dict[str, dict[str, Any]] = {}
+    check = None
+    for c in auto_choices(model).values():
+        key = c["group"] + (" (LM head)" if c.get("lm_head") else "")
+        g = groups.setdefault(key, {k: c[k] for k in AUTO_GROUP_KEYS if k != "layers"} | {"layers": 0})
+        g["layers"] += 1
+        check = c.get("whole_model_check", check)
+    return groups, check
+
+
 def bench_model(
     model_dir: str,
     backend: str = "csr",
@@ -319,7 +320,7 @@ def bench_model(
     """Whole-model greedy decoding, dense vs ``backend``, interleaved rounds; medians and ratio."""
     from transformers import AutoModelForCausalLM
 
-    from ..inference import restore_dense, sparse_layers, sparsify_for_inference
+    from ..inference import restore_dense, sparse_layers
     from . import get_backend
 
     klass = get_backend(backend)
@@ -340,19 +341,9 @@ def bench_model(
         new_tokens = min(new_tokens, 4)  # the emulator is a reference, not a fast path
     with torch.no_grad():
         dense_logits = model(ids).logits
-    dense_t, back_t = [], []
-    decode_tok_s(model, ids, 2)  # warm-up
-    for r in range(rounds):
-        dense_t.append(decode_tok_s(model, ids, new_tokens))
-        sparsify_for_inference(model, klass, masks=found, **options)
-        if r == 0:
-            with torch.no_grad():
-                err = (model(ids).logits.double() - dense_logits.double()).abs().max().item()
-            decode_tok_s(model, ids, 2)
-        back_t.append(decode_tok_s(model, ids, new_tokens))
-        if r == rounds - 1:
-            break
-        restore_dense(model)
+    dense_t, back_t, err = _interleaved_decode(
+        model, klass, found, ids, dense_logits, new_tokens, rounds, options
+    )
     layers = {  # auto may also swap the LM head (native GEMV): it is not a sparse layer
         n: m
         for n, m in sparse_layers(model).items()
@@ -377,32 +368,51 @@ def bench_model(
         "max_abs_err": err,
     }
     if klass.name == "auto":
-        from ..inference import auto_choices
-
-        groups: dict[str, dict] = {}
-        for c in auto_choices(model).values():
-            key = c["group"] + (" (LM head)" if c.get("lm_head") else "")
-            g = groups.setdefault(
-                key, {k: c[k] for k in ("decode", "decode_vs_dense", "prefill", "prefill_vs_dense")}
-            )
-            g["layers"] = g.get("layers", 0) + 1
-            if "whole_model_check" in c:
-                out["auto_whole_model_check"] = c["whole_model_check"]
-        out["auto_groups"] = groups
+        out["auto_groups"], check = auto_groups(model)
+        if check is not None:
+            out["auto_whole_model_check"] = check
     if emulated:
         fwd = [m.backend.counters["forward"] for m in layers.values()]
         out["emulated_macs"] = sum(c.macs for c in fwd)
         out["emulated_macs_skipped"] = sum(c.macs_skipped for c in fwd)
     out.update(modeled_model_speedup(model))
     if not emulated:  # where the time goes, per token; what the dense parts leave to gain
-        back_b = decode_breakdown(model, ids, new_tokens, list(layers))
-        restore_dense(model)
-        dense_b = decode_breakdown(model, ids, new_tokens, list(layers))
-        out["dense_breakdown_ms"] = {k: round(v, 3) for k, v in dense_b.items()}
-        out["backend_breakdown_ms"] = {k: round(v, 3) for k, v in back_b.items()}
-        out["sparse_layers_speedup"] = round(dense_b["layers_ms"] / max(back_b["layers_ms"], 1e-9), 3)
-        bounds = speedup_bounds(dense_b, nnz / max(numel, 1))
-        out.update({k: round(v, 3) for k, v in bounds.items()})
+        out.update(_split_backend_vs_dense(model, ids, new_tokens, list(layers), nnz / max(numel, 1)))
     else:
         restore_dense(model)
+    return out
+
+
+def _interleaved_decode(model, klass, masks, ids, dense_logits, new_tokens, rounds, options):
+    """Rounds of dense, then converted, greedy decoding (the model is left converted); the logit error."""
+    from ..inference import restore_dense, sparsify_for_inference
+
+    dense_t, back_t = [], []
+    decode_tok_s(model, ids, 2)  # warm-up
+    for r in range(rounds):
+        dense_t.append(decode_tok_s(model, ids, new_tokens))
+        sparsify_for_inference(model, klass, masks=masks, **options)
+        if r == 0:
+            with torch.no_grad():
+                err = (model(ids).logits.double() - dense_logits.double()).abs().max().item()
+            decode_tok_s(model, ids, 2)
+        back_t.append(decode_tok_s(model, ids, new_tokens))
+        if r < rounds - 1:
+            restore_dense(model)
+    return dense_t, back_t, err
+
+
+def _split_backend_vs_dense(model, ids, new_tokens: int, layers: list[str], density: float) -> dict[str, Any]:
+    """Per-token split of the converted model, then (restored) of the dense one, and the speed-up bounds."""
+    from ..inference import restore_dense
+
+    back_b = decode_breakdown(model, ids, new_tokens, layers)
+    restore_dense(model)
+    dense_b = decode_breakdown(model, ids, new_tokens, layers)
+    out = {
+        "dense_breakdown_ms": {k: round(v, 3) for k, v in dense_b.items()},
+        "backend_breakdown_ms": {k: round(v, 3) for k, v in back_b.items()},
+        "sparse_layers_speedup": round(dense_b["layers_ms"] / max(back_b["layers_ms"], 1e-9), 3),
+    }
+    out.update({k: round(v, 3) for k, v in speedup_bounds(dense_b, density).items()})
     return out
