@@ -72,6 +72,7 @@ def main() -> None:
             logging_steps=5,
             save_strategy="no",
             report_to=[],
+            include_num_input_tokens_seen=True,  # FLOPs from the real 32-token blocks
             use_cpu=True,
             disable_tqdm=True,
         ),

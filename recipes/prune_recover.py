@@ -178,6 +178,7 @@ def train_args(args, out, steps, lr) -> TrainingArguments:
         learning_rate=lr, lr_scheduler_type="cosine", warmup_steps=min(20, steps // 10),
         weight_decay=0.0, logging_steps=max(1, steps // 10), save_strategy="no", report_to=[],
         use_cpu=not torch.cuda.is_available(), seed=args.seed, disable_tqdm=True,
+        include_num_input_tokens_seen=True,  # FLOPs and tokens from the real batches
     )  # fmt: skip
 
 
@@ -217,7 +218,7 @@ def main(argv=None) -> dict:
 
     # 3. recover: the pruned folder in Trainer; SparsityCallback restores its masks and keeps them fixed
     student = AutoModelForCausalLM.from_pretrained(out / "pruned")
-    callback = SparsityCallback(config)
+    callback = SparsityCallback(config, seq_len=args.block_size)
     trainer = DistillTrainer(
         model=student, args=train_args(args, out / "recover_run", args.recover_steps, args.recover_lr),
         train_dataset=BlockDataset(train), callbacks=[callback],
@@ -230,7 +231,12 @@ def main(argv=None) -> dict:
     else:
         shutil.copytree(out / "pruned", out / "recovered")
     tok.save_pretrained(out / "recovered")
-    record("recovered", student, masks_restored_from=str(callback.restored_from))
+    flops = callback.flops  # None when recover_steps is 0 (no training ran)
+    record(
+        "recovered", student, masks_restored_from=str(callback.restored_from),
+        recover_tokens=flops.tokens if flops else 0,
+        recover_training_flops=flops.training_flops if flops else 0.0,
+    )  # fmt: skip
 
     # 4. finalize: masks baked into zeros, a vanilla folder
     finalize_checkpoint(out / "recovered", out / "final", overwrite=True)

@@ -30,6 +30,9 @@ def test_prune_recover_recipe(tmp_path):
     assert pruned["heldout_ppl"] > dense["heldout_ppl"]  # pruning a trained model costs something
     assert recovered["masks_restored_from"] == str(tmp_path / "pruned")
     assert recovered["zero_fraction_of_matrices"] == pytest.approx(pruned["zero_fraction_of_matrices"])
+    # FLOP accounting counts the tokens actually trained: steps x batch x block_size
+    assert recovered["recover_tokens"] == 6 * 4 * 32
+    assert 0 < recovered["recover_training_flops"]
     assert final["heldout_ppl"] == pytest.approx(recovered["heldout_ppl"], rel=1e-5)
     # The recovered weights are zero exactly where the one-shot masks are.
     from hf_sparsity.serialization import load_masks
