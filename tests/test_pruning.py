@@ -355,3 +355,36 @@ def test_sparsity_callback_keeps_one_shot_masks(tiny_dir, tmp_path):
         assert torch.equal(cb.engine.masks[name], mask), name
         w = model.get_parameter(name).detach()
         assert torch.all(w[mask == 0] == 0) and torch.count_nonzero(w[mask == 1]) > 0
+
+
+MORE_ARCHS = {  # the other families the targeting rules know; tiny configs, random weights
+    "qwen2": dict(intermediate_size=64, num_key_value_heads=2),
+    "mistral": dict(intermediate_size=64, num_key_value_heads=2, head_dim=8),
+    "phi": dict(intermediate_size=64),
+    "falcon": dict(new_decoder_architecture=False, multi_query=True),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(MORE_ARCHS))
+def test_prunes_qwen2_mistral_phi_falcon(arch):
+    """Block capture reuses what each model passes its blocks; exact levels and exact 2:4 there too."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=64)
+    kw.update(vocab_size=128, bos_token_id=0, eos_token_id=1)
+    config = AutoConfig.for_model(arch, **kw, **MORE_ARCHS[arch])
+    for method in ("wanda", "sparsegpt"):
+        for sparsity in (SparsityConfig(sparsity=0.5), SparsityConfig(sparsity=0.5, structure="2:4")):
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config)
+            result = prune_oneshot(model, sparsity, _calib(4), method=method)
+            targets = [d for d in plan_sparsity(model, sparsity) if d.sparsify]
+            assert len(targets) >= 8 and set(result.masks) == {d.name for d in targets}
+            for d in targets:
+                mask, w = result.masks[d.name], model.get_parameter(d.name).detach()
+                assert torch.all(w[mask == 0] == 0), d.name
+                assert int((mask == 0).sum()) == d.numel // 2, d.name
+                if sparsity.structure:
+                    assert torch.all(mask.reshape(-1, 4).sum(1) == 2), d.name
+            with torch.no_grad():
+                assert torch.isfinite(model(input_ids=_calib(2)).logits).all()
