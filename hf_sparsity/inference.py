@@ -367,20 +367,25 @@ def resident_weight_bytes(model: nn.Module) -> int:
         add(t)
     for m in model_u.modules():
         if isinstance(m, SparseLinear):
-            b = m.backend
-            if hasattr(b, "storage_tensors"):
-                ts = b.storage_tensors()
-            elif hasattr(b, "_tensors"):
-                ts = b._tensors()
-            else:
-                from .backends.auto import _storage
-
-                ts = _storage(b)
-            for t in ts:
+            for t in _layer_storage(m):
                 add(t)
-            if m._original[0] is not None:
-                add(m._original[0].weight)
     return sum(seen.values())
+
+
+def _layer_storage(m: SparseLinear) -> list[torch.Tensor]:
+    """The tensors a converted layer holds: its backend's storage, plus a kept dense weight."""
+    b = m.backend
+    if hasattr(b, "storage_tensors"):
+        ts = list(b.storage_tensors())
+    elif hasattr(b, "_tensors"):
+        ts = list(b._tensors())
+    else:
+        from .backends.auto import _storage
+
+        ts = list(_storage(b))
+    if m._original[0] is not None:
+        ts.append(m._original[0].weight)
+    return ts
 
 
 def sparse_layer_bytes(model: nn.Module) -> dict[str, float]:
@@ -396,17 +401,7 @@ def sparse_layer_bytes(model: nn.Module) -> dict[str, float]:
         if not isinstance(m, SparseLinear) or (getattr(m.backend, "choice", None) or {}).get("lm_head"):
             continue
         b = m.backend
-        if hasattr(b, "storage_tensors"):
-            ts = b.storage_tensors()
-        elif hasattr(b, "_tensors"):
-            ts = b._tensors()
-        else:
-            from .backends.auto import _storage
-
-            ts = _storage(b)
-        if m._original[0] is not None:
-            ts = [*ts, m._original[0].weight]
-        sparse += sum(t.numel() * t.element_size() for t in ts)
+        sparse += sum(t.numel() * t.element_size() for t in _layer_storage(m))
         dtype = getattr(b, "dtype", None) or b.weight.dtype
         dense += b.out_features * b.in_features * torch.empty((), dtype=dtype).element_size()
         n += 1
