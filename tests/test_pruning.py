@@ -388,3 +388,18 @@ def test_prunes_qwen2_mistral_phi_falcon(arch):
                     assert torch.all(mask.reshape(-1, 4).sum(1) == 2), d.name
             with torch.no_grad():
                 assert torch.isfinite(model(input_ids=_calib(2)).logits).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("method", ["wanda", "sparsegpt"])
+def test_device_cuda_moves_one_block_at_a_time_and_matches_cpu(method):
+    """``device="cuda"``: the blocks run on the GPU one at a time, the model stays on the CPU."""
+    cpu = prune_oneshot(tiny_model("llama", seed=3), 0.5, _calib(), method=method)
+    model = tiny_model("llama", seed=3)
+    gpu = prune_oneshot(model, 0.5, _calib(), method=method, device="cuda")
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    differ = sum(int((cpu.masks[n] != gpu.masks[n]).sum()) for n in cpu.masks)
+    assert differ <= 0.01 * sum(m.numel() for m in cpu.masks.values())  # float order on another device
+    for n, mask in gpu.masks.items():
+        assert int((mask == 0).sum()) == int((cpu.masks[n] == 0).sum())
