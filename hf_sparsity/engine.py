@@ -42,20 +42,17 @@ from . import events as E
 from . import masks as M
 from .config import SparsityConfig, check_structure, set_sparsity_config
 from .constants import SPARSITY_MASKS_NAME
-from .enforcement import ZERO_PRESERVING_OPTIMIZERS, MaskEnforcer, local_slice
+from .enforcement import ZERO_PRESERVING_OPTIMIZERS, MaskEnforcer
 from .hooks import carry_masks_in_save_pretrained, release_save_pretrained
 from .lora import peft_view
 from .mask_state import MaskState, _state_field
-from .modeling import full_tensor, is_dtensor, local, sparsity_table
+from .modeling import full_tensor, sparsity_table
 from .schedules import Schedule, ScheduledEvent, compile_schedule
 from .serialization import check_mask_names, load_masks_for, save_masks
 from .targeting import TargetDecision, log_plan, plan_sparsity, unwrap_model
 from .utils import SparsityError
 
 __all__ = ["MaskState", "SparsityEngine", "ZERO_PRESERVING_OPTIMIZERS", "carry_masks_in_save_pretrained"]
-
-# The older private names, still imported by code outside this module.
-_is_dtensor, _local, _full_tensor, _local_slice = is_dtensor, local, full_tensor, local_slice
 
 logger = logging.getLogger(__name__)
 

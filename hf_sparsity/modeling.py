@@ -116,14 +116,18 @@ def apply_masks(model: nn.Module, masks: Mapping[str, torch.Tensor]) -> int:
 
 
 def sparsity_table(
-    model: nn.Module, names: Iterable[str], masks: Mapping[str, torch.Tensor] | None = None
+    model: nn.Module,
+    names: Iterable[str],
+    masks: Mapping[str, torch.Tensor] | None = None,
+    mask_sparsity: bool = False,
 ) -> list[dict[str, Any]]:
     """Per-layer sparsity of ``model``'s weights ``names``: the one table every report is built from.
 
     Each row: ``name``, ``shape``, ``numel``, ``zeros`` (exact zeros in the weight) and
-    ``sparsity`` (their fraction); with ``masks``, also ``mask_sparsity`` for the masked
-    tensors. A sharded (DTensor) weight is not gathered (no collective in a report): its
-    mask's zeros stand in for the weight's.
+    ``sparsity`` (their fraction); with ``mask_sparsity``, also ``mask_sparsity`` (the masked
+    fraction of each tensor in ``masks``: a pass over the mask, so not computed at every
+    log). A sharded (DTensor) weight is not gathered (no collective in a report): its mask's
+    zeros stand in for the weight's.
     """
     masks = masks or {}
     rows = []
@@ -142,7 +146,7 @@ def sparsity_table(
             "zeros": zeros,
             "sparsity": zeros / max(n, 1),
         }
-        if mask is not None:
+        if mask_sparsity and mask is not None:
             row["mask_sparsity"] = 1.0 - float(mask.sum(dtype=torch.int64)) / max(mask.numel(), 1)
         rows.append(row)
     return rows

@@ -110,7 +110,7 @@ def sparsity_summary(
         plan = plan_sparsity(model, SparsityConfig(sparsity=0.5), strict=False)
         names = [d.name for d in plan if d.sparsify]
         source = "default targets (weights measured)"
-    layers = sparsity_table(model, names, masks)
+    layers = sparsity_table(model, names, masks, mask_sparsity=True)
     tz = sum(r["zeros"] for r in layers)
     tn = sum(r["numel"] for r in layers)
     total_params = sum(p.numel() for p in params.values())

@@ -9,7 +9,7 @@ then called again with the same arguments.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -61,9 +61,14 @@ class BlockInputs:
 
 
 def to_device(obj: Any, device: torch.device | str) -> Any:
-    """Move every tensor inside nested tuples / lists / dicts to ``device``."""
+    """Move every tensor inside nested tuples / lists / dicts / :class:`BlockInputs` to ``device``."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
+    if isinstance(obj, BlockInputs):
+        return replace(
+            obj, hidden=to_device(obj.hidden, device), args=to_device(obj.args, device),
+            kwargs=to_device(obj.kwargs, device),
+        )  # fmt: skip
     if isinstance(obj, tuple):
         return tuple(to_device(o, device) for o in obj)
     if isinstance(obj, list):

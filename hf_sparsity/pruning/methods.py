@@ -158,6 +158,7 @@ def sparsegpt_prune(
     blocksize: int = 128,
     percdamp: float = 0.01,
     name: str = "weight",
+    hinv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SparseGPT (``fasterprune``): choose the mask block by block and update the kept weights (OBS).
 
@@ -165,18 +166,20 @@ def sparsegpt_prune(
     exact zeros where ``pruned``. The mask of each column block of ``blocksize`` is the lowest
     ``w² / [H⁻¹]_jj²`` of the *updated* weights, with the tensor's ``k`` zeros spread over the
     blocks by cumulative rounding (the reference takes ``int(s·block)`` per block); for N:M each
-    group of ``m`` columns is chosen when the sweep reaches it.
+    group of ``m`` columns is chosen when the sweep reaches it. ``hinv``: the result of
+    :func:`damped_inverse_cholesky` for ``H`` when the caller already has it (linears that read the
+    same input share one Hessian, so one inverse).
     """
     with _one_thread():
-        return _sparsegpt(W, H, k, nm, blocksize, percdamp, name)
+        return _sparsegpt(W, H, k, nm, blocksize, percdamp, name, hinv)
 
 
-def _sparsegpt(W, H, k, nm, blocksize, percdamp, name):
+def _sparsegpt(W, H, k, nm, blocksize, percdamp, name, hinv=None):
     W = W.detach().clone().float()
     rows, cols = W.shape
     if nm is not None and blocksize % nm[1]:
         blocksize = max(nm[1], blocksize // nm[1] * nm[1])
-    Hinv, dead = damped_inverse_cholesky(H, percdamp, name)
+    Hinv, dead = hinv if hinv is not None else damped_inverse_cholesky(H, percdamp, name)
     W[:, dead] = 0
     pruned = torch.zeros_like(W, dtype=torch.bool)
     counts = block_zero_counts(k, rows, cols, blocksize)

@@ -25,6 +25,7 @@ from torch import nn
 
 from ..config import SparsityConfig, check_structure
 from ..masks import MASK_DTYPE
+from ..modeling import linear_kind
 from ..targeting import TargetDecision, plan_sparsity, unwrap_model
 from ..utils import SparsityError
 from . import methods as M
@@ -138,8 +139,9 @@ class _StatsHooks:
         self._last = None
         # The reference's running averages end at Σ‖x‖²/N (Wanda) and 2/N·ΣxxᵀN (SparseGPT).
         scale = {"wanda": 1.0, "sparsegpt": 2.0}[self.kind]
-        scaled = {g: s * (scale / max(self.nseq[g], 1)) for g, s in self.stats.items()}
-        return {n: scaled[g] for n, g in self.group.items()}
+        for g, s in self.stats.items():  # in place: one copy of each Hessian at a time
+            s.mul_(scale / max(self.nseq[g], 1))
+        return {n: self.stats[g] for n, g in self.group.items()}
 
 
 def _run_all(block, chunks, hidden):
@@ -148,8 +150,7 @@ def _run_all(block, chunks, hidden):
 
 def _is_linear_weight(model, d: TargetDecision) -> bool:
     owner = model.get_submodule(d.name.rsplit(".", 1)[0]) if "." in d.name else model
-    linear = isinstance(owner, nn.Linear) or type(owner).__name__ == "Conv1D"
-    return linear and len(d.shape) == 2 and d.name.endswith("weight")
+    return linear_kind(owner) is not None and len(d.shape) == 2 and d.name.endswith("weight")
 
 
 def _block_targets(model, prefix, i, targets):
@@ -195,12 +196,12 @@ def _zero_counts(model, blocks, prefix, targets, chunks, owl, dev=None) -> dict[
     return owl_counts(levels, numels, block_of, ratios, owl.lam)
 
 
-def _prune_one(method, W, stat, k, nm, blocksize, percdamp, name):
+def _prune_one(method, W, stat, k, nm, blocksize, percdamp, name, hinv=None):
     if method == "magnitude":
         return W, M.magnitude_prune(W, k, nm)
     if method == "wanda":
         return W, M.wanda_prune(W, stat, k, nm)
-    return M.sparsegpt_prune(W, stat, k, nm, blocksize=blocksize, percdamp=percdamp, name=name)
+    return M.sparsegpt_prune(W, stat, k, nm, blocksize=blocksize, percdamp=percdamp, name=name, hinv=hinv)
 
 
 def _check_args(method, calibration, targets, model) -> None:
@@ -295,11 +296,18 @@ def _prune(model, targets, calibration, method, blocksize, percdamp, owl, device
         hooks = _StatsHooks(mods, method)
         _run_all(block, chunks, hidden)
         stats = hooks.result()
+        inverses = {}  # SparseGPT: one inverse per shared Hessian (Q/K/V, gate/up)
         for d in ds:
             param = model.get_parameter(d.name)
+            stat, hinv = stats.pop(d.name, None), None
+            if method == "sparsegpt" and stat is not None:
+                group = hooks.group[d.name]
+                if group not in inverses:
+                    inverses[group] = M.damped_inverse_cholesky(stat, percdamp, d.name)
+                hinv = inverses[group]
             W, pruned = _prune_one(
-                method, _linear_view(param, d), stats.pop(d.name, None), counts[d.name], _nm(d),
-                blocksize, percdamp, d.name,
+                method, _linear_view(param, d), stat, counts[d.name], _nm(d),
+                blocksize, percdamp, d.name, hinv,
             )  # fmt: skip
             masks[d.name] = _store(param, d, W, pruned)
         if i + 1 < len(blocks):

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from ..config import SparsityConfig, check_level, check_structure
+from ..modeling import context_length
 from ..utils import SparsityError
 from .calibration import read_documents, sample_calibration
 from .levels import OWLSettings
@@ -55,15 +56,6 @@ def _check_inputs(model_dir, out_dir, method, nsamples, seqlen, calib_data, over
             raise SparsityError(f"{method} needs calibration text: pass --calib-data FILE.jsonl|FILE.txt.")
 
 
-def _context_length(model) -> int | None:
-    cfg = model.config
-    for key in ("max_position_embeddings", "n_positions", "n_ctx"):
-        v = getattr(cfg, key, None)
-        if isinstance(v, int):
-            return v
-    return None
-
-
 def prune_folder(
     model_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -98,8 +90,8 @@ def prune_folder(
     model.eval()
     calib, info = None, {}
     if method != "magnitude":
-        ctx = _context_length(model)
-        if ctx is not None and seqlen > ctx:
+        ctx = context_length(model.config, default=0)
+        if ctx and seqlen > ctx:
             raise SparsityError(f"--seqlen {seqlen} exceeds the model's context length {ctx}; lower it.")
         docs = read_documents(calib_data, text_column)
         calib = sample_calibration(docs, tokenizer, nsamples=nsamples, seqlen=seqlen, seed=seed)
