@@ -88,8 +88,7 @@ class SparsityCallback(TrainerCallback, ExportableState):
         self.log_layers = log_layers
         self.flops = None
         self._listeners: list[Any] = []
-        self._tokens_seen = 0
-        self._warned_tokens = False
+        self._tokens = _TokenCounter()
 
     @property
     def events(self) -> list[dict[str, Any]]:
@@ -177,31 +176,12 @@ class SparsityCallback(TrainerCallback, ExportableState):
         saved = self.engine.restored_state.get("flops") if state.global_step > 0 else None
         if saved:
             self.flops.load_state_dict(saved)
-        self._tokens_seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
-
-    def _step_tokens(self, args, state) -> int:
-        seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
-        if seen > self._tokens_seen:
-            n, self._tokens_seen = seen - self._tokens_seen, seen
-            return n
-        if not self._warned_tokens:
-            logger.info(
-                "FLOPs: Trainer does not count tokens (include_num_input_tokens_seen); estimating "
-                "batch x accumulation x processes x %d tokens per step.",
-                self.flops.seq_len,
-            )
-            self._warned_tokens = True
-        return (
-            args.per_device_train_batch_size
-            * args.gradient_accumulation_steps
-            * args.world_size
-            * self.flops.seq_len
-        )
+        self._tokens.reset(state)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.engine.before_step()
         if self.flops is not None:  # this step trained at the levels in force now
-            self.flops.add_tokens(self._step_tokens(args, state), self.engine.levels)
+            self.flops.add_tokens(self._tokens.step(args, state, self.flops.seq_len), self.engine.levels)
         return control
 
     def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):
@@ -257,6 +237,33 @@ def _enable_debug_logging() -> None:
         pkg.addHandler(handler)
 
 
+class _TokenCounter:
+    """Tokens trained per optimizer step, for both callbacks' FLOP accounting: Trainer's own count
+    when it keeps one (``include_num_input_tokens_seen``), else batch x accumulation x processes x
+    ``seq_len`` (said once in the log)."""
+
+    def __init__(self):
+        self.seen = 0
+        self.warned = False
+
+    def reset(self, state) -> None:
+        self.seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
+
+    def step(self, args, state, seq_len: int) -> int:
+        seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
+        if seen > self.seen:
+            n, self.seen = seen - self.seen, seen
+            return n
+        if not self.warned:
+            logger.info(
+                "FLOPs: Trainer does not count tokens (include_num_input_tokens_seen); estimating "
+                "batch x accumulation x processes x %d tokens per step.",
+                seq_len,
+            )
+            self.warned = True
+        return args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size * seq_len
+
+
 def move_to_front(trainer, callback) -> None:
     """Run ``callback`` before Trainer's own callbacks (so reporters like TensorBoard log its metrics)."""
     cbs = trainer.callback_handler.callbacks
@@ -278,7 +285,7 @@ class FlopCallback(TrainerCallback):
     def __init__(self, seq_len: int | None = None):
         self.seq_len = seq_len
         self.flops = None
-        self._seen = 0
+        self._tokens = _TokenCounter()
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         from .flops import FlopAccountant
@@ -289,13 +296,11 @@ class FlopCallback(TrainerCallback):
         if state.global_step > 0 and os.path.isfile(saved):
             with open(saved, encoding="utf-8") as f:
                 self.flops.load_state_dict(json.load(f))
-        self._seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
+        self._tokens.reset(state)
         return control
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
-        self.flops.add_tokens(max(seen - self._seen, 0), {})
-        self._seen = seen
+        self.flops.add_tokens(self._tokens.step(args, state, self.flops.seq_len), {})
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):

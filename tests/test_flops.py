@@ -292,3 +292,26 @@ def test_accountant_with_real_engine_levels():
         100 * count_flops(model, masks=engine.masks, seq_len=32).training_flops_per_token
     )
     assert torch.isfinite(torch.tensor(acc.effective_sparsity))
+
+
+@pytest.mark.parametrize("count_tokens", [True, False])
+def test_dense_and_sparse_callbacks_count_the_same_tokens(tmp_path, count_tokens):
+    """FlopCallback (dense baseline) and SparsityCallback count tokens the same way, with Trainer's
+    own count (include_num_input_tokens_seen) or without it (batch x accumulation x seq_len)."""
+    from hf_sparsity import SparsityCallback
+    from hf_sparsity.callback import FlopCallback
+
+    from .trainer_utils import make_trainer
+
+    tokens = {}
+    for name, cb in (("dense", FlopCallback(seq_len=16)), ("sparse", SparsityCallback(0.5, seq_len=16))):
+        trainer = make_trainer(
+            tiny_model("llama"),
+            tmp_path / name,
+            [cb],
+            max_steps=3,
+            include_num_input_tokens_seen=count_tokens,
+        )
+        trainer.train()
+        tokens[name] = cb.flops.tokens
+    assert tokens["dense"] == tokens["sparse"] == 3 * 4 * 16  # steps x batch x block length
