@@ -120,6 +120,11 @@ class _PackedBackend(SparseBackend):
         self._pack(w.detach(), m.bool())
         self._batch1 = None  # the batch-1 call's fixed arguments, built on first use (see linear)
 
+    def __getstate__(self):  # copies and pickles rebuild the batch-1 call (it holds raw pointers)
+        state = self.__dict__.copy()
+        state["_batch1"] = None
+        return state
+
     def refresh(self) -> None:
         raise SparsityError(
             f"{self.name} keeps no dense weight to re-read; build a new backend with from_dense(weight, "
@@ -137,7 +142,7 @@ class _PackedBackend(SparseBackend):
 
     # ------------------------------------------------------------------ compute
     def _batch1_call(self):
-        """``(None, the kernel call's fixed leading arguments, threads, id(self))``: decode fast path."""
+        """``(the kernel call's fixed leading arguments, threads)``: the decode fast path."""
         t = self._tensors()
         meta, rowptr = (t[0], t[1]) if self.op == "bitmask" else (t[0] if self.op == "nm24" else None, None)
         nt = self._threads(1)
@@ -147,8 +152,7 @@ class _PackedBackend(SparseBackend):
             None if rowptr is None else rowptr.data_ptr(), None if meta is None else meta.data_ptr(),
             self.values.data_ptr(), int(self.values.dtype == torch.bfloat16),
         )  # fmt: skip
-        # keyed by the thread count and by this object (a deep copy has its own tensors: rebuild)
-        return None, lead, torch.get_num_threads(), id(self)  # plain ints: copies and pickles
+        return lead, torch.get_num_threads()
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # decode fast path (one fp32 row, no autograd, eager): the kernel call with its fixed arguments
@@ -165,7 +169,7 @@ class _PackedBackend(SparseBackend):
             and x.is_contiguous()
         ):
             call = self._batch1
-            if call is None or call[2] != torch.get_num_threads() or call[3] != id(self):
+            if call is None or call[1] != torch.get_num_threads():
                 call = self._batch1 = self._batch1_call()
             y = torch.empty(*x.shape[:-1], self.out_features)
             c = self.counters["forward"]
@@ -173,7 +177,7 @@ class _PackedBackend(SparseBackend):
             c.macs += self.nnz
             c.macs_skipped += self.out_features * self.in_features - self.nnz
             _native._lib.hfs_run(
-                *call[1], x.data_ptr(), y.data_ptr(), 1, None if bias is None else bias.data_ptr()
+                *call[0], x.data_ptr(), y.data_ptr(), 1, None if bias is None else bias.data_ptr()
             )
             return y
         if x.shape[-1] != self.in_features:
