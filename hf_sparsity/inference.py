@@ -32,6 +32,7 @@ from torch import nn
 
 from .backends import SparseBackend, get_backend
 from .modeling import is_conv1d as _is_conv1d
+from .modeling import replace_module
 from .targeting import unwrap_model
 from .utils import SparsityError
 
@@ -151,12 +152,6 @@ def _sparse_targets(model_u: nn.Module, found: dict[str, torch.Tensor]) -> list[
     return out
 
 
-def _swap(model_u: nn.Module, module_name: str, new: nn.Module) -> None:
-    parent_name, _, child = module_name.rpartition(".")
-    parent = model_u.get_submodule(parent_name) if parent_name else model_u
-    setattr(parent, child, new)
-
-
 @torch.no_grad()
 def sparsify_for_inference(
     model: nn.Module,
@@ -216,7 +211,7 @@ def sparsify_for_inference(
     if check and swaps:
         swaps = _check_whole_model(model_u, swaps, choices)
     for module_name, new in swaps:  # every layer prepared: now swap them all
-        _swap(model_u, module_name, new)
+        replace_module(model_u, module_name, new)
     if klass is AutoBackend:
         model_u._hf_sparsity_auto = choices
         if verbose:
@@ -268,18 +263,18 @@ def _check_whole_model(
     try:
         timing.decode_tok_s(model_u, ids, 2)
         for name, new in swaps:
-            _swap(model_u, name, new)
+            replace_module(model_u, name, new)
         timing.decode_tok_s(model_u, ids, 2)
         for _ in range(rounds):
             for name, old in originals.items():
-                _swap(model_u, name, old)
+                replace_module(model_u, name, old)
             speeds["dense"].append(timing.decode_tok_s(model_u, ids, tokens))
             for name, new in swaps:
-                _swap(model_u, name, new)
+                replace_module(model_u, name, new)
             speeds["auto"].append(timing.decode_tok_s(model_u, ids, tokens))
     finally:
         for name, old in originals.items():
-            _swap(model_u, name, old)
+            replace_module(model_u, name, old)
         model_u.train(was_training)
     ratio = statistics.median(speeds["auto"]) / statistics.median(speeds["dense"])
     kept = ratio >= 1.0
@@ -432,9 +427,7 @@ def restore_dense(model: nn.Module) -> nn.Module:
     model_u = unwrap_model(model)
     for name, module in list(model_u.named_modules()):
         if isinstance(module, SparseLinear):
-            parent_name, _, child = name.rpartition(".")
-            parent = model_u.get_submodule(parent_name) if parent_name else model_u
-            setattr(parent, child, module.to_dense_module())
+            replace_module(model_u, name, module.to_dense_module())
     return model
 
 

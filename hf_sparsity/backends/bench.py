@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..modeling import apply_masks, linear_dims
 from ..utils import SparsityError
 from .timing import decode_tok_s
 
@@ -240,8 +241,6 @@ def modeled_model_speedup(model, machine=None) -> dict[str, Any]:
     """
     import math
 
-    from torch import nn
-
     from ..inference import SparseLinear
     from . import EmulatorBackend, MachineSpec
 
@@ -263,9 +262,8 @@ def modeled_model_speedup(model, machine=None) -> dict[str, Any]:
             sparse_d += rows * b.in_features + rows * machine.row_overhead
             macs += b.nnz
             macs_dense += b.out_features * b.in_features
-        elif isinstance(mod, nn.Linear) or type(mod).__name__ == "Conv1D":
-            w = mod.weight
-            out_f, in_f = (w.shape[0], w.shape[1]) if isinstance(mod, nn.Linear) else (w.shape[1], w.shape[0])
+        elif linear_dims(mod) is not None:
+            in_f, out_f = linear_dims(mod)
             other += math.ceil(out_f / machine.pes) * (in_f + machine.row_overhead)
             macs += out_f * in_f
             macs_dense += out_f * in_f
@@ -330,9 +328,7 @@ def bench_model(
     model.eval()
     found, source = build_masks_for(model, sparsity, masks, model_dir)
     with torch.no_grad():  # the dense baseline is the masked model, so both compute the same function
-        for name, m in found.items():
-            p = model.get_parameter(name)
-            p.mul_(m.to(device=p.device, dtype=p.dtype))
+        apply_masks(model, found)
     g = torch.Generator().manual_seed(seed)
     vocab = int(model.config.vocab_size)
     ids = torch.randint(2, vocab, (1, prompt_len), generator=g).to(model.device)
@@ -350,7 +346,7 @@ def bench_model(
         if not (getattr(m.backend, "choice", None) or {}).get("lm_head")
     }
     nnz = sum(m.backend.nnz for m in layers.values())
-    numel = sum(m.backend.mask.numel() for m in layers.values())
+    numel = sum(m.backend.out_features * m.backend.in_features for m in layers.values())  # no mask rebuilt
     kernels = sorted({str(getattr(m.backend, "kernel", klass.name)) for m in layers.values()})
     out: dict[str, Any] = {
         "model": str(model_dir),
