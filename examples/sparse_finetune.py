@@ -32,17 +32,15 @@ import sys
 
 
 def _texts(path: str, limit: int) -> list[str]:
+    """The first ``limit`` documents of a .jsonl (``text`` field) or .txt file, read as ``prune`` does."""
+    from hf_sparsity.pruning import read_documents
     from hf_sparsity.utils import SparsityError
 
     if not os.path.isfile(path):
         raise SparsityError(
             f"--data {path!r} does not exist. Give a .jsonl file with a 'text' field or a .txt file."
         )
-    with open(path, encoding="utf-8") as f:
-        if path.endswith((".jsonl", ".json")):
-            texts = [json.loads(line)["text"] for _, line in zip(range(limit), f) if line.strip()]
-        else:
-            texts = [f.read()]
+    texts = read_documents(path)[:limit]
     if not texts:
         raise SparsityError(f"--data {path!r} holds no text.")
     return texts

@@ -17,7 +17,14 @@ from torch import nn
 from .utils import SparsityError
 
 DEFAULT_CONTEXT_LENGTH = 2048
-_CONTEXT_KEYS = ("n_positions", "max_position_embeddings", "n_ctx", "seq_length", "max_seq_len")
+CONTEXT_KEYS = (
+    "n_positions",
+    "max_position_embeddings",
+    "n_ctx",
+    "max_sequence_length",
+    "seq_length",
+    "max_seq_len",
+)
 
 
 # ---------------------------------------------------------------------- linear-like layers
@@ -62,7 +69,7 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
 # ---------------------------------------------------------------------- configs
 def context_length(config: Any, default: int = DEFAULT_CONTEXT_LENGTH) -> int:
     """The longest sequence a config's model takes (``n_positions``, ``max_position_embeddings``, ...)."""
-    for key in _CONTEXT_KEYS:
+    for key in CONTEXT_KEYS:
         v = getattr(config, key, None) if config is not None else None
         if isinstance(v, int) and v > 0:
             return v

@@ -187,8 +187,10 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def prepare_finetune(args, tokenizer):
-    """Blocks of the fine-tuning task (``--finetune_dataset``), split into train / held-out."""
-    texts = load_texts(args.finetune_dataset, args.text_column)
+def prepare_finetune(args, tokenizer, texts=None):
+    """Blocks of the fine-tuning task (``--finetune_dataset``, or its ``texts`` already read), split
+    into train / held-out."""
+    if texts is None:
+        texts = load_texts(args.finetune_dataset, args.text_column)
     blocks = pack_tokens(texts, tokenizer, args.block_size)
     return split_blocks(blocks, args.eval_blocks)

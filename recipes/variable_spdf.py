@@ -143,7 +143,7 @@ def main(argv=None, callbacks=()):
     C.prepare_output_dir(args)
     ft_texts = C.load_texts(args.finetune_dataset, args.text_column)
     tokenizer, train_blocks, eval_blocks = C.prepare_data(args, extra_texts=ft_texts)
-    ft_train, ft_eval = C.prepare_finetune(args, tokenizer)
+    ft_train, ft_eval = C.prepare_finetune(args, tokenizer, ft_texts)
 
     # Stage 1 and stage 2 draw from disjoint pools, sized by their share of the steps.
     cut = round(len(train_blocks) * stage1 / args.pretrain_steps)

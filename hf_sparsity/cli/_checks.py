@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..modeling import CONTEXT_KEYS
 from ..utils import SparsityError
 
 WIKITEXT2 = "wikitext2"  # eval's own suite: the Wanda/SparseGPT protocol (evaluation/wikitext2.py)
@@ -190,7 +191,7 @@ def _context_fits(model: str, context: int | None, flag: str = "--context") -> N
     import json
 
     cfg = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
-    for key in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"):
+    for key in CONTEXT_KEYS:  # the keys and order modeling.context_length reads
         limit = cfg.get(key)
         if isinstance(limit, int) and limit > 0:
             if context > limit:

@@ -22,19 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..modeling import context_length
 from ..utils import SparsityError
-
-_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
 
 
 def model_context(model: nn.Module, default: int = 2048) -> int:
     """The model's context length from its config (``max_position_embeddings`` and friends)."""
-    config = getattr(model, "config", None)
-    for key in _CONTEXT_KEYS:
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return default
+    return context_length(getattr(model, "config", None), default)
 
 
 def _device_of(model: nn.Module) -> torch.device:
