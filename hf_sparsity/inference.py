@@ -369,15 +369,7 @@ def resident_weight_bytes(model: nn.Module) -> int:
 
 def _layer_storage(m: SparseLinear) -> list[torch.Tensor]:
     """The tensors a converted layer holds: its backend's storage, plus a kept dense weight."""
-    b = m.backend
-    if hasattr(b, "storage_tensors"):
-        ts = list(b.storage_tensors())
-    elif hasattr(b, "_tensors"):
-        ts = list(b._tensors())
-    else:
-        from .backends.auto import _storage
-
-        ts = list(_storage(b))
+    ts = list(m.backend.storage_tensors())
     if m._original[0] is not None:
         ts.append(m._original[0].weight)
     return ts

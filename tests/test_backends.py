@@ -614,3 +614,21 @@ def test_batch1_fast_path_matches_with_bias_copies_and_thread_changes(name):
         torch.testing.assert_close(copied.linear(x, bias), want, rtol=1e-5, atol=1e-5)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
+def test_native_csr_copy_points_at_its_own_tensors():
+    # the kernel's raw pointers are rebuilt on copy: a deep copy keeps working after the original is freed
+    import copy
+    import gc
+
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(48, 96, generator=g)
+    m = (torch.rand(48, 96, generator=g) < 0.1).to(torch.uint8)
+    b = get_backend("csr").from_dense(w, m, kernel="native")
+    x = torch.randn(1, 96, generator=g)
+    copied = copy.deepcopy(b)
+    assert copied._native._ptrs[2] == copied._native.values.data_ptr() != b._native.values.data_ptr()
+    del b
+    gc.collect()
+    torch.testing.assert_close(copied.linear(x), x @ (w * m).t(), rtol=1e-5, atol=1e-5)

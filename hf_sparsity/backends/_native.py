@@ -172,6 +172,16 @@ class NativeCSR:
         # ~16 chunks per thread: fine enough for dynamic balancing, coarse enough to stream rows
         self.chunk = max(8, -(-self.rows // (16 * max(1, torch.get_num_threads()))))
 
+    def __getstate__(self):  # the library handle and raw pointers are this process's, this object's
+        state = self.__dict__.copy()
+        del state["lib"], state["_ptrs"]
+        return state
+
+    def __setstate__(self, state) -> None:  # a copy points the kernel at its own tensors
+        self.__dict__.update(state)
+        self.lib = load()
+        self._ptrs = (self.rowptr.data_ptr(), self.idx.data_ptr(), self.values.data_ptr())
+
     @property
     def index_bytes(self) -> int:
         return self.idx.numel() * self.idx.element_size() + self.rowptr.numel() * 8

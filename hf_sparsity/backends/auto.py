@@ -71,15 +71,6 @@ def _slim_csr(b: SparseBackend) -> None:
     b.__dict__["mask"] = torch.ones((), dtype=torch.uint8).expand(b.out_features, b.in_features)
 
 
-def _storage(b: SparseBackend) -> list[torch.Tensor]:
-    if hasattr(b, "_tensors"):
-        return list(b._tensors())
-    nat = getattr(b, "_native", None)
-    if nat is not None:
-        return [nat.rowptr, nat.idx, nat.values]
-    return [b.weight, b.mask]
-
-
 def _median_times(fns: dict[str, Any], rounds: int) -> dict[str, float]:
     times: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():
@@ -144,11 +135,11 @@ class AutoBackend(SparseBackend):
 
     @property
     def storage_bytes(self) -> int:
-        ts = _storage(self.decode) + ([self.prefill_weight] if self.prefill_weight is not None else [])
-        return sum(t.numel() * t.element_size() for t in ts)
+        return sum(t.numel() * t.element_size() for t in self.storage_tensors())
 
     def storage_tensors(self) -> list[torch.Tensor]:
-        return _storage(self.decode) + ([self.prefill_weight] if self.prefill_weight is not None else [])
+        kept = [self.prefill_weight] if self.prefill_weight is not None else []
+        return self.decode.storage_tensors() + kept
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // max(self.in_features, 1)

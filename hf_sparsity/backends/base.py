@@ -142,6 +142,10 @@ class SparseBackend:
         self.nnz = int(mask.sum(dtype=torch.int64))
         self._prepare()
 
+    def storage_tensors(self) -> list[torch.Tensor]:
+        """The tensors this backend holds for its weight: what resident memory counts."""
+        return [self.weight, self.mask]
+
     @classmethod
     def from_dense(
         cls, weight: torch.Tensor, mask: torch.Tensor | None = None, **options: Any

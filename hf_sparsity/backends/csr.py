@@ -96,6 +96,11 @@ class CSRBackend(SparseBackend):
         t = self._torch
         return t.col_indices().numel() * 4 + t.crow_indices().numel() * 4
 
+    def storage_tensors(self) -> list[torch.Tensor]:
+        if self._native is not None:
+            return [self._native.rowptr, self._native.idx, self._native.values]
+        return [self.weight, self.mask]
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W^T (+ bias)``; inference calls on the native kernel add the bias inside it."""
         nat = self._native

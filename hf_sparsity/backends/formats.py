@@ -136,6 +136,9 @@ class _PackedBackend(SparseBackend):
         """Bytes of every tensor the packed weight holds (values, bitmask / positions, row offsets)."""
         return sum(t.numel() * t.element_size() for t in self._tensors())
 
+    def storage_tensors(self) -> list[torch.Tensor]:
+        return list(self._tensors())
+
     @property
     def index_bytes(self) -> int:
         return self.storage_bytes - self.values.numel() * self.values.element_size()
