@@ -24,23 +24,20 @@ def _masks_for(peft_model: nn.Module, view: PeftBaseView, masks: Any):
     """(masks, config or None, where they came from): explicit, from an engine, or the base folder's file."""
     from .config import get_sparsity_config
     from .constants import SPARSITY_MASKS_NAME
-    from .serialization import load_masks
+    from .serialization import check_mask_names, load_masks_for
 
-    shapes = {n: tuple(p.shape) for n, p in view.named_parameters()}
     if isinstance(masks, (str, os.PathLike)):
-        loaded, _ = load_masks(masks, expected_shapes=shapes)
-        return loaded, get_sparsity_config(view.config), str(masks)
+        return load_masks_for(view, masks, required=True), get_sparsity_config(view.config), str(masks)
     if masks is not None:
-        from .serialization import check_mask_names
-
+        shapes = {n: tuple(p.shape) for n, p in view.named_parameters()}
         check_mask_names({n: {"shape": list(m.shape)} for n, m in masks.items()}, shapes)
         return dict(masks), get_sparsity_config(view.config), "masks argument"
     attached = getattr(peft_model, "_hf_sparsity", None)
     if attached and attached["masks"]:
         return dict(attached["masks"]), attached["config"], "the SparsityCallback / SparsityEngine"
     source = getattr(view.config, "_name_or_path", None)
-    if source and os.path.isfile(os.path.join(str(source), SPARSITY_MASKS_NAME)):
-        loaded, _ = load_masks(source, expected_shapes=shapes)
+    loaded = load_masks_for(view, source) if source and os.path.isdir(str(source)) else None
+    if loaded is not None:
         return loaded, get_sparsity_config(view.config), str(source)
     raise SparsityError(
         f"merge_sparse: {type(view.base).__name__} has no masks: no SparsityCallback/SparsityEngine ran on "
@@ -70,9 +67,11 @@ def merge_sparse(
     there, atomically. Nothing is merged (and nothing written) when the masks are missing
     or do not fit.
     """
-    from .config import SparsityConfig, set_sparsity_config
+    from .config import SparsityConfig
     from .engine import SparsityEngine
     from .finalize import _levels_section
+    from .masks import mask_level
+    from .modeling import apply_masks
     from .utils import atomic_dir
 
     if not is_peft_model(peft_model):
@@ -90,20 +89,18 @@ def merge_sparse(
             f"merge_sparse: the masks from {source} are empty; there is nothing to keep sparse."
         )
     if config is None:  # masks without a config: one anchored pattern per tensor, at its level
-        info = {n: {"level": 1.0 - float(m.sum()) / max(m.numel(), 1)} for n, m in mask_dict.items()}
+        info = {n: {"level": mask_level(m)} for n, m in mask_dict.items()}
         config = SparsityConfig.from_dict(_levels_section(info))
     merged = peft_model.merge_and_unload()
     remove_masked_mode(merged)
-    for name, mask in mask_dict.items():
-        p = merged.get_parameter(name)
-        p.mul_(mask.to(p.device, p.dtype))
+    apply_masks(merged, mask_dict)
     trained = (getattr(peft_model, "_hf_sparsity", None) or {}).get("engine")
     engine = SparsityEngine(merged, config, strict=False)
     if trained is not None:  # the card and a resumed run see the steps and events of the LoRA run
         engine.optimizer_steps, engine.events = trained.optimizer_steps, list(trained.events)
     engine.set_masks(mask_dict)
     engine.install_save_hook()
-    set_sparsity_config(merged.config, config, state=engine.state())
+    engine.stamp_config()
     merged.hf_sparsity_engine = engine
     logger.info("merge_sparse: merged with %d exact masks from %s.", len(mask_dict), source)
     if output_dir is not None:

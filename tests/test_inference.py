@@ -65,8 +65,8 @@ def test_swap_logits_generate_and_restore(arch, backend):
     assert not sparse_layers(model)
     for n, m in originals.items():
         assert model.get_submodule(n) is m
-    with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits, want, rtol=0, atol=0)
+    with torch.no_grad():  # the same modules; MKL may sum in another order on other buffers (seen: 1.3e-7)
+        torch.testing.assert_close(model(ids).logits, want, rtol=0, atol=1e-6)
 
 
 def test_emulator_counts_decoding_work():
