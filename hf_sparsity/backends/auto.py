@@ -25,8 +25,6 @@ The choice, with every measured time, is in :attr:`AutoBackend.choice`; for a wh
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 from typing import Any
 
 import torch
@@ -36,6 +34,7 @@ from ..utils import SparsityError
 from . import _native
 from .base import BackendCapabilities, SparseBackend, check_nm
 from .formats import SMALL_BATCH
+from .timing import interleaved_ms
 
 logger = logging.getLogger(__name__)
 
@@ -69,18 +68,6 @@ def _slim_csr(b: SparseBackend) -> None:
     """Drop the dense weight and mask a ``csr`` backend keeps (auto never trains or refreshes)."""
     b.__dict__["weight"] = torch.empty(0, dtype=b.weight.dtype)
     b.__dict__["mask"] = torch.ones((), dtype=torch.uint8).expand(b.out_features, b.in_features)
-
-
-def _median_times(fns: dict[str, Any], rounds: int) -> dict[str, float]:
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            times[k].append((time.perf_counter() - t) * 1e3)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 class AutoBackend(SparseBackend):
@@ -285,7 +272,7 @@ def _measure(layers, sample, cands, prefill_batch, rounds, threads, margin):
         return lambda: [b.linear(x) for b in built[f]]
 
     with torch.inference_mode():
-        decode_ms = _median_times({f: run(f, x1) for f in built}, rounds)
+        decode_ms = interleaved_ms({f: run(f, x1) for f in built}, rounds)
         for f in cands:  # candidates that could not be built are absent: never chosen
             decode_ms.setdefault(f, float("inf"))
         dense_best = min((f for f in cands if f in DENSE), key=decode_ms.__getitem__)
@@ -304,5 +291,5 @@ def _measure(layers, sample, cands, prefill_batch, rounds, threads, margin):
                 else (lambda b: b.to_dense())
             )
             pf_fns[f"{best}:unpack"] = lambda: [F.linear(xp, unpack(b).to(xp.dtype)) for b in bs]
-        prefill_ms = _median_times(pf_fns, max(3, rounds // 3))
+        prefill_ms = interleaved_ms(pf_fns, max(3, rounds // 3))
     return best, decode_ms, prefill_ms

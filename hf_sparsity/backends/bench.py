@@ -22,7 +22,7 @@ import torch
 
 from ..modeling import apply_masks, linear_dims
 from ..utils import SparsityError
-from .timing import decode_tok_s
+from .timing import decode_tok_s, interleaved_ms
 
 DTYPES = {
     "float32": torch.float32,
@@ -44,29 +44,6 @@ def parse_shape(text: str) -> tuple[int, int]:
             f"--shape {text!r} is not OUTxIN with positive integers (e.g. 768x3072)."
         ) from None
     return out_f, in_f
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def interleaved_ms(fns: dict[str, Any], repeats: int, inner: int = 1, device=None) -> dict[str, float]:
-    """Median milliseconds per call of each function, timed round-robin (A, B, A, B, ...) to share
-    the noise."""
-    device = torch.device(device or "cpu")
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for fn in fns.values():  # warm up (lazy init, caches, kernel build)
-        fn()
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            _sync(device)
-            t = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            _sync(device)
-            times[k].append((time.perf_counter() - t) * 1e3 / inner)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def make_mask(weight: torch.Tensor, sparsity: float, init: str, structure: str | None, seed: int = 0):
