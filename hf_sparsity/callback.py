@@ -40,6 +40,7 @@ from .config import SparsityConfig
 from .constants import SPARSITY_MASKS_NAME
 from .engine import SparsityEngine
 from .hooks import TRAINER_FRAMES, resume_dir_from_trainer_frame  # noqa: F401  (re-exported)
+from .logging_utils import move_to_front  # noqa: F401  (re-exported)
 from .modeling import context_length, sparsity_table
 from .serialization import has_masks
 from .targeting import unwrap_model
@@ -262,14 +263,6 @@ class _TokenCounter:
             )
             self.warned = True
         return args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size * seq_len
-
-
-def move_to_front(trainer, callback) -> None:
-    """Run ``callback`` before Trainer's own callbacks (so reporters like TensorBoard log its metrics)."""
-    cbs = trainer.callback_handler.callbacks
-    if callback in cbs:
-        cbs.remove(callback)
-    cbs.insert(0, callback)
 
 
 class FlopCallback(TrainerCallback):

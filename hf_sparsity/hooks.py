@@ -7,7 +7,8 @@ name if a transformers release moves what it relies on.
 * :func:`carry_masks_in_save_pretrained`: ``Trainer.save_model()`` fires no callback event, so
   the masks and the config section ride on ``model.save_pretrained``.
 * :func:`resume_dir_from_trainer_frame`: Trainer passes the ``resume_from_checkpoint`` folder
-  to no callback event, so it is read from ``Trainer.train``'s frame.
+  to no callback event, so it is read from ``Trainer.train``'s frame; :func:`trainer_from_stack`
+  (the running trainer, for arranging console logging) reads ``self`` from the same frames.
 """
 
 from __future__ import annotations
@@ -32,13 +33,28 @@ def resume_dir_from_trainer_frame() -> str | None:
     transformers release moves it. Without it, resuming still works when the checkpoint is
     ``output_dir/checkpoint-<step>`` or is passed as ``SparsityCallback(resume_from=...)``.
     """
+    value = _trainer_frame_local(
+        "resume_from_checkpoint", lambda v: isinstance(v, (str, os.PathLike)) and os.path.isdir(v)
+    )
+    return None if value is None else str(value)
+
+
+def trainer_from_stack():
+    """The ``transformers.Trainer`` whose ``train()`` is running (its methods' ``self``), or ``None``."""
+    from transformers import Trainer
+
+    return _trainer_frame_local("self", lambda v: isinstance(v, Trainer))
+
+
+def _trainer_frame_local(key: str, accept: Callable[[Any], bool]) -> Any:
+    """The first local ``key`` that ``accept``s, in a :data:`TRAINER_FRAMES` frame up the stack."""
     frame = inspect.currentframe()
     try:
         while frame is not None:
             if frame.f_code.co_name in TRAINER_FRAMES:
-                value = frame.f_locals.get("resume_from_checkpoint")
-                if isinstance(value, (str, os.PathLike)) and os.path.isdir(value):
-                    return str(value)
+                value = frame.f_locals.get(key)
+                if value is not None and accept(value):
+                    return value
             frame = frame.f_back
     finally:
         del frame

@@ -26,10 +26,11 @@ and FLOPs only); ``TrainingArguments(report_to="none")`` turns the reporters off
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from transformers import PrinterCallback, ProgressCallback
+
+from .hooks import trainer_from_stack
 
 LAYER_PREFIX = "sparsity/layer/"
 """Prefix of the per-layer sparsity scalars."""
@@ -66,6 +67,14 @@ class SparsityPrinterCallback(_ConsoleFilter, PrinterCallback):
 _CONSOLE = ((ProgressCallback, SparsityProgressCallback), (PrinterCallback, SparsityPrinterCallback))
 
 
+def move_to_front(trainer, callback) -> None:
+    """Run ``callback`` before Trainer's own callbacks (so reporters like TensorBoard log its metrics)."""
+    cbs = trainer.callback_handler.callbacks
+    if callback in cbs:
+        cbs.remove(callback)
+    cbs.insert(0, callback)
+
+
 def arrange_logging(trainer, callback, console_layers: bool = False) -> None:
     """Run ``callback`` before the reporters and keep per-layer values off ``trainer``'s console line.
 
@@ -74,9 +83,8 @@ def arrange_logging(trainer, callback, console_layers: bool = False) -> None:
     """
     callback._logging_arranged = True
     cbs = trainer.callback_handler.callbacks
-    if callback in cbs and cbs.index(callback) != 0:
-        cbs.remove(callback)
-        cbs.insert(0, callback)
+    if callback in cbs:
+        move_to_front(trainer, callback)
     for i, cb in enumerate(cbs):
         for plain, filtered in _CONSOLE:
             if type(cb) is plain:
@@ -85,27 +93,6 @@ def arrange_logging(trainer, callback, console_layers: bool = False) -> None:
                 cbs[i] = new
             elif type(cb) is filtered:
                 cb.show_layers = console_layers
-
-
-def trainer_from_stack():
-    """The ``transformers.Trainer`` whose ``train()`` is running, read from the call stack (or ``None``).
-
-    No callback event receives the trainer; ``train`` / ``_inner_training_loop`` are its methods,
-    so their ``self`` is it (the same frames ``SparsityCallback`` reads ``resume_from_checkpoint`` from).
-    """
-    from transformers import Trainer
-
-    frame = inspect.currentframe()
-    try:
-        while frame is not None:
-            if frame.f_code.co_name in ("_inner_training_loop", "train"):
-                obj = frame.f_locals.get("self")
-                if isinstance(obj, Trainer):
-                    return obj
-            frame = frame.f_back
-    finally:
-        del frame
-    return None
 
 
 def arrange_for_callback(callback) -> None:
