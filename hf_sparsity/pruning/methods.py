@@ -149,6 +149,13 @@ def _one_thread():
         torch.set_num_threads(before)
 
 
+def sparsegpt_inverse(H: torch.Tensor, percdamp: float = 0.01, name: str = "weight"):
+    """:func:`damped_inverse_cholesky` as :func:`sparsegpt_prune` computes it (one thread, so the
+    same floats): for callers that share one inverse between linears reading the same input."""
+    with _one_thread():
+        return damped_inverse_cholesky(H, percdamp, name)
+
+
 @torch.no_grad()
 def sparsegpt_prune(
     W: torch.Tensor,

@@ -303,7 +303,7 @@ def _prune(model, targets, calibration, method, blocksize, percdamp, owl, device
             if method == "sparsegpt" and stat is not None:
                 group = hooks.group[d.name]
                 if group not in inverses:
-                    inverses[group] = M.damped_inverse_cholesky(stat, percdamp, d.name)
+                    inverses[group] = M.sparsegpt_inverse(stat, percdamp, d.name)
                 hinv = inverses[group]
             W, pruned = _prune_one(
                 method, _linear_view(param, d), stat, counts[d.name], _nm(d),
