@@ -281,6 +281,46 @@ def test_native_kernel_portable_build_matches_emulator(tmp_path):
     assert _run_fresh(code, tmp_path, HF_SPARSITY_NATIVE_PORTABLE="1") == ["False"]
 
 
+_POOL_CHECK = (
+    "import torch\n"
+    "from hf_sparsity.backends import _native, get_backend\n"
+    "from hf_sparsity import masks as M\n"
+    "torch.set_num_threads(2)\n"
+    "g = torch.Generator().manual_seed(0)\n"
+    "w = torch.randn(300, 512, generator=g); m = (torch.rand(300, 512, generator=g) < 0.5).to(torch.uint8)\n"
+    "for batch in (1, 3):\n"
+    "    x = torch.randn(batch, 512, generator=g)\n"
+    "    ref = get_backend('emulator').from_dense(w, m, float64_accumulator=True).linear(x)\n"
+    "    for name in ('csr', 'bitmask', 'native_dense'):\n"
+    "        b = get_backend(name).from_dense(w, m, kernel='native', threads=2)\n"
+    "        for _ in range(3):\n"
+    "            torch.testing.assert_close(b.linear(x), ref, rtol=1e-5, atol=1e-5)\n"
+    "    nm = M.nm_mask(torch.rand(300, 512, generator=g), 2, 4, dim=1)\n"
+    "    b = get_backend('nm24').from_dense(w, nm, kernel='native', threads=2)\n"
+    "    r = get_backend('emulator').from_dense(w, nm, float64_accumulator=True).linear(x)\n"
+    "    torch.testing.assert_close(b.linear(x), r, rtol=1e-5, atol=1e-5)\n"
+    "maps = open('/proc/self/maps').read().split()\n"
+    "print(_native.pool(), len({p for p in maps if '/libgomp' in p}))\n"
+)
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_native_kernels_run_on_torchs_own_openmp_pool(tmp_path):
+    # built with -fopenmp, the kernel library resolves libgomp.so.1 to the copy torch loaded: one OpenMP
+    # runtime in the process, so the sparse layers' threads are torch's intra-op threads (two runtimes
+    # would be two pools fighting for the same cores); two-thread results match the emulator
+    pool, runtimes = _run_fresh(_POOL_CHECK, tmp_path)
+    assert pool == "openmp", "the kernel was not built with -fopenmp (is libgomp missing?)"
+    assert runtimes == "1"
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
+def test_native_kernels_own_pthread_pool_still_matches_emulator(tmp_path):
+    # the kernel's own pool (compilers without OpenMP; HF_SPARSITY_NATIVE_POOL=pthread) computes the same
+    assert _run_fresh(_POOL_CHECK, tmp_path, HF_SPARSITY_NATIVE_POOL="pthread")[0] == "pthread"
+
+
 def test_from_dense_rejects_bad_input():
     w = torch.randn(4, 8)
     with pytest.raises(SparsityError, match="does not match weight shape"):
