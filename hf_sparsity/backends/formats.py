@@ -28,6 +28,7 @@ Inference only (``capabilities.training`` is False); gradients of ``x`` still fl
 
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import torch
@@ -145,17 +146,18 @@ class _PackedBackend(SparseBackend):
 
     # ------------------------------------------------------------------ compute
     def _batch1_call(self):
-        """``(the kernel call's fixed leading arguments, threads)``: the decode fast path."""
+        """``(the kernel call's prepared fixed arguments and their address, threads)``: the decode fast
+        path. The structure holds raw pointers into this backend's tensors (rebuilt on copy)."""
         t = self._tensors()
         meta, rowptr = (t[0], t[1]) if self.op == "bitmask" else (t[0] if self.op == "nm24" else None, None)
         nt = self._threads(1)
         chunk = max(4, -(-self.out_features // (16 * nt)))
-        lead = (
+        prep = _native.Prepared(
             _native.OPS[self.op], self.out_features, self.in_features, chunk, nt,
             None if rowptr is None else rowptr.data_ptr(), None if meta is None else meta.data_ptr(),
             self.values.data_ptr(), int(self.values.dtype == torch.bfloat16),
         )  # fmt: skip
-        return lead, torch.get_num_threads()
+        return prep, ctypes.addressof(prep), torch.get_num_threads()
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # decode fast path (one fp32 row, no autograd, eager): the kernel call with its fixed arguments
@@ -172,15 +174,15 @@ class _PackedBackend(SparseBackend):
             and x.is_contiguous()
         ):
             call = self._batch1
-            if call is None or call[1] != torch.get_num_threads():
+            if call is None or call[2] != torch.get_num_threads():
                 call = self._batch1 = self._batch1_call()
             y = torch.empty(*x.shape[:-1], self.out_features)
             c = self.counters["forward"]
             c.calls += 1
             c.macs += self.nnz
             c.macs_skipped += self.out_features * self.in_features - self.nnz
-            _native._lib.hfs_run(
-                *call[0], x.data_ptr(), y.data_ptr(), 1, None if bias is None else bias.data_ptr()
+            _native._lib.hfs_run_prepared(
+                call[1], x.data_ptr(), y.data_ptr(), None if bias is None else bias.data_ptr()
             )
             return y
         if x.shape[-1] != self.in_features:

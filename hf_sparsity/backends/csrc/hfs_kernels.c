@@ -594,6 +594,20 @@ void hfs_run(int op, int64_t rows, int64_t in, int64_t chunk, int nthreads, cons
   run(&j, nthreads);
 }
 
+/* A batch-1 call whose fixed arguments were prepared once (Python: _native.Prepared): four arguments
+   cross ctypes per call instead of thirteen (~1 us instead of ~3 us; ~200 calls per decoded token). */
+typedef struct {
+  int64_t op, rows, in, chunk, nthreads;
+  const int64_t* rowptr;
+  const void* meta;
+  const void* v;
+  int64_t vbf16;
+} prepared_t;
+void hfs_run_prepared(const prepared_t* p, const float* x, float* y, const float* bias) {
+  hfs_run((int)p->op, p->rows, p->in, p->chunk, (int)p->nthreads, p->rowptr, p->meta, p->v, (int)p->vbf16, x, y,
+          1, bias);
+}
+
 void hfs_set_spin(int64_t spin) { g_spin = spin; }
 /* 1: chunks on the OpenMP team (when built with -fopenmp); 0: the pthread pool above; -1: no change.
    Returns the mode in use. */
