@@ -231,8 +231,8 @@ def test_auto_matches_dense_records_choices_frees_memory_and_restores(arch, forc
         assert c["decode"] in ("dense", "native_dense", "bitmask", "csr", "nm24")
         if forced:
             assert c["decode"] == forced
-        else:  # never a format measured slower than dense
-            assert c["decode_ms"][c["decode"]] <= c["decode_ms"]["dense"]
+        else:  # never a format measured more than the default margin (3%) slower than dense
+            assert c["decode_ms"][c["decode"]] <= c["decode_ms"]["dense"] * 1.03
     assert "decode" in auto_report(model) and len(auto_report(model).splitlines()) == len(choices) + 1
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, want, rtol=1e-4, atol=1e-4)

@@ -310,7 +310,20 @@ def run_op(
 # The kernels as torch custom ops, so torch.compile traces through a sparse layer instead of breaking
 # its graph at every ctypes call. Eager code calls the kernels directly (a custom op's dispatch costs
 # a few microseconds per call, which adds up over ~200 layers per token); compiled code calls these.
-@torch.library.custom_op("hf_sparsity::packed_linear", mutates_args=())
+# They are defined with torch.library.Library (a schema, a CPU kernel, a fake kernel) rather than
+# torch.library.custom_op, whose Python autograd wrapper costs ~9 us more per call under no_grad
+# (12.6 against 3.9 us measured; ~1.6 ms per token over 180 layers). They have no autograd formula:
+# the inference backends call them only without gradients.
+_LIB = torch.library.Library("hf_sparsity", "DEF")
+
+
+def _define(schema: str, kernel, fake) -> None:
+    name = schema.split("(", 1)[0]
+    _LIB.define(schema)
+    _LIB.impl(name, kernel, "CPU")
+    torch.library.register_fake(f"hf_sparsity::{name}", lib=_LIB)(fake)
+
+
 def packed_linear(
     x: torch.Tensor,
     values: torch.Tensor,
@@ -349,12 +362,10 @@ def packed_linear(
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
-@packed_linear.register_fake
 def _packed_linear_fake(x, values, meta, rowptr, bias, op, rows, nnz, nthreads):
     return x.new_empty(*x.shape[:-1], rows)
 
 
-@torch.library.custom_op("hf_sparsity::csr_linear", mutates_args=())
 def csr_linear(
     x: torch.Tensor,
     rowptr: torch.Tensor,
@@ -387,7 +398,6 @@ def csr_linear(
     return y.view(*x.shape[:-1], rows).to(x.dtype)
 
 
-@torch.library.custom_op("hf_sparsity::packed_unpack", mutates_args=())
 def packed_unpack(
     values: torch.Tensor,
     meta: torch.Tensor,
@@ -413,7 +423,6 @@ def csr_unpack_into(out: torch.Tensor, rowptr: torch.Tensor, idx: torch.Tensor, 
     return out
 
 
-@torch.library.custom_op("hf_sparsity::csr_unpack", mutates_args=())
 def csr_unpack(
     rowptr: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, rows: int, cols: int
 ) -> torch.Tensor:
@@ -421,16 +430,38 @@ def csr_unpack(
     return csr_unpack_into(torch.empty(rows, cols, dtype=torch.float32), rowptr, idx, values)
 
 
-@csr_unpack.register_fake
 def _csr_unpack_fake(rowptr, idx, values, rows, cols):
     return values.new_empty(rows, cols, dtype=torch.float32)
 
 
-@packed_unpack.register_fake
 def _packed_unpack_fake(values, meta, rowptr, op, rows, in_features, nthreads):
     return values.new_empty(rows, in_features, dtype=torch.float32)
 
 
-@csr_linear.register_fake
 def _csr_linear_fake(x, rowptr, idx, values, bias, rows, nthreads):
     return x.new_empty(*x.shape[:-1], rows)
+
+
+_define(
+    "packed_linear(Tensor x, Tensor values, Tensor? meta, Tensor? rowptr, Tensor? bias, str op, int rows, "
+    "int nnz, int nthreads) -> Tensor",
+    packed_linear,
+    _packed_linear_fake,
+)
+_define(
+    "csr_linear(Tensor x, Tensor rowptr, Tensor idx, Tensor values, Tensor? bias, int rows, int nthreads) "
+    "-> Tensor",
+    csr_linear,
+    _csr_linear_fake,
+)
+_define(
+    "packed_unpack(Tensor values, Tensor meta, Tensor? rowptr, str op, int rows, int in_features, "
+    "int nthreads) -> Tensor",
+    packed_unpack,
+    _packed_unpack_fake,
+)
+_define(
+    "csr_unpack(Tensor rowptr, Tensor idx, Tensor values, int rows, int cols) -> Tensor",
+    csr_unpack,
+    _csr_unpack_fake,
+)
