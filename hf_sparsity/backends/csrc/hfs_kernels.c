@@ -81,8 +81,42 @@ static void NAME(int64_t r0, int64_t r1, const int64_t* rowptr, const ITYPE* idx
     y[r] = bias ? s + bias[r] : s;                                                         \
   }                                                                                        \
 }
+#if defined(__AVX512F__)
+/* AVX-512: sixteen nonzeros per FMA, their x values fetched with the hardware gather (vgatherdps);
+   measured on a 2-core Xeon (Sapphire Rapids) VM at 90%, out of cache: 1.2-1.45x faster than the
+   eight-lane insert path above (3072x768: 66 -> 46 us). */
+#define IDX16(p) _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(p)))
+#define IDX32(p) _mm512_loadu_si512((const void*)(p))
+#define SPMV512_ROWS(NAME, ITYPE, LOADIDX)                                                 \
+static void NAME(int64_t r0, int64_t r1, const int64_t* rowptr, const ITYPE* idx,          \
+                 const float* v, const float* x, float* y, const float* bias) {            \
+  for (int64_t r = r0; r < r1; r++) {                                                      \
+    int64_t j = rowptr[r], e = rowptr[r + 1];                                              \
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();                             \
+    for (; j + 32 <= e; j += 32) {                                                         \
+      PREFETCH(v + j);                                                                     \
+      PREFETCH(v + j + 16);                                                                \
+      PREFETCH(idx + j);                                                                   \
+      a0 = _mm512_fmadd_ps(_mm512_loadu_ps(v + j), _mm512_i32gather_ps(LOADIDX(idx + j), x, 4), a0);  \
+      a1 = _mm512_fmadd_ps(_mm512_loadu_ps(v + j + 16), _mm512_i32gather_ps(LOADIDX(idx + j + 16), x, 4), \
+                           a1);                                                            \
+    }                                                                                      \
+    if (j + 16 <= e) {                                                                     \
+      a0 = _mm512_fmadd_ps(_mm512_loadu_ps(v + j), _mm512_i32gather_ps(LOADIDX(idx + j), x, 4), a0);  \
+      j += 16;                                                                             \
+    }                                                                                      \
+    float t = 0.f;                                                                         \
+    for (; j < e; j++) t += v[j] * x[idx[j]];                                              \
+    float s = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + t;                             \
+    y[r] = bias ? s + bias[r] : s;                                                         \
+  }                                                                                        \
+}
+SPMV512_ROWS(spmv_u16, uint16_t, IDX16)
+SPMV512_ROWS(spmv_i32, int32_t, IDX32)
+#else
 SPMV_ROWS(spmv_u16, uint16_t, gather8_u16)
 SPMV_ROWS(spmv_i32, int32_t, gather8_i32)
+#endif
 #define HFS_SIMD 1
 #else
 #define SPMV_ROWS(NAME, ITYPE)                                                             \
