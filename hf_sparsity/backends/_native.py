@@ -63,6 +63,16 @@ _FLAG_SETS = tuple(
 
 MIN_WORK_PER_THREAD = 16384  # multiply-adds; below this, waking a helper costs more than it saves
 
+
+def chunk_rows(rows: int, nthreads: int) -> int:
+    """Rows per chunk: one contiguous chunk per thread (still claimed dynamically, so a late thread's
+    chunk is taken by the other). Long contiguous streams keep the hardware prefetcher going and cost
+    one claim each: measured on 2 cores, out of cache, bitmask at 50% per layer, 1536x576: 81 us in two
+    chunks against 89 / 94 / 108 / 142 us in 32 / 48 / 96 / 384 chunks; 192x576: 15.7 against 19.6 us
+    in 16 chunks; three uneven chunks were slower than two."""
+    return max(1, -(-rows // max(1, nthreads)))
+
+
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -193,8 +203,6 @@ class NativeCSR:
         self.values = values.to(torch.float32).contiguous()
         self.nnz = int(self.values.numel())
         self._ptrs = (self.rowptr.data_ptr(), self.idx.data_ptr(), self.values.data_ptr())
-        # ~16 chunks per thread: fine enough for dynamic balancing, coarse enough to stream rows
-        self.chunk = max(8, -(-self.rows // (16 * max(1, torch.get_num_threads()))))
 
     def __getstate__(self):  # the library handle and raw pointers are this process's, this object's
         state = self.__dict__.copy()
@@ -231,7 +239,7 @@ class NativeCSR:
         if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
             bias = bias.float().contiguous()
         self.lib.hfs_matmul(
-            kind, self.rows, self.chunk, nt, self._ptrs[0], self._ptrs[1], self._ptrs[2],
+            kind, self.rows, chunk_rows(self.rows, nt), nt, self._ptrs[0], self._ptrs[1], self._ptrs[2],
             x.data_ptr(), y.data_ptr(), batch, None if bias is None else bias.data_ptr(),
         )  # fmt: skip
         return y
@@ -294,7 +302,7 @@ def run_op(
         return y if bias is None else y.copy_(bias.float().expand_as(y))
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.float().contiguous()
-    chunk = chunk or max(4, -(-rows // (16 * max(1, nthreads))))
+    chunk = chunk or chunk_rows(rows, nthreads)
     lib.hfs_run(
         OPS[op], rows, in_features, chunk, nthreads,
         None if rowptr is None else rowptr.data_ptr(),
@@ -352,7 +360,7 @@ def packed_linear(
         bias = bias.float().contiguous()
     if batch and rows:
         _lib.hfs_run(
-            OPS[op], rows, in_f, max(4, -(-rows // (16 * nt))), nt,
+            OPS[op], rows, in_f, chunk_rows(rows, nt), nt,
             None if rowptr is None else rowptr.data_ptr(), None if meta is None else meta.data_ptr(),
             values.data_ptr(), int(values.dtype == torch.bfloat16), x2d.data_ptr(), y.data_ptr(), batch,
             None if bias is None else bias.data_ptr(),
@@ -388,7 +396,7 @@ def csr_linear(
         xx = x2d if batch == 1 else x2d.t().contiguous()
         if bias is not None:
             bias = bias.float().contiguous()
-        chunk = max(8, -(-rows // (16 * max(1, nthreads))))
+        chunk = chunk_rows(rows, nthreads)
         lib.hfs_matmul(
             kind, rows, chunk, nthreads, rowptr.data_ptr(), idx.data_ptr(), values.data_ptr(),
             xx.data_ptr(), y.data_ptr(), batch, None if bias is None else bias.data_ptr(),

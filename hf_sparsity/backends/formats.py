@@ -151,7 +151,7 @@ class _PackedBackend(SparseBackend):
         t = self._tensors()
         meta, rowptr = (t[0], t[1]) if self.op == "bitmask" else (t[0] if self.op == "nm24" else None, None)
         nt = self._threads(1)
-        chunk = max(4, -(-self.out_features // (16 * nt)))
+        chunk = _native.chunk_rows(self.out_features, nt)
         prep = _native.Prepared(
             _native.OPS[self.op], self.out_features, self.in_features, chunk, nt,
             None if rowptr is None else rowptr.data_ptr(), None if meta is None else meta.data_ptr(),
