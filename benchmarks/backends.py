@@ -352,7 +352,8 @@ def main(argv=None) -> int:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY="
           f"{os.environ.get('OMP_WAIT_POLICY')}, native kernel: "
           f"{'available' if _native.load() is not None else 'unavailable (' + str(_native.error()) + ')'}"
-          f"{', AVX2' if _native.simd() else ''}; load average {load}")  # fmt: skip
+          f"{f', {_native.isa()}, {_native.pool()} pool' if _native.load() else ''}; "
+          f"load average {load}")  # fmt: skip
     out: dict = {"threads": torch.get_num_threads(), "load_before": load}
     if args.layers:
         out["layers"] = layer_table(repeats=7 if args.quick else 21)

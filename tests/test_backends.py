@@ -546,10 +546,10 @@ def test_packed_formats_refuse_bad_input_naming_alternatives():
 
 @pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("in_f", [8, 40, 296, 1544])
+@pytest.mark.parametrize("in_f", [8, 40, 44, 296, 1544])
 def test_native_unpack_matches_torch_and_reuses_its_buffer(in_f, dtype):
-    # prefill's dense weight: the SIMD unpack kernels (bitmask, 2:4) give exactly the masked weight,
-    # written into one buffer per shape and thread (no fresh pages per call)
+    # prefill's dense weight: the SIMD unpack kernels (bitmask, 2:4; in 44: a 2:4 scalar tail of four) give
+    # exactly the masked weight, written into one buffer per shape and thread (no fresh pages per call)
     g = torch.Generator().manual_seed(in_f)
     w = torch.randn(37, in_f, generator=g).to(dtype)
     m = (torch.rand(37, in_f, generator=g) < 0.5).to(torch.uint8)
@@ -598,6 +598,35 @@ def test_native_kernels_are_custom_ops_torch_compile_traces_without_graph_breaks
         got = torch.compile(mod, fullgraph=True, backend="aot_eager")(x)  # fullgraph: a break raises
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     torch._dynamo.reset()
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
+@pytest.mark.parametrize("batch", [1, 3])
+def test_custom_ops_pass_torch_opcheck(batch):
+    # the ops are defined with torch.library.Library (schema + CPU kernel + fake kernel); opcheck checks
+    # the schema (no hidden mutation or aliasing) and that the fake kernel agrees with the real one
+    from hf_sparsity.backends import _native
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 64, generator=g)
+    m = (torch.rand(40, 64, generator=g) > 0.5).to(torch.uint8)
+    x = torch.randn(batch, 64, generator=g)
+    bias = torch.randn(40, generator=g)
+    want = x @ (w * m).t() + bias
+    bm = get_backend("bitmask").from_dense(w, m)
+    csr = get_backend("csr").from_dense(w, m, kernel="native")._native
+    ops = {
+        "packed_linear": (x, bm.values, bm.bits, bm.rowptr, bias, "bitmask", 40, bm.nnz, 0),
+        "csr_linear": (x, csr.rowptr, csr.idx, csr.values, bias, 40, 0),
+        "packed_unpack": (bm.values, bm.bits, bm.rowptr, "bitmask_unpack", 40, 64, 0),
+        "csr_unpack": (csr.rowptr, csr.idx, csr.values, 40, 64),
+    }
+    for name, args in ops.items():
+        op = getattr(torch.ops.hf_sparsity, name).default
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+        got = op(*args)
+        torch.testing.assert_close(got, want if "linear" in name else w * m, rtol=1e-5, atol=1e-5)
+    assert _native.isa() in ("scalar", "avx2", "avx512") and _native.pool() in ("openmp", "pthread")
 
 
 @pytest.mark.skipif(not NATIVE, reason="native kernel did not build")

@@ -97,3 +97,4 @@ def test_generate_compiled_streams_the_dense_tokens(folders, capsys):
     out, err = capsys.readouterr()
     assert out.startswith(prompt) and want.strip() in out
     assert "compiled, compile + first run dense" in err and "bitmask" in err
+    assert "stock dense (eager)" in err  # the uncompiled baseline is printed beside the compiled one

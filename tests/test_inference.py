@@ -327,6 +327,38 @@ def test_native_kernel_source_ships_as_package_data():
     assert '[tool.setuptools.package-data]\n"hf_sparsity.backends" = ["csrc/*.c"]' in text
 
 
+def test_auto_times_copies_streaming_stream_bytes_and_gives_ties_to_the_compact_format(monkeypatch):
+    # the decode pass streams distinct copies of the sample until it covers stream_bytes of dense
+    # weights (capped at 64 copies); a sparse format within -margin of dense wins the tie
+    from hf_sparsity.backends import auto
+
+    g = torch.Generator().manual_seed(0)
+    layers = {
+        f"l{i}": (torch.randn(16, 32, generator=g), torch.rand(16, 32, generator=g) > 0.5) for i in range(3)
+    }
+    seen = []
+    times = {"dense": 1.0, "native_dense": 1.2, "bitmask": 1.02, "csr": 1.5}
+
+    def fake_measure(timed, sample, cands, *a):
+        seen.append(timed)
+        ws = [w for w, _ in timed.values()]
+        assert len({w.data_ptr() for w in ws}) == len(ws)  # distinct memory, not the same layer again
+        best = min((f for f in cands if f not in auto.DENSE), key=times.__getitem__)
+        margin = a[-1]
+        best = "dense" if times[best] > times["dense"] * (1 - margin) else best
+        return best, dict(times), {"dense": 1.0, f"{best}:own": 2.0, f"{best}:unpack": 1.1}
+
+    monkeypatch.setattr(auto, "_measure", fake_measure)
+    one = 16 * 32 * 4
+    plan = auto.plan_layers(layers, stream_bytes=10 * 3 * one)
+    assert len(seen[-1]) == 3 * 10 and plan["l0"][3]["timed_copies"] == 10
+    assert plan["l0"][3]["decode"] == "bitmask"  # 2% slower than dense: a tie, the compact format
+    plan = auto.plan_layers(layers, stream_bytes=1 << 40)
+    assert plan["l0"][3]["timed_copies"] == 64
+    plan = auto.plan_layers(layers, stream_bytes=0, margin=0.0)
+    assert plan["l0"][3]["timed_copies"] == 1 and plan["l0"][3]["decode"] == "dense"
+
+
 def test_auto_whole_model_check_keeps_dense_when_the_converted_model_is_slower(monkeypatch):
     from hf_sparsity.backends import timing
     from hf_sparsity.inference import auto_choices

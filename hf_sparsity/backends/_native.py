@@ -149,6 +149,7 @@ def load() -> ctypes.CDLL | None:
             lib.hfs_run_prepared.argtypes, lib.hfs_run_prepared.restype = [vp, vp, vp, vp], None
             lib.hfs_set_spin.argtypes, lib.hfs_set_spin.restype = [i64], None
             lib.hfs_simd.argtypes, lib.hfs_simd.restype = [], ci
+            lib.hfs_isa.argtypes, lib.hfs_isa.restype = [], ci
             lib.hfs_set_openmp.argtypes, lib.hfs_set_openmp.restype = [ci], ci
             if os.environ.get("HF_SPARSITY_NATIVE_POOL") == "pthread":
                 lib.hfs_set_openmp(0)
@@ -165,6 +166,13 @@ def simd() -> bool:
     """Whether the loaded kernel uses the AVX2/FMA batch-1 path (False: scalar fallback or no kernel)."""
     lib = load()
     return bool(lib is not None and lib.hfs_simd())
+
+
+def isa() -> str | None:
+    """The kernels' instruction set: ``"avx512"``, ``"avx2"`` (with FMA), ``"scalar"``, or ``None``
+    (no kernel)."""
+    lib = load()
+    return None if lib is None else ("scalar", "avx2", "avx512")[lib.hfs_isa()]
 
 
 def pool() -> str | None:

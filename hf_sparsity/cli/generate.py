@@ -83,9 +83,12 @@ def generate_command(args) -> int:
     ids = tok(args.prompt, return_tensors="pt").input_ids
     if ids.shape[1] == 0:
         raise SparsityError("--prompt is empty after tokenization; pass some text.")
-    dense_tok_s = None
+    dense_tok_s = stock_tok_s = None
     dense_bytes = resident_weight_bytes(model)
     kw, compile_s = {}, {}
+    if args.compile and not args.no_dense:  # stock transformers (eager) too: what a user has today
+        _generate(model, ids, 2)
+        _, stock_tok_s = _generate(model, ids, args.max_new_tokens)
     if args.compile:
         from ..inference import compiled_generate_kwargs
 
@@ -116,6 +119,8 @@ def generate_command(args) -> int:
     line = f"\n[{args.backend}: {tok_s:.2f} tok/s"
     if dense_tok_s:
         line += f", dense {dense_tok_s:.2f} tok/s ({tok_s / dense_tok_s:.2f}x)"
+    if stock_tok_s:
+        line += f", stock dense (eager) {stock_tok_s:.2f} tok/s ({tok_s / stock_tok_s:.2f}x)"
     line += (
         f"; weights {resident_weight_bytes(model) / 2**20:.1f} MiB vs dense {dense_bytes / 2**20:.1f} MiB; "
         f"conversion {convert_s:.1f} s; {torch.get_num_threads()} threads"

@@ -478,22 +478,51 @@ static void bm_unpack_rows(const job_t* j, int64_t r0, int64_t r1) {
     bm_unpack_rows_(j, r0, r1, 0);
 }
 
-/* 2:4 -> dense float32 rows: per group of four columns, zeros and the two values at their positions. */
-static void nm24_unpack_rows(const job_t* j, int64_t r0, int64_t r1) {
+/* 2:4 -> dense float32 rows: per group of four columns, zeros and the two values at their positions.
+   With AVX2, eight columns per step: the meta byte indexes a table giving, per output lane, which of
+   the four values lands there (or -1: zero), one vpermps + blend as in the bitmask expansion (the
+   scalar loop made 2:4 prefill 0.3-0.5x dense against the bitmask's 0.8x). */
+#if HFS_SIMD
+static int32_t g_nm_inv[256][8] __attribute__((aligned(32)));
+__attribute__((constructor)) static void init_nm_inv(void) {
+  for (int b = 0; b < 256; b++) {
+    int lanes[4] = {b & 3, (b >> 2) & 3, 4 + ((b >> 4) & 3), 4 + ((b >> 6) & 3)};
+    for (int i = 0; i < 8; i++) g_nm_inv[b][i] = -1;
+    for (int k = 0; k < 4; k++) g_nm_inv[b][lanes[k]] = k;
+  }
+}
+#endif
+static inline __attribute__((always_inline)) void nm24_unpack_rows_(const job_t* j, int64_t r0, int64_t r1,
+                                                                    const int BF) {
   const int64_t in = j->in, half = in >> 1;
   const uint8_t* M = (const uint8_t*)j->idx;
   for (int64_t r = r0; r < r1; r++) {
     const uint8_t* m = M + r * ((in + 7) >> 3);
     float* out = j->y + r * in;
     const int64_t vo = r * half;
-    for (int64_t c = 0; c < in; c += 4) {
+    int64_t c = 0;
+#if HFS_SIMD
+    for (; c + 8 <= in; c += 8) {
+      const __m256i t = _mm256_load_si256((const __m256i*)g_nm_inv[m[c >> 3]]);
+      const __m256 vals = loadv8_(j->v, BF, vo + c / 2); /* lanes 0-3 used; the values array is padded */
+      _mm256_storeu_ps(out + c, _mm256_blendv_ps(_mm256_permutevar8x32_ps(vals, t), _mm256_setzero_ps(),
+                                                 _mm256_castsi256_ps(t)));
+    }
+#endif
+    for (; c < in; c += 4) {
       const uint32_t bits = (uint32_t)(m[c >> 3] >> ((c & 4) ? 4 : 0)) & 15u;
       float g[4] = {0.f, 0.f, 0.f, 0.f};
-      g[bits & 3] = VAL(j, vo + c / 2);
-      g[bits >> 2] = VAL(j, vo + c / 2 + 1); /* the two positions differ (padding included) */
+      g[bits & 3] = VALB(j->v, BF, vo + c / 2);
+      g[bits >> 2] = VALB(j->v, BF, vo + c / 2 + 1); /* the two positions differ (padding included) */
       memcpy(out + c, g, sizeof g);
     }
   }
+}
+static void nm24_unpack_rows(const job_t* j, int64_t r0, int64_t r1) {
+  if (j->vbf16)
+    nm24_unpack_rows_(j, r0, r1, 1);
+  else
+    nm24_unpack_rows_(j, r0, r1, 0);
 }
 
 static job_t g_job;
@@ -653,3 +682,11 @@ int hfs_set_openmp(int on) {
 }
 int hfs_version(void) { return 6; }
 int hfs_simd(void) { return HFS_SIMD; }
+/* 0 scalar, 1 AVX2 + FMA, 2 AVX-512 (the bitmask expand and CSR gather paths) */
+int hfs_isa(void) {
+#if HFS_SIMD && defined(__AVX512F__)
+  return 2;
+#else
+  return HFS_SIMD;
+#endif
+}
