@@ -263,6 +263,24 @@ class Prepared(ctypes.Structure):
     ]  # fmt: skip
 
 
+_PREPARED: dict[tuple, tuple] = {}
+"""Prepared batch-1 calls of the custom ops, keyed by every argument they hold (so a hit is exactly the
+call the general path would make, whatever tensor object is passed)."""
+
+
+def prepared_call(key: tuple) -> int:
+    """The address of a :class:`Prepared` for ``key`` = ``(op, rows, in_features, nthreads, rowptr,
+    meta, values, vbf16)`` (pointers as ints), built on first use; the cache is cleared past 4096."""
+    hit = _PREPARED.get(key)
+    if hit is None:
+        if len(_PREPARED) > 4096:
+            _PREPARED.clear()
+        op, rows, in_f, nt, rowptr, meta, values, bf16 = key
+        prep = Prepared(op, rows, in_f, chunk_rows(rows, nt), nt, rowptr, meta, values, bf16)
+        hit = _PREPARED[key] = (prep, ctypes.addressof(prep))
+    return hit[1]
+
+
 OPS = {"bitmask": 0, "nm24": 1, "gemv": 2, "bitmask_unpack": 3, "nm24_unpack": 4}
 UNPACK_OPS = ("bitmask_unpack", "nm24_unpack")
 
@@ -358,6 +376,20 @@ def packed_linear(
     the backend validated its tensors at conversion): ~10 us per call against ~30 us through
     :func:`run_op`, which is 3.6 ms per token over SmolLM2-135M's 180 sparse layers."""
     in_f = x.shape[-1]
+    if (
+        x.numel() == in_f
+        and x.dtype == torch.float32
+        and x.is_contiguous()
+        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+    ):  # decode: a prepared call (four ctypes arguments), as the eager fast path
+        nt = nthreads or max(1, min(torch.get_num_threads(), nnz // MIN_WORK_PER_THREAD))
+        addr = prepared_call((
+            OPS[op], rows, in_f, nt, None if rowptr is None else rowptr.data_ptr(),
+            None if meta is None else meta.data_ptr(), values.data_ptr(), int(values.dtype == torch.bfloat16),
+        ))  # fmt: skip
+        y = torch.empty(*x.shape[:-1], rows, dtype=torch.float32)
+        _lib.hfs_run_prepared(addr, x.data_ptr(), y.data_ptr(), None if bias is None else bias.data_ptr())
+        return y
     x2d = x.reshape(-1, in_f)
     if x2d.dtype != torch.float32 or not x2d.is_contiguous():
         x2d = x2d.float().contiguous()
@@ -395,6 +427,18 @@ def csr_linear(
     ``nthreads`` 0: as many as keep :data:`MIN_WORK_PER_THREAD` multiply-adds each."""
     lib = load()
     in_f = x.shape[-1]
+    if (
+        x.numel() == in_f
+        and x.dtype == torch.float32
+        and x.is_contiguous()
+        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+    ):  # decode: a prepared call, as in packed_linear
+        nt = threads_for(values.numel(), nthreads or None)
+        kind = 16 + (0 if idx.dtype == torch.int16 else 1)
+        addr = prepared_call((kind, rows, in_f, nt, rowptr.data_ptr(), idx.data_ptr(), values.data_ptr(), 0))
+        y = torch.empty(*x.shape[:-1], rows, dtype=torch.float32)
+        lib.hfs_run_prepared(addr, x.data_ptr(), y.data_ptr(), None if bias is None else bias.data_ptr())
+        return y
     x2d = x.reshape(-1, in_f).float().contiguous()
     batch = x2d.shape[0]
     nthreads = threads_for(values.numel() * batch, nthreads or None)

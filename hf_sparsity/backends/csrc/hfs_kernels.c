@@ -666,7 +666,13 @@ typedef struct {
   const void* v;
   int64_t vbf16;
 } prepared_t;
+/* op 0-4 as hfs_run; 16 + kind: CSR (hfs_matmul's batch-1 kinds 0/1, `meta` = the column indices). */
 void hfs_run_prepared(const prepared_t* p, const float* x, float* y, const float* bias) {
+  if (p->op >= 16) {
+    hfs_matmul((int)p->op - 16, p->rows, p->chunk, (int)p->nthreads, p->rowptr, p->meta, (const float*)p->v, x, y,
+               1, bias);
+    return;
+  }
   hfs_run((int)p->op, p->rows, p->in, p->chunk, (int)p->nthreads, p->rowptr, p->meta, p->v, (int)p->vbf16, x, y,
           1, bias);
 }
