@@ -25,6 +25,7 @@ from __future__ import annotations
 import re
 
 from ..utils import SparsityError
+from . import ops  # noqa: F401  (registers the torch.ops.hf_sparsity custom ops; compiles nothing)
 from .base import PHASES, BackendCapabilities, SparseBackend, WorkCounters, check_nm
 
 _REGISTRY: dict[str, type[SparseBackend]] = {}

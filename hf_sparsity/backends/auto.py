@@ -213,14 +213,7 @@ def plan_layers(
         cands = [f for f in formats if f != "nm24" or is24]
         step = max(1, len(names) // sample_layers)
         sample = names[::step][:sample_layers]
-        # distinct copies of the sample until one pass streams ``stream_bytes`` of dense weights
-        per = shape[0] * shape[1] * dtype.itemsize
-        copies = max(1, min(64, -(-stream_bytes // max(1, per * len(sample)))))
-        timed = {
-            f"{n}#{i}": (layers[n][0].clone() if i else layers[n][0], layers[n][1])
-            for i in range(copies)
-            for n in sample
-        }
+        timed, copies = _streamed_copies(layers, sample, stream_bytes)
         best, decode_ms, prefill_ms = _measure(
             timed, list(timed), cands, prefill_batch, rounds, threads, margin
         )
@@ -266,6 +259,20 @@ def plan_layers(
             out[names[0]][3]["prefill_vs_dense"],
         )
     return out
+
+
+def _streamed_copies(layers: dict, sample: list[str], stream_bytes: int) -> tuple[dict, int]:
+    """Distinct copies of the ``sample`` layers (weights cloned, at most 64 copies) until one pass over
+    them streams ``stream_bytes`` of dense weights: ``(name#copy -> (weight, mask), copies)``."""
+    w0 = layers[sample[0]][0]
+    per = w0.numel() * w0.element_size()
+    copies = max(1, min(64, -(-stream_bytes // max(1, per * len(sample)))))
+    timed = {
+        f"{n}#{i}": (layers[n][0].clone() if i else layers[n][0], layers[n][1])
+        for i in range(copies)
+        for n in sample
+    }
+    return timed, copies
 
 
 def _measure(layers, sample, cands, prefill_batch, rounds, threads, margin):
