@@ -404,11 +404,15 @@ def compiled_generate_kwargs(fullgraph: bool = True, backend: str = "inductor") 
     so the graph does not break at sparse layers (``fullgraph=True`` checks it). The first call
     compiles (tens of seconds on 2 cores; the inductor cache makes later processes faster) and
     every new prompt length or ``max_new_tokens`` compiles again (the static cache's length is
-    part of the graph): compile pays for long or repeated generations of one shape. Figures:
-    docs/backends.md.
+    part of the graph): compile pays for long or repeated generations of one shape. It also builds
+    the C++ variants of the custom ops once (``hf_sparsity.backends.ops.build_cpp_ops``: needs
+    ninja; ~10 s, cached; the Python ops serve otherwise). Figures: docs/backends.md.
     """
     from transformers import CompileConfig
 
+    from .backends import ops
+
+    ops.build_cpp_ops()  # the sparse layers' custom ops with a C++ body, when they can be built
     cc = CompileConfig(fullgraph=fullgraph, dynamic=False, backend=backend, mode="default")
     cc._compile_all_devices = True  # transformers' own switch for compiling generate on CPU
     return {"cache_implementation": "static", "compile_config": cc}

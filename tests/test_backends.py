@@ -630,6 +630,53 @@ def test_custom_ops_pass_torch_opcheck(batch):
 
 
 @pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
+@pytest.mark.parametrize("batch", [1, 3])
+def test_cpp_custom_ops_build_pass_opcheck_and_match_the_python_ops(batch):
+    # the C++ variants (hf_sparsity_cpp::) serve compiled graphs once built; the test extra installs ninja,
+    # so a failed build fails here instead of silently leaving the slower Python ops
+    from hf_sparsity.backends import ops
+
+    assert ops.build_cpp_ops(), ops.cpp_ops_error()
+    assert ops.linear_op("packed_linear") is torch.ops.hf_sparsity_cpp.packed_linear
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(40, 64, generator=g)
+    m = (torch.rand(40, 64, generator=g) > 0.5).to(torch.uint8)
+    x = torch.randn(batch, 64, generator=g)
+    bias = torch.randn(40, generator=g)
+    want = x @ (w * m).t() + bias
+    bm = get_backend("bitmask").from_dense(w, m)
+    nm = M.nm_mask(torch.rand(40, 64, generator=g), 2, 4, dim=1)
+    b24 = get_backend("nm24").from_dense(w, nm)
+    csr = get_backend("csr").from_dense(w, m, kernel="native")._native
+    cases = [
+        ("packed_linear", (x, bm.values, bm.bits, bm.rowptr, bias, "bitmask", 40, bm.nnz, 0), want),
+        ("packed_linear", (x, b24.values, b24.meta, None, None, "nm24", 40, b24.nnz, 2), x @ (w * nm).t()),
+        ("csr_linear", (x, csr.rowptr, csr.idx, csr.values, bias, 40, 0), want),
+    ]
+    for name, args, expect in cases:
+        op = getattr(torch.ops.hf_sparsity_cpp, name).default
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+        torch.testing.assert_close(op(*args), expect, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(op(*args), getattr(torch.ops.hf_sparsity, name).default(*args))
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
+def test_cpp_custom_ops_can_be_switched_off(tmp_path):
+    code = (
+        "import torch\n"
+        "from hf_sparsity.backends import ops\n"
+        "print(ops.build_cpp_ops(), ops.linear_op('csr_linear') is torch.ops.hf_sparsity.csr_linear)\n"
+        "print(ops.cpp_ops_error())\n"
+    )
+    assert _run_fresh(code, tmp_path, HF_SPARSITY_NO_CPP_OPS="1") == [
+        "False",
+        "True",
+        "RuntimeError:",
+        "HF_SPARSITY_NO_CPP_OPS=1",
+    ]
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
 def test_native_kernels_avx2_build_matches_emulator(tmp_path):
     # on an AVX-512 CPU the bitmask kernel takes a 16-lane path; this checks the AVX2 one it would
     # use

@@ -21,7 +21,7 @@ import warnings
 import torch
 
 from ..utils import SparsityError
-from . import _native
+from . import _native, ops
 from .base import BackendCapabilities, SparseBackend
 
 KERNELS = ("auto", "native", "torch")
@@ -121,7 +121,7 @@ class CSRBackend(SparseBackend):
         if torch.compiler.is_compiling():  # custom ops: no graph break at this layer
             if big:  # torch.sparse does not compile: one dense GEMM on the unpacked weight
                 return torch.nn.functional.linear(x, self.dense_for_matmul(), bias)
-            return torch.ops.hf_sparsity.csr_linear(
+            return ops.linear_op("csr_linear")(
                 x, nat.rowptr, nat.idx, nat.values, bias, nat.rows, self.threads or 0
             )
         if big:

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..utils import SparsityError
-from . import _native
+from . import _native, ops
 from .base import BackendCapabilities, SparseBackend
 
 SMALL_BATCH = 16
@@ -202,7 +202,7 @@ class _PackedBackend(SparseBackend):
             meta, rowptr = (
                 (t[0], t[1]) if self.op == "bitmask" else (t[0] if self.op == "nm24" else None, None)
             )
-            return torch.ops.hf_sparsity.packed_linear(
+            return ops.linear_op("packed_linear")(
                 x,
                 self.values,
                 meta,
