@@ -6,6 +6,7 @@ import functools
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -282,7 +283,9 @@ def test_native_kernel_portable_build_matches_emulator(tmp_path):
 
 
 _POOL_CHECK = (
-    "import torch\n"
+    "import os, torch\n"
+    "maps = open('/proc/self/maps').read().split()\n"
+    "torch_gomp = ','.join(sorted({os.path.basename(p) for p in maps if '/libgomp' in p})) or 'none'\n"
     "from hf_sparsity.backends import _native, get_backend\n"
     "from hf_sparsity import masks as M\n"
     "torch.set_num_threads(2)\n"
@@ -300,7 +303,7 @@ _POOL_CHECK = (
     "    r = get_backend('emulator').from_dense(w, nm, float64_accumulator=True).linear(x)\n"
     "    torch.testing.assert_close(b.linear(x), r, rtol=1e-5, atol=1e-5)\n"
     "maps = open('/proc/self/maps').read().split()\n"
-    "print(_native.pool(), len({p for p in maps if '/libgomp' in p}))\n"
+    "print(_native.pool(), len({p for p in maps if '/libgomp' in p}), torch_gomp)\n"
 )
 
 
@@ -310,9 +313,12 @@ def test_native_kernels_run_on_torchs_own_openmp_pool(tmp_path):
     # built with -fopenmp, the kernel library resolves libgomp.so.1 to the copy torch loaded: one OpenMP
     # runtime in the process, so the sparse layers' threads are torch's intra-op threads (two runtimes
     # would be two pools fighting for the same cores); two-thread results match the emulator
-    pool, runtimes = _run_fresh(_POOL_CHECK, tmp_path)
-    assert pool == "openmp", "the kernel was not built with -fopenmp (is libgomp missing?)"
-    assert runtimes == "1"
+    pool, runtimes, torch_gomp = _run_fresh(_POOL_CHECK, tmp_path)
+    if torch_gomp in ("libgomp.so.1", "none"):  # a torch whose libgomp our library resolves to (or none yet)
+        assert pool == "openmp", "the kernel was not built with -fopenmp (is libgomp missing?)"
+        assert runtimes == "1"
+    else:  # torch ships a renamed libgomp: ours would be a second runtime, so the kernels use their own pool
+        assert pool == "pthread"
 
 
 @pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
@@ -630,6 +636,33 @@ def test_custom_ops_pass_torch_opcheck(batch):
 
 
 @pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
+@pytest.mark.parametrize("name", ["bitmask", "nm24", "native_dense"])
+def test_batch1_fast_path_refuses_misshaped_input_and_ignores_the_default_dtype(name):
+    # the fast path takes one row of exactly in_features (a [2, 8] input to a 16-input layer has 16
+    # elements too) and writes float32 whatever torch's default dtype is
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(8, 16, generator=g)
+    m = M.nm_mask(torch.rand(8, 16, generator=g), 2, 4, dim=1)
+    b = get_backend(name).from_dense(w, m, kernel="native")
+    with torch.no_grad(), pytest.raises(SparsityError, match="features"):
+        b.linear(torch.randn(2, 8, generator=g))
+    x = torch.randn(1, 16, generator=g)
+    old = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        with torch.no_grad():
+            y = b.linear(x)
+    finally:
+        torch.set_default_dtype(old)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, x @ (w * m).t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
+@pytest.mark.skipif(
+    not any(shutil.which(c) for c in (os.environ.get("CXX", "c++"), "g++", "clang++")),
+    reason="no C++ compiler for torch.utils.cpp_extension",
+)
 @pytest.mark.parametrize("batch", [1, 3])
 def test_cpp_custom_ops_build_pass_opcheck_and_match_the_python_ops(batch):
     # the C++ variants (hf_sparsity_cpp::) serve compiled graphs once built; the test extra installs ninja,

@@ -88,24 +88,29 @@ def cache_dir() -> str:
 
 
 def _cpu_id() -> str:
+    """The CPU's model name and feature flags (a build for one must not load on a CPU lacking a flag)."""
+    found: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
-                if line.startswith(("model name", "flags")):
-                    return line
+                for field in ("model name", "flags"):
+                    if line.startswith(field) and field not in found:
+                        found[field] = line
+                if len(found) == 2:
+                    break
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return "".join(found.values()) or platform.processor() or platform.machine()
 
 
-def _build(cc: str) -> str:
+def _build(cc: str, openmp: bool = True) -> str:
     code = source()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     last = ""
     # HF_SPARSITY_NATIVE_PORTABLE=1: skip -march=native (the scalar path; for machines that share a cache)
-    flag_sets = _FLAG_SETS
+    flag_sets = _FLAG_SETS if openmp else tuple(f for f in _FLAG_SETS if "-fopenmp" not in f)
     if os.environ.get("HF_SPARSITY_NATIVE_PORTABLE") == "1":
-        flag_sets = tuple(f for f in _FLAG_SETS if "-march=native" not in f)
+        flag_sets = tuple(f for f in flag_sets if "-march=native" not in f)
     if os.environ.get("HF_SPARSITY_NATIVE_NO_AVX512") == "1":  # the AVX2 paths on an AVX-512 CPU (tests)
         flag_sets = tuple([*f, "-mno-avx512f"] if "-march=native" in f else f for f in flag_sets)
     for flags in flag_sets:
@@ -140,7 +145,14 @@ def load() -> ctypes.CDLL | None:
         try:
             if cc is None:
                 raise RuntimeError("no C compiler found (set $CC) or HF_SPARSITY_NO_NATIVE is set")
-            lib = ctypes.CDLL(_build(cc))
+            before = _openmp_runtimes()
+            try:
+                lib = ctypes.CDLL(_build(cc))
+            except OSError as e:  # e.g. a second libgomp that cannot be loaded (static TLS): no OpenMP
+                logger.info(
+                    "hf_sparsity: the OpenMP kernel build did not load (%s); using the pthread pool", e
+                )
+                lib = ctypes.CDLL(_build(cc, openmp=False))
             vp, i64, ci = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
             lib.hfs_matmul.argtypes = [ci, i64, i64, ci, i64, i64, i64, i64, i64, i64, vp]
             lib.hfs_matmul.restype = None
@@ -153,6 +165,11 @@ def load() -> ctypes.CDLL | None:
             lib.hfs_set_openmp.argtypes, lib.hfs_set_openmp.restype = [ci], ci
             if os.environ.get("HF_SPARSITY_NATIVE_POOL") == "pthread":
                 lib.hfs_set_openmp(0)
+            elif lib.hfs_set_openmp(-1) and len(_openmp_runtimes() | before) > max(1, len(before)):
+                # torch ships a libgomp under another name (some wheels rename it): ours is a second
+                # runtime, whose threads would fight torch's; the kernel's own pool does better then
+                logger.info("hf_sparsity: torch's OpenMP runtime is not shared; using the pthread pool")
+                lib.hfs_set_openmp(0)
             _lib = lib
         except Exception as e:  # any failure means: fall back to torch.sparse
             _error = str(e)
@@ -160,6 +177,16 @@ def load() -> ctypes.CDLL | None:
             _lib = None
         _tried = True
     return _lib
+
+
+def _openmp_runtimes() -> set[str]:
+    """The OpenMP runtime files (libgomp / libiomp / libomp) mapped into this process (Linux)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            paths = {line.split()[-1] for line in f if "/lib" in line}
+    except OSError:
+        return set()
+    return {p for p in paths if os.path.basename(p).startswith(("libgomp", "libiomp", "libomp"))}
 
 
 def simd() -> bool:

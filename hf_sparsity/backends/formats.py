@@ -163,7 +163,8 @@ class _PackedBackend(SparseBackend):
         # decode fast path (one fp32 row, no autograd, eager): the kernel call with its fixed arguments
         # prepared once; ~5 us less Python per call than the general path (x ~200 layers per token)
         if (
-            x.numel() == self.in_features
+            x.shape[-1] == self.in_features
+            and x.numel() == self.in_features
             and x.dtype == torch.float32
             and self.kernel == "native"
             and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
@@ -176,7 +177,7 @@ class _PackedBackend(SparseBackend):
             call = self._batch1
             if call is None or call[2] != torch.get_num_threads():
                 call = self._batch1 = self._batch1_call()
-            y = torch.empty(*x.shape[:-1], self.out_features)
+            y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.float32)
             c = self.counters["forward"]
             c.calls += 1
             c.macs += self.nnz

@@ -28,17 +28,19 @@ _PREPARED: dict[tuple, tuple] = {}
 call the general path would make, whatever tensor object is passed)."""
 
 
-def prepared_call(key: tuple) -> int:
-    """The address of a :class:`Prepared` for ``key`` = ``(op, rows, in_features, nthreads, rowptr,
-    meta, values, vbf16)`` (pointers as ints), built on first use; the cache is cleared past 4096."""
+def prepared_call(key: tuple) -> tuple:
+    """``(Prepared, its address)`` for ``key`` = ``(op, rows, in_features, nthreads, rowptr, meta, values,
+    vbf16)`` (pointers as ints), built on first use. The caller holds the returned structure until its
+    kernel call returns: another thread may evict the cache entry meanwhile (the cache starts over past
+    4096 entries)."""
     hit = _PREPARED.get(key)
     if hit is None:
         if len(_PREPARED) > 4096:
             _PREPARED.clear()
         op, rows, in_f, nt, rowptr, meta, values, bf16 = key
         prep = _native.Prepared(op, rows, in_f, _native.chunk_rows(rows, nt), nt, rowptr, meta, values, bf16)
-        hit = _PREPARED[key] = (prep, ctypes.addressof(prep))
-    return hit[1]
+        hit = _PREPARED.setdefault(key, (prep, ctypes.addressof(prep)))
+    return hit
 
 
 def _decode_row(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -81,7 +83,7 @@ def packed_linear(
     in_f = x.shape[-1]
     if _decode_row(x, bias):  # decode: a prepared call (four ctypes arguments), as the eager fast path
         nt = nthreads or max(1, min(torch.get_num_threads(), nnz // _native.MIN_WORK_PER_THREAD))
-        addr = prepared_call((
+        prep, addr = prepared_call((  # ``prep`` stays referenced until the kernel call returns
             _native.OPS[op], rows, in_f, nt, None if rowptr is None else rowptr.data_ptr(),
             None if meta is None else meta.data_ptr(), values.data_ptr(), int(values.dtype == torch.bfloat16),
         ))  # fmt: skip
@@ -130,7 +132,8 @@ def csr_linear(
     if _decode_row(x, bias):  # decode: a prepared call, as in packed_linear
         nt = _native.threads_for(values.numel(), nthreads or None)
         kind = 16 + (0 if idx.dtype == torch.int16 else 1)
-        addr = prepared_call((kind, rows, in_f, nt, rowptr.data_ptr(), idx.data_ptr(), values.data_ptr(), 0))
+        key = (kind, rows, in_f, nt, rowptr.data_ptr(), idx.data_ptr(), values.data_ptr(), 0)
+        prep, addr = prepared_call(key)  # ``prep`` stays referenced until the kernel call returns
         y = torch.empty(*x.shape[:-1], rows, dtype=torch.float32)
         lib.hfs_run_prepared(addr, x.data_ptr(), y.data_ptr(), None if bias is None else bias.data_ptr())
         return y
