@@ -606,6 +606,27 @@ def test_native_kernels_are_custom_ops_torch_compile_traces_without_graph_breaks
     torch._dynamo.reset()
 
 
+def _op_cases(batch: int) -> list[tuple[str, tuple, torch.Tensor]]:
+    """``(op name, arguments, expected result)`` for the custom ops on one 40x64 layer."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 64, generator=g)
+    m = (torch.rand(40, 64, generator=g) > 0.5).to(torch.uint8)
+    nm = M.nm_mask(torch.rand(40, 64, generator=g), 2, 4, dim=1)
+    x = torch.randn(batch, 64, generator=g)
+    bias = torch.randn(40, generator=g)
+    want = x @ (w * m).t() + bias
+    bm = get_backend("bitmask").from_dense(w, m)
+    b24 = get_backend("nm24").from_dense(w, nm)
+    csr = get_backend("csr").from_dense(w, m, kernel="native")._native
+    return [
+        ("packed_linear", (x, bm.values, bm.bits, bm.rowptr, bias, "bitmask", 40, bm.nnz, 0), want),
+        ("packed_linear", (x, b24.values, b24.meta, None, None, "nm24", 40, b24.nnz, 2), x @ (w * nm).t()),
+        ("csr_linear", (x, csr.rowptr, csr.idx, csr.values, bias, 40, 0), want),
+        ("packed_unpack", (bm.values, bm.bits, bm.rowptr, "bitmask_unpack", 40, 64, 0), w * m),
+        ("csr_unpack", (csr.rowptr, csr.idx, csr.values, 40, 64), w * m),
+    ]
+
+
 @pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
 @pytest.mark.parametrize("batch", [1, 3])
 def test_custom_ops_pass_torch_opcheck(batch):
@@ -613,25 +634,10 @@ def test_custom_ops_pass_torch_opcheck(batch):
     # the schema (no hidden mutation or aliasing) and that the fake kernel agrees with the real one
     from hf_sparsity.backends import _native
 
-    g = torch.Generator().manual_seed(3)
-    w = torch.randn(40, 64, generator=g)
-    m = (torch.rand(40, 64, generator=g) > 0.5).to(torch.uint8)
-    x = torch.randn(batch, 64, generator=g)
-    bias = torch.randn(40, generator=g)
-    want = x @ (w * m).t() + bias
-    bm = get_backend("bitmask").from_dense(w, m)
-    csr = get_backend("csr").from_dense(w, m, kernel="native")._native
-    ops = {
-        "packed_linear": (x, bm.values, bm.bits, bm.rowptr, bias, "bitmask", 40, bm.nnz, 0),
-        "csr_linear": (x, csr.rowptr, csr.idx, csr.values, bias, 40, 0),
-        "packed_unpack": (bm.values, bm.bits, bm.rowptr, "bitmask_unpack", 40, 64, 0),
-        "csr_unpack": (csr.rowptr, csr.idx, csr.values, 40, 64),
-    }
-    for name, args in ops.items():
+    for name, args, want in _op_cases(batch):
         op = getattr(torch.ops.hf_sparsity, name).default
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
-        got = op(*args)
-        torch.testing.assert_close(got, want if "linear" in name else w * m, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(op(*args), want, rtol=1e-5, atol=1e-5)
     assert _native.isa() in ("scalar", "avx2", "avx512") and _native.pool() in ("openmp", "pthread")
 
 
@@ -671,25 +677,12 @@ def test_cpp_custom_ops_build_pass_opcheck_and_match_the_python_ops(batch):
 
     assert ops.build_cpp_ops(), ops.cpp_ops_error()
     assert ops.linear_op("packed_linear") is torch.ops.hf_sparsity_cpp.packed_linear
-    g = torch.Generator().manual_seed(4)
-    w = torch.randn(40, 64, generator=g)
-    m = (torch.rand(40, 64, generator=g) > 0.5).to(torch.uint8)
-    x = torch.randn(batch, 64, generator=g)
-    bias = torch.randn(40, generator=g)
-    want = x @ (w * m).t() + bias
-    bm = get_backend("bitmask").from_dense(w, m)
-    nm = M.nm_mask(torch.rand(40, 64, generator=g), 2, 4, dim=1)
-    b24 = get_backend("nm24").from_dense(w, nm)
-    csr = get_backend("csr").from_dense(w, m, kernel="native")._native
-    cases = [
-        ("packed_linear", (x, bm.values, bm.bits, bm.rowptr, bias, "bitmask", 40, bm.nnz, 0), want),
-        ("packed_linear", (x, b24.values, b24.meta, None, None, "nm24", 40, b24.nnz, 2), x @ (w * nm).t()),
-        ("csr_linear", (x, csr.rowptr, csr.idx, csr.values, bias, 40, 0), want),
-    ]
-    for name, args, expect in cases:
+    for name, args, want in _op_cases(batch):
+        if "unpack" in name:  # prefill's unpack ops have no C++ variant
+            continue
         op = getattr(torch.ops.hf_sparsity_cpp, name).default
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
-        torch.testing.assert_close(op(*args), expect, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(op(*args), want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(op(*args), getattr(torch.ops.hf_sparsity, name).default(*args))
 
 
