@@ -290,6 +290,36 @@ class Prepared(ctypes.Structure):
     ]  # fmt: skip
 
 
+_PREPARED: dict[tuple, tuple] = {}
+"""Prepared batch-1 calls (the eager fast path and the custom ops), keyed by every argument they hold:
+a hit is the call the general path would make, whatever tensor object is passed."""
+
+
+def prepared_call(key: tuple) -> tuple:
+    """``(Prepared, its address)`` for ``key`` = ``(op, rows, in_features, nthreads, rowptr, meta, values,
+    vbf16)`` (pointers as ints), built on first use. The caller holds the returned structure until its
+    kernel call returns: another thread may evict the cache entry meanwhile (the cache starts over past
+    4096 entries)."""
+    hit = _PREPARED.get(key)
+    if hit is None:
+        if len(_PREPARED) > 4096:
+            _PREPARED.clear()
+        op, rows, in_f, nt, rowptr, meta, values, bf16 = key
+        prep = Prepared(op, rows, in_f, chunk_rows(rows, nt), nt, rowptr, meta, values, bf16)
+        hit = _PREPARED.setdefault(key, (prep, ctypes.addressof(prep)))
+    return hit
+
+
+def decode_row(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """One contiguous float32 row (and a float32 contiguous bias or none): the prepared-call path."""
+    return (
+        x.numel() == x.shape[-1]
+        and x.dtype == torch.float32
+        and x.is_contiguous()
+        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+    )
+
+
 OPS = {"bitmask": 0, "nm24": 1, "gemv": 2, "bitmask_unpack": 3, "nm24_unpack": 4}
 UNPACK_OPS = ("bitmask_unpack", "nm24_unpack")
 

@@ -28,7 +28,6 @@ Inference only (``capabilities.training`` is False); gradients of ``x`` still fl
 
 from __future__ import annotations
 
-import ctypes
 import threading
 
 import torch
@@ -146,33 +145,29 @@ class _PackedBackend(SparseBackend):
 
     # ------------------------------------------------------------------ compute
     def _batch1_call(self):
-        """``(the kernel call's prepared fixed arguments and their address, threads)``: the decode fast
-        path. The structure holds raw pointers into this backend's tensors (rebuilt on copy)."""
+        """``(the kernel call's prepared fixed arguments, their address, threads)``: the decode fast path.
+        The structure holds raw pointers into this backend's tensors (rebuilt on copy)."""
         t = self._tensors()
         meta, rowptr = (t[0], t[1]) if self.op == "bitmask" else (t[0] if self.op == "nm24" else None, None)
         nt = self._threads(1)
-        chunk = _native.chunk_rows(self.out_features, nt)
-        prep = _native.Prepared(
-            _native.OPS[self.op], self.out_features, self.in_features, chunk, nt,
+        prep, addr = _native.prepared_call((
+            _native.OPS[self.op], self.out_features, self.in_features, nt,
             None if rowptr is None else rowptr.data_ptr(), None if meta is None else meta.data_ptr(),
             self.values.data_ptr(), int(self.values.dtype == torch.bfloat16),
-        )  # fmt: skip
-        return prep, ctypes.addressof(prep), torch.get_num_threads()
+        ))  # fmt: skip
+        return prep, addr, torch.get_num_threads()
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # decode fast path (one fp32 row, no autograd, eager): the kernel call with its fixed arguments
         # prepared once; ~5 us less Python per call than the general path (x ~200 layers per token)
         if (
             x.shape[-1] == self.in_features
-            and x.numel() == self.in_features
-            and x.dtype == torch.float32
             and self.kernel == "native"
-            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+            and _native.decode_row(x, bias)
             and not (
                 torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
             )
             and not torch.compiler.is_compiling()
-            and x.is_contiguous()
         ):
             call = self._batch1
             if call is None or call[2] != torch.get_num_threads():

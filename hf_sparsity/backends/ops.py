@@ -23,36 +23,6 @@ from . import _native
 
 logger = logging.getLogger(__name__)
 
-_PREPARED: dict[tuple, tuple] = {}
-"""Prepared batch-1 calls of the custom ops, keyed by every argument they hold (so a hit is exactly the
-call the general path would make, whatever tensor object is passed)."""
-
-
-def prepared_call(key: tuple) -> tuple:
-    """``(Prepared, its address)`` for ``key`` = ``(op, rows, in_features, nthreads, rowptr, meta, values,
-    vbf16)`` (pointers as ints), built on first use. The caller holds the returned structure until its
-    kernel call returns: another thread may evict the cache entry meanwhile (the cache starts over past
-    4096 entries)."""
-    hit = _PREPARED.get(key)
-    if hit is None:
-        if len(_PREPARED) > 4096:
-            _PREPARED.clear()
-        op, rows, in_f, nt, rowptr, meta, values, bf16 = key
-        prep = _native.Prepared(op, rows, in_f, _native.chunk_rows(rows, nt), nt, rowptr, meta, values, bf16)
-        hit = _PREPARED.setdefault(key, (prep, ctypes.addressof(prep)))
-    return hit
-
-
-def _decode_row(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """One contiguous float32 row (and a float32 contiguous bias or none): the prepared-call path."""
-    return (
-        x.numel() == x.shape[-1]
-        and x.dtype == torch.float32
-        and x.is_contiguous()
-        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
-    )
-
-
 _LIB = torch.library.Library("hf_sparsity", "DEF")
 
 
@@ -81,9 +51,9 @@ def packed_linear(
     the backend validated its tensors at conversion): ~10 us per call against ~30 us through
     :func:`run_op`, which is 3.6 ms per token over SmolLM2-135M's 180 sparse layers."""
     in_f = x.shape[-1]
-    if _decode_row(x, bias):  # decode: a prepared call (four ctypes arguments), as the eager fast path
-        nt = nthreads or max(1, min(torch.get_num_threads(), nnz // _native.MIN_WORK_PER_THREAD))
-        prep, addr = prepared_call((  # ``prep`` stays referenced until the kernel call returns
+    if _native.decode_row(x, bias):  # decode: a prepared call (four ctypes arguments), as the eager fast path
+        nt = _native.threads_for(nnz, nthreads or None)
+        prep, addr = _native.prepared_call((  # ``prep`` stays referenced until the kernel call returns
             _native.OPS[op], rows, in_f, nt, None if rowptr is None else rowptr.data_ptr(),
             None if meta is None else meta.data_ptr(), values.data_ptr(), int(values.dtype == torch.bfloat16),
         ))  # fmt: skip
@@ -95,20 +65,8 @@ def packed_linear(
     x2d = x.reshape(-1, in_f)
     if x2d.dtype != torch.float32 or not x2d.is_contiguous():
         x2d = x2d.float().contiguous()
-    batch = x2d.shape[0]
-    nt = nthreads or max(1, min(torch.get_num_threads(), nnz * batch // _native.MIN_WORK_PER_THREAD))
-    y = torch.empty(*x.shape[:-1], rows, dtype=torch.float32)
-    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
-        bias = bias.float().contiguous()
-    if batch and rows:
-        _native._lib.hfs_run(
-            _native.OPS[op], rows, in_f, _native.chunk_rows(rows, nt), nt,
-            None if rowptr is None else rowptr.data_ptr(), None if meta is None else meta.data_ptr(),
-            values.data_ptr(), int(values.dtype == torch.bfloat16), x2d.data_ptr(), y.data_ptr(), batch,
-            None if bias is None else bias.data_ptr(),
-        )  # fmt: skip
-    elif bias is not None:
-        y.copy_(bias.expand_as(y))
+    nt = _native.threads_for(nnz * x2d.shape[0], nthreads or None)
+    y = _native.run_op(op, rows, in_f, x2d, values, meta, rowptr, bias, nt).view(*x.shape[:-1], rows)
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
@@ -129,11 +87,11 @@ def csr_linear(
     ``nthreads`` 0: as many as keep :data:`MIN_WORK_PER_THREAD` multiply-adds each."""
     lib = _native.load()
     in_f = x.shape[-1]
-    if _decode_row(x, bias):  # decode: a prepared call, as in packed_linear
+    if _native.decode_row(x, bias):  # decode: a prepared call, as in packed_linear
         nt = _native.threads_for(values.numel(), nthreads or None)
         kind = 16 + (0 if idx.dtype == torch.int16 else 1)
         key = (kind, rows, in_f, nt, rowptr.data_ptr(), idx.data_ptr(), values.data_ptr(), 0)
-        prep, addr = prepared_call(key)  # ``prep`` stays referenced until the kernel call returns
+        prep, addr = _native.prepared_call(key)  # ``prep`` stays referenced until the kernel call returns
         y = torch.empty(*x.shape[:-1], rows, dtype=torch.float32)
         lib.hfs_run_prepared(addr, x.data_ptr(), y.data_ptr(), None if bias is None else bias.data_ptr())
         return y
