@@ -235,10 +235,12 @@ static inline __m256 loadv8(const job_t* j, int64_t k) {
 /* lane i of entry b: the rank of bit i among b's set bits, or -1 (sign bit: lane zeroed) when bit i
    is clear. 8 KB, built at load. */
 static int32_t g_bm_lanes[256][8] __attribute__((aligned(32)));
-static inline __m256 bm_expand(uint32_t b, __m256 vals) {
-  __m256i t = _mm256_load_si256((const __m256i*)g_bm_lanes[b]);
+/* lane i of the result: vals[lanes[i]], or 0 where lanes[i] is -1 (the bitmask and 2:4 expansions) */
+static inline __m256 expand_lanes(const int32_t* lanes, __m256 vals) {
+  __m256i t = _mm256_load_si256((const __m256i*)lanes);
   return _mm256_blendv_ps(_mm256_permutevar8x32_ps(vals, t), _mm256_setzero_ps(), _mm256_castsi256_ps(t));
 }
+static inline __m256 bm_expand(uint32_t b, __m256 vals) { return expand_lanes(g_bm_lanes[b], vals); }
 __attribute__((constructor)) static void init_lanes(void) {
   for (int b = 0; b < 256; b++)
     for (int i = 0, k = 0; i < 8; i++) g_bm_lanes[b][i] = (b >> i & 1) ? k++ : -1;
@@ -503,10 +505,8 @@ static inline __attribute__((always_inline)) void nm24_unpack_rows_(const job_t*
     int64_t c = 0;
 #if HFS_SIMD
     for (; c + 8 <= in; c += 8) {
-      const __m256i t = _mm256_load_si256((const __m256i*)g_nm_inv[m[c >> 3]]);
       const __m256 vals = loadv8_(j->v, BF, vo + c / 2); /* lanes 0-3 used; the values array is padded */
-      _mm256_storeu_ps(out + c, _mm256_blendv_ps(_mm256_permutevar8x32_ps(vals, t), _mm256_setzero_ps(),
-                                                 _mm256_castsi256_ps(t)));
+      _mm256_storeu_ps(out + c, expand_lanes(g_nm_inv[m[c >> 3]], vals));
     }
 #endif
     for (; c < in; c += 4) {
