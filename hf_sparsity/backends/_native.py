@@ -154,10 +154,12 @@ def load() -> ctypes.CDLL | None:
                 )
                 lib = ctypes.CDLL(_build(cc, openmp=False))
             vp, i64, ci = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-            lib.hfs_matmul.argtypes = [ci, i64, i64, ci, i64, i64, i64, i64, i64, i64, vp]
+            lib.hfs_matmul.argtypes = [ci, i64, i64, i64, ci, i64, i64, i64, i64, i64, i64, vp]
             lib.hfs_matmul.restype = None
             lib.hfs_run.argtypes = [ci, i64, i64, i64, ci, vp, vp, vp, ci, vp, vp, i64, vp]
             lib.hfs_run.restype = None
+            lib.hfs_spmm.argtypes = [ci, i64, i64, ci, vp, vp, vp, ci, vp, vp, i64, vp]
+            lib.hfs_spmm.restype = ci
             lib.hfs_run_prepared.argtypes, lib.hfs_run_prepared.restype = [vp, vp, vp, vp], None
             lib.hfs_set_spin.argtypes, lib.hfs_set_spin.restype = [i64], None
             lib.hfs_simd.argtypes, lib.hfs_simd.restype = [], ci
@@ -231,23 +233,19 @@ class NativeCSR:
             # Column indices < 65536 fit uint16; torch has no uint16 arithmetic, so store the bit pattern as
             # int16.
             self.idx = cols.to(torch.int32).to(torch.int16).contiguous()
-            self._kind = 0  # kinds: 0/1 batch-1 with 16/32-bit indices, 2/3 batched
         else:
             self.idx = cols.to(torch.int32).contiguous()
-            self._kind = 1
         self.values = values.to(torch.float32).contiguous()
         self.nnz = int(self.values.numel())
-        self._ptrs = (self.rowptr.data_ptr(), self.idx.data_ptr(), self.values.data_ptr())
 
-    def __getstate__(self):  # the library handle and raw pointers are this process's, this object's
+    def __getstate__(self):  # the library handle is this process's
         state = self.__dict__.copy()
-        del state["lib"], state["_ptrs"]
+        del state["lib"]
         return state
 
-    def __setstate__(self, state) -> None:  # a copy points the kernel at its own tensors
+    def __setstate__(self, state) -> None:
         self.__dict__.update(state)
         self.lib = load()
-        self._ptrs = (self.rowptr.data_ptr(), self.idx.data_ptr(), self.values.data_ptr())
 
     @property
     def index_bytes(self) -> int:
@@ -259,25 +257,35 @@ class NativeCSR:
         """``x2d @ W^T (+ bias)`` for ``x2d`` of shape ``[B, in]``; returns ``[B, out]`` float32."""
         if x2d.dtype != torch.float32:
             x2d = x2d.float()
-        batch = x2d.shape[0]
-        if nthreads:
-            nt = int(nthreads)
-        else:  # small products run on one thread: waking a helper costs more than it saves
-            nt = min(torch.get_num_threads(), (self.nnz * batch) // MIN_WORK_PER_THREAD)
-        y = torch.empty(batch, self.rows, dtype=torch.float32)
-        if batch == 0 or self.rows == 0:
-            return y if bias is None else y.copy_(bias.float().expand_as(y))
-        if batch == 1:
-            kind, x = self._kind, x2d.contiguous()
-        else:
-            kind, x = self._kind + 2, x2d.t().contiguous()
-        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
-            bias = bias.float().contiguous()
-        self.lib.hfs_matmul(
-            kind, self.rows, chunk_rows(self.rows, nt), nt, self._ptrs[0], self._ptrs[1], self._ptrs[2],
-            x.data_ptr(), y.data_ptr(), batch, None if bias is None else bias.data_ptr(),
-        )  # fmt: skip
-        return y
+        nt = threads_for(self.nnz * x2d.shape[0], nthreads)
+        return csr_matmul(self.rowptr, self.idx, self.values, self.rows, x2d, nt, bias)
+
+
+def csr_matmul(
+    rowptr: torch.Tensor,
+    idx: torch.Tensor,
+    values: torch.Tensor,
+    rows: int,
+    x2d: torch.Tensor,
+    nthreads: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x2d @ W^T (+ bias)`` for a CSR weight (int64 ``rowptr``, int16 / int32 column indices, float32
+    values) and float32 ``x2d`` ``[B, in]``; returns ``[B, rows]`` float32. Batches of 17 rows or more go
+    through the blocked kernel (the C source's ``hfs_spmm``)."""
+    batch, in_f = x2d.shape
+    y = torch.empty(batch, rows, dtype=torch.float32)
+    if batch == 0 or rows == 0:
+        return y if bias is None else y.copy_(bias.float().expand_as(y))
+    x2d = x2d.contiguous()
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        bias = bias.float().contiguous()
+    load().hfs_matmul(
+        0 if idx.dtype == torch.int16 else 1, rows, in_f, chunk_rows(rows, nthreads), nthreads,
+        rowptr.data_ptr(), idx.data_ptr(), values.data_ptr(), x2d.data_ptr(), y.data_ptr(), batch,
+        None if bias is None else bias.data_ptr(),
+    )  # fmt: skip
+    return y
 
 
 class Prepared(ctypes.Structure):

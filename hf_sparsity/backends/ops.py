@@ -96,21 +96,8 @@ def csr_linear(
         lib.hfs_run_prepared(addr, x.data_ptr(), y.data_ptr(), None if bias is None else bias.data_ptr())
         return y
     x2d = x.reshape(-1, in_f).float().contiguous()
-    batch = x2d.shape[0]
-    nthreads = _native.threads_for(values.numel() * batch, nthreads or None)
-    y = torch.empty(batch, rows, dtype=torch.float32)
-    if batch and rows:
-        kind = (0 if idx.dtype == torch.int16 else 1) + (0 if batch == 1 else 2)
-        xx = x2d if batch == 1 else x2d.t().contiguous()
-        if bias is not None:
-            bias = bias.float().contiguous()
-        chunk = _native.chunk_rows(rows, nthreads)
-        lib.hfs_matmul(
-            kind, rows, chunk, nthreads, rowptr.data_ptr(), idx.data_ptr(), values.data_ptr(),
-            xx.data_ptr(), y.data_ptr(), batch, None if bias is None else bias.data_ptr(),
-        )  # fmt: skip
-    elif bias is not None:
-        y.copy_(bias.float().expand_as(y))
+    nt = _native.threads_for(values.numel() * x2d.shape[0], nthreads or None)
+    y = _native.csr_matmul(rowptr, idx, values, rows, x2d, nt, bias)
     return y.view(*x.shape[:-1], rows).to(x.dtype)
 
 

@@ -15,8 +15,8 @@ namespace {
 
 using run_fn = void (*)(int, int64_t, int64_t, int64_t, int, const int64_t*, const void*, const void*, int,
                         const float*, float*, int64_t, const float*);
-using matmul_fn = void (*)(int, int64_t, int64_t, int, const int64_t*, const void*, const float*, const float*,
-                           float*, int64_t, const float*);
+using matmul_fn = void (*)(int, int64_t, int64_t, int64_t, int, const int64_t*, const void*, const float*,
+                           const float*, float*, int64_t, const float*);
 run_fn g_run = nullptr;
 matmul_fn g_matmul = nullptr;
 constexpr int64_t kMinWork = 16384;  // _native.MIN_WORK_PER_THREAD
@@ -78,10 +78,9 @@ at::Tensor csr_linear(const at::Tensor& x, const at::Tensor& rowptr, const at::T
   at::Tensor y = out_like(x, rows);
   at::Tensor b = fp32_bias(bias);
   if (batch > 0 && rows > 0) {
-    const int kind = (idx.scalar_type() == at::kShort ? 0 : 1) + (batch == 1 ? 0 : 2);
-    at::Tensor xx = batch == 1 ? x2d : x2d.t().contiguous();
-    g_matmul(kind, rows, (rows + nt - 1) / nt, static_cast<int>(nt), rowptr.data_ptr<int64_t>(), idx.data_ptr(),
-             values.data_ptr<float>(), xx.data_ptr<float>(), y.data_ptr<float>(), batch,
+    const int kind = idx.scalar_type() == at::kShort ? 0 : 1;
+    g_matmul(kind, rows, in_f, (rows + nt - 1) / nt, static_cast<int>(nt), rowptr.data_ptr<int64_t>(),
+             idx.data_ptr(), values.data_ptr<float>(), x2d.data_ptr<float>(), y.data_ptr<float>(), batch,
              b.defined() ? b.data_ptr<float>() : nullptr);
   } else if (b.defined()) {
     y.copy_(b.expand_as(y));
