@@ -179,7 +179,7 @@ def test_parity_leading_dims_bias_and_random_shapes():
         out_f, in_f = (int(v) for v in torch.randint(1, 200, (2,), generator=g))
         level = float(torch.rand((), generator=g))
         w, mask, _, _ = _problem(1, out_f, in_f, level, torch.float32)
-        x = torch.randn(4, 8, in_f, generator=g)  # 32 rows: csr's auto kernel hands batches > 16 to torch
+        x = torch.randn(4, 8, in_f, generator=g)  # 32 rows: the batched kernels
         bias = torch.randn(out_f, generator=g)
         ref = get_backend("emulator").from_dense(w, mask, float64_accumulator=True).linear(x, bias)
         for name in ("masked_dense", "csr"):
@@ -246,6 +246,10 @@ def test_blocked_batched_kernel_matches_a_float64_product(name):
                         got = b.linear(x, bias)
                         assert got.shape == (batch, out_f)
                         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+            if name == "csr" and _native.simd():  # kernel="auto" keeps batches on the native kernel too
+                b = get_backend("csr").from_dense(w, mask)
+                torch.testing.assert_close(b.linear(x, bias).double(), want, rtol=1e-4, atol=1e-4)
+                assert b._torch is None, "a batch went to torch.sparse"
     finally:
         torch.set_num_threads(threads)
 

@@ -16,7 +16,7 @@ decoded at 0.69x dense with its own pool and 1.10x with torch's (before the pref
 kernels also prefetch their value stream 4 KB ahead in software (see the C source).
 
 The source (``csrc/hfs_kernels.c``, package data) is plain C11 + pthreads + OpenMP (no torch headers),
-so it builds with the system C compiler in about a second (``cc -O3 -march=native -shared -fopenmp``)
+so it builds with the system C compiler in a few seconds (``cc -O3 -march=native -shared -fopenmp``)
 into ``$HF_SPARSITY_CACHE`` (default ``~/.cache/hf_sparsity``), keyed by a hash of the
 source, flags, compiler and CPU, then loaded with ``ctypes`` (which releases the
 GIL during calls; callers on other Python threads get OpenMP teams of their own, or, with the

@@ -21,7 +21,8 @@ measured separately, on this machine, with the current thread count:
    weight streams from memory). A positive ``margin`` asks a sparse format to win by that much.
    The whole-model check (``hf_sparsity.inference``) reverts the plan if the converted model
    decodes slower than dense.
-4. Prefill: for the chosen format, its own batched path and "unpack" (rebuild the dense
+4. Prefill: for the chosen format, its own batched path (from 17 rows the blocked sparse kernel,
+   see the C source's ``hfs_spmm``) and "unpack" (rebuild the dense
    weight, one GEMM) are timed against dense ``F.linear``; the faster of the two is used.
    If both are slower than dense, ``keep_dense_for_prefill=True`` keeps the dense weight
    for prefill (more memory); by default the faster path is used and the ratio recorded.

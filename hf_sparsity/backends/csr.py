@@ -26,8 +26,10 @@ from .base import BackendCapabilities, SparseBackend
 
 KERNELS = ("auto", "native", "torch")
 NATIVE_MAX_BATCH = 16
-"""Above this many rows of ``x`` (prefill, batched scoring) ``kernel="auto"`` hands the product to
-torch.sparse CSR (built lazily, int32 indices): the native kernel is made for decoding."""
+"""Above this many rows of ``x`` (prefill, batched scoring), where the native kernel was built without SIMD,
+``kernel="auto"`` hands the product to torch.sparse CSR (built lazily, int32 indices). With AVX2 / AVX-512
+the native blocked kernel takes every batch: measured on 2 cores, 128 rows, it ran 1.2-2.1x faster than
+torch.sparse (MKL) on GPT-2-small shapes at 50-90% (and 2.4x faster than dense at 90%)."""
 
 
 def _csr_parts(weight: torch.Tensor, mask: torch.Tensor):
@@ -74,6 +76,7 @@ class CSRBackend(SparseBackend):
             raise SparsityError(f"csr: the native kernel is unavailable here: {_native.error()}")
         self._native = None
         self._torch = None
+        self._native_batched = kernel == "native" or _native.simd()  # see NATIVE_MAX_BATCH
         if kernel in ("auto", "native") and native_ok and _native.load() is not None:
             self.kernel = "native"
             self._native = _native.NativeCSR(rowptr, cols, values, w.shape)
@@ -117,7 +120,7 @@ class CSRBackend(SparseBackend):
         ):
             return super().linear(x, bias)
         x2d = x.reshape(-1, self.in_features)
-        big = x2d.shape[0] > NATIVE_MAX_BATCH and self.options.get("kernel", "auto") == "auto"
+        big = x2d.shape[0] > NATIVE_MAX_BATCH and not self._native_batched
         if torch.compiler.is_compiling():  # custom ops: no graph break at this layer
             if big:  # torch.sparse does not compile: one dense GEMM on the unpacked weight
                 return torch.nn.functional.linear(x, self.dense_for_matmul(), bias)
@@ -134,7 +137,7 @@ class CSRBackend(SparseBackend):
     def _forward(self, x2d: torch.Tensor) -> torch.Tensor:
         self._count("forward", x2d.shape[0])
         nat = self._native
-        if nat is not None and (x2d.shape[0] <= NATIVE_MAX_BATCH or self.options.get("kernel") == "native"):
+        if nat is not None and (x2d.shape[0] <= NATIVE_MAX_BATCH or self._native_batched):
             y = nat.matmul(x2d, self.threads)
             return y if x2d.dtype == torch.float32 else y.to(x2d.dtype)
         if self._torch is None:  # batched input on a native-prepared weight: build the torch CSR once
