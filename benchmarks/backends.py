@@ -26,10 +26,10 @@ when both are compiled, ``auto-c / dense`` the gain over stock transformers.
 
 Then the per-token split (sparse-able layers, LM head, rest), a 128-token prefill forward
 (auto vs dense, and "auto kd": auto as ``keep_dense_for_prefill=True`` runs it, keeping the
-dense weight of every layer whose prefill is slower than dense), resident weight bytes (whole
-model, with kd, and the converted layers alone against the same layers dense: the tied
-embedding / LM head stays dense and bounds the whole-model ratio), and auto's choice per
-group of like layers.
+dense weight of every layer whose prefill is slower than dense) and a 512-token one (pf512),
+resident weight bytes (whole model, with kd, and the converted layers alone against the same
+layers dense: the tied embedding / LM head stays dense and bounds the whole-model ratio), and
+auto's choice per group of like layers (decode, prefill up to 256 rows, and above).
 
 (Below: the original description of the per-layer CSR table, ``--layers``.)
 
@@ -167,14 +167,32 @@ def _dense_prefill_swaps(model) -> list[tuple]:
     for m in sparse_layers(model).values():
         b = m.backend
         c = getattr(b, "choice", None)
-        if c and c["prefill"] != "dense" and c["prefill_vs_dense"] < 1.0:
-            out.append((b, b.prefill, b.decode.to_dense().contiguous()))
+        slower = c and min(c["prefill_vs_dense"], c.get("prefill_large_vs_dense", 9.0)) < 1.0
+        if slower and "dense" not in (c["prefill"], c.get("prefill_large")):
+            out.append((b, (b.prefill, b.prefill_large), b.decode.to_dense().contiguous()))
     return out
 
 
 def _set_dense_prefill(swaps, on: bool) -> None:
-    for b, mode, w in swaps:
-        b.prefill, b.prefill_weight = ("dense", w) if on else (mode, None)
+    for b, modes, w in swaps:
+        b.prefill, b.prefill_large, b.prefill_weight = ("dense", "dense", w) if on else (*modes, None)
+
+
+def _prefill_ms(variants: dict, swaps, vocab: int, tokens: int, rounds: int) -> dict[str, float]:
+    """Median ms of one forward of a ``tokens``-token prompt per variant, interleaved rounds (``auto kd``:
+    the auto model with the ``swaps`` on)."""
+    ids = torch.randint(2, vocab, (1, tokens), generator=torch.Generator().manual_seed(1))
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    with torch.inference_mode():
+        for i in range(rounds + 1):  # the first round warms up
+            for k, m in variants.items():
+                _set_dense_prefill(swaps, k == "auto kd")
+                t = time.perf_counter()
+                m(ids)
+                if i:
+                    times[k].append((time.perf_counter() - t) * 1e3)
+    _set_dense_prefill(swaps, False)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def model_decode(
@@ -225,27 +243,15 @@ def model_decode(
     # per-token split (timing hooks on a plain cached loop), one pass each, interleaved
     layer_names = sorted({n.rpartition(".")[0] for n in masks})
     split = {k: decode_breakdown(m, ids, new_tokens, layer_names) for k, m in variants.items()}
-    # prefill: one forward of a 128-token prompt, interleaved rounds
-    pids = torch.randint(2, vocab, (1, 128), generator=torch.Generator().manual_seed(1))
+    # prefill: one forward of a 128-token prompt (and of a 512-token one), interleaved rounds;
     # "auto kd": as keep_dense_for_prefill=True would run (the dense weight where prefill loses)
     swaps = _dense_prefill_swaps(auto)
     _set_dense_prefill(swaps, True)
     kd_bytes = resident_weight_bytes(auto)
     _set_dense_prefill(swaps, False)
     pf_variants = {**variants, "auto kd": auto}
-    pf: dict[str, list[float]] = {k: [] for k in pf_variants}
-    with torch.inference_mode():
-        for k, m in pf_variants.items():
-            _set_dense_prefill(swaps, k == "auto kd")
-            m(pids)
-        for _ in range(max(3, rounds)):
-            for k, m in pf_variants.items():
-                _set_dense_prefill(swaps, k == "auto kd")
-                t = time.perf_counter()
-                m(pids)
-                pf[k].append((time.perf_counter() - t) * 1e3)
-    _set_dense_prefill(swaps, False)
-    pf_med = {k: statistics.median(v) for k, v in pf.items()}
+    pf_med = _prefill_ms(pf_variants, swaps, vocab, 128, max(3, rounds))
+    pf512 = _prefill_ms({k: pf_variants[k] for k in ("dense", "auto")}, swaps, vocab, 512, 3)
     layer_bytes = sparse_layer_bytes(auto)
     groups, check = auto_groups(auto)
     res = {
@@ -261,6 +267,8 @@ def model_decode(
         "prefill_ms": pf_med,
         "prefill_auto_vs_dense": pf_med["dense"] / pf_med["auto"],
         "prefill_auto_keep_dense_vs_dense": pf_med["dense"] / pf_med["auto kd"],
+        "prefill_512_ms": pf512,
+        "prefill_512_auto_vs_dense": pf512["dense"] / pf512["auto"],
         "resident_bytes": {"dense": dense_bytes, "auto": resident_weight_bytes(auto), "auto kd": kd_bytes},
         "resident_ratio": resident_weight_bytes(auto) / dense_bytes,
         "resident_ratio_keep_dense": kd_bytes / dense_bytes,
@@ -292,6 +300,8 @@ def model_decode(
           f"auto {pf_med['auto']:.1f} ms ({res['prefill_auto_vs_dense']:.2f}x dense), auto with "
           f"keep_dense_for_prefill {pf_med['auto kd']:.1f} ms ({res['prefill_auto_keep_dense_vs_dense']:.2f}x"
           f" dense, weights {res['resident_ratio_keep_dense']:.3f} of dense)")  # fmt: skip
+    print(f"prefill (512 tokens): dense {pf512['dense']:.1f} ms, auto {pf512['auto']:.1f} ms "
+          f"({res['prefill_512_auto_vs_dense']:.2f}x dense)")  # fmt: skip
     print(f"per token ms   {'total':>6} {'sparse-able layers':>18} {'LM head':>7} {'rest':>6}")
     for k, b in split.items():
         print(
@@ -307,11 +317,12 @@ def model_decode(
     print(f"max |logit diff| {err:.2e}; auto planning {plan_s:.1f} s")
     print(
         f"{'auto choice per layer group':<48} {'layers':>6} {'decode':>12} {'x dense':>7} {'prefill':>7} "
-        f"{'x dense':>7}"
+        f"{'x dense':>7} {'>256':>7} {'x dense':>7}"
     )
     for g, c in res["groups"].items():
         print(f"{g:<48} {c['layers']:>6} {c['decode']:>12} {c['decode_vs_dense']:>7.2f} {c['prefill']:>7} "
-              f"{c['prefill_vs_dense']:>7.2f}")  # fmt: skip
+              f"{c['prefill_vs_dense']:>7.2f} {c['prefill_large']:>7} "
+              f"{c['prefill_large_vs_dense']:>7.2f}")  # fmt: skip
     if check:
         verdict = "kept" if check["kept"] else "reverted to dense (the plan is in each choice's 'planned')"
         print(f"whole-model check at conversion: converted {check['auto_vs_dense']:.2f}x dense -> {verdict}")
@@ -370,19 +381,22 @@ def main(argv=None) -> int:
         for k, lvl in models
     ]
     print("\n== summary: whole-model greedy decode, tok/s ratios (medians) ==")
-    print("prefill: 128-token forward vs dense (kd: with keep_dense_for_prefill); bytes: resident weights vs "
-          "dense (whole model; kd; the converted layers alone)")  # fmt: skip
+    print("prefill: 128-token forward vs dense (kd: with keep_dense_for_prefill; pf512: a 512-token "
+          "forward); bytes: resident weights vs dense (whole model; kd; the converted layers "
+          "alone)")  # fmt: skip
     cols = (
         f" | {'dense-c':>7} {'auto-c':>7} {'auto-c/dense-c':>14} {'auto-c/dense':>12}" if args.compile else ""
     )
     print(f"{'model':>8} {'level':>5} | {'dense':>7} {'dense+':>7} {'auto':>7} | {'auto/dense':>10} "
-          f"{'auto/dense+':>11} | {'prefill':>7} {'kd':>5} | {'bytes':>6} {'kd':>6} {'layers':>6}"
+          f"{'auto/dense+':>11} | {'prefill':>7} {'kd':>5} {'pf512':>5} | "
+          f"{'bytes':>6} {'kd':>6} {'layers':>6}"
           f"{cols}")  # fmt: skip
     for r in out["models"]:
         m = r["median_tok_s"]
         line = (f"{r['model']:>8} {r['level']:>5} | {m['dense']:7.2f} {m['dense+']:7.2f} {m['auto']:7.2f} | "
                 f"{r['auto_vs_dense']:10.2f} {r['auto_vs_dense_plus']:11.2f} | "
-                f"{r['prefill_auto_vs_dense']:7.2f} {r['prefill_auto_keep_dense_vs_dense']:5.2f} | "
+                f"{r['prefill_auto_vs_dense']:7.2f} {r['prefill_auto_keep_dense_vs_dense']:5.2f} "
+                f"{r['prefill_512_auto_vs_dense']:5.2f} | "
                 f"{r['resident_ratio']:6.3f} "
                 f"{r['resident_ratio_keep_dense']:6.3f} {r['sparse_layer_bytes']['ratio']:6.3f}")  # fmt: skip
         if args.compile:

@@ -292,9 +292,11 @@ def _check_whole_model(
         "dense.",
         ratio,
     )
+    keys = ("decode", "decode_vs_dense", "prefill", "prefill_vs_dense", "prefill_large")
+    keys += ("prefill_large_vs_dense",)
     for c in choices.values():
-        c["planned"] = {k: c[k] for k in ("decode", "decode_vs_dense", "prefill", "prefill_vs_dense")}
-        c["decode"], c["prefill"], c["decode_vs_dense"], c["prefill_vs_dense"] = "dense", "dense", 1.0, 1.0
+        c["planned"] = {k: c.get(k) for k in keys}
+        c.update(zip(keys, ("dense", 1.0) * 3))
     return []
 
 
@@ -332,11 +334,15 @@ def auto_report(model: nn.Module) -> str:
     rows = auto_choices(model)
     if not rows:
         return "(no auto choices recorded)"
-    lines = [f"{'layer':<44} {'group':<32} {'decode':>12} {'x dense':>7} {'prefill':>8} {'x dense':>7}"]
+    lines = [
+        f"{'layer':<44} {'group':<32} {'decode':>12} {'x dense':>7} {'prefill':>8} {'x dense':>7} "
+        f"{'long':>7} {'x dense':>7}"
+    ]
     for name, c in rows.items():
         lines.append(
             f"{name:<44} {c['group']:<32} {c['decode']:>12} {c['decode_vs_dense']:>7.2f} "
-            f"{c['prefill']:>8} {c['prefill_vs_dense']:>7.2f}"
+            f"{c['prefill']:>8} {c['prefill_vs_dense']:>7.2f} {c.get('prefill_large', c['prefill']):>7} "
+            f"{c.get('prefill_large_vs_dense', c['prefill_vs_dense']):>7.2f}"
         )
     return "\n".join(lines)
 

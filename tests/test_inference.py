@@ -346,7 +346,7 @@ def test_auto_times_copies_streaming_stream_bytes_and_gives_ties_to_the_compact_
         best = min((f for f in cands if f not in auto.DENSE), key=times.__getitem__)
         margin = a[-1]
         best = "dense" if times[best] > times["dense"] * (1 - margin) else best
-        return best, dict(times), {"dense": 1.0, f"{best}:own": 2.0, f"{best}:unpack": 1.1}
+        return best, dict(times), [{"dense": 1.0, f"{best}:own": 2.0, f"{best}:unpack": 1.1}] * 2
 
     monkeypatch.setattr(auto, "_measure", fake_measure)
     one = 16 * 32 * 4
@@ -380,6 +380,42 @@ def test_auto_measure_decides_by_the_margin(monkeypatch, bitmask_ms, margin, wan
         layers, ["a"], ["dense", "native_dense", "bitmask"], 4, 1, None, margin
     )
     assert best == want and decode_ms["bitmask"] == bitmask_ms
+
+
+@pytest.mark.skipif(_native.load() is None, reason="native kernel did not build")
+def test_auto_prefill_chooses_per_batch_size_and_dispatches_by_rows(monkeypatch):
+    # prefill is timed at prefill_batch rows and at 4x: the faster path of each runs up to 2x prefill_batch
+    # rows and above; with keep_dense_for_prefill a regime where both paths lose runs on the dense weight
+    from hf_sparsity.backends import auto
+
+    prefill_passes = []
+
+    def fixed_ms(fns, rounds):
+        if "bitmask:own" not in fns:  # the decode pass: bitmask wins
+            return {"dense": 1.0, "bitmask": 0.5}
+        prefill_passes.append(len(fns))
+        if len(prefill_passes) == 1:  # prefill_batch rows: the blocked kernel wins
+            return {"dense": 1.0, "bitmask:own": 0.8, "bitmask:unpack": 1.2}
+        return {"dense": 1.0, "bitmask:own": 1.3, "bitmask:unpack": 1.1}  # 4x the rows: both lose
+
+    monkeypatch.setattr(auto, "interleaved_ms", fixed_ms)
+    g = torch.Generator().manual_seed(2)
+    w, m = torch.randn(24, 32, generator=g), (torch.rand(24, 32, generator=g) > 0.5).to(torch.uint8)
+    for keep in (False, True):
+        prefill_passes.clear()
+        b = auto.AutoBackend(w, m, formats=("bitmask",), prefill_batch=16, keep_dense_for_prefill=keep)
+        c = b.choice
+        assert prefill_passes == [3, 3] and c["prefill_split"] == 32
+        assert (c["decode"], c["prefill"], c["prefill_vs_dense"]) == ("bitmask", "own", 1.25)
+        large = ("dense", 1.0) if keep else ("unpack", 0.909)
+        assert (c["prefill_large"], c["prefill_large_vs_dense"]) == large
+        assert (b.prefill_weight is not None) == keep
+        for rows, own in ((20, True), (32, True), (40, False)):
+            x = torch.randn(rows, 32, generator=g)
+            calls = b.decode.counters["forward"].calls
+            with torch.no_grad():
+                torch.testing.assert_close(b.linear(x), x @ (w * m).t(), rtol=1e-5, atol=1e-5)
+            assert (b.decode.counters["forward"].calls == calls + 1) == own, (rows, keep)
 
 
 def test_auto_whole_model_check_keeps_dense_when_the_converted_model_is_slower(monkeypatch):

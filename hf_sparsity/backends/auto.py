@@ -22,10 +22,14 @@ measured separately, on this machine, with the current thread count:
    The whole-model check (``hf_sparsity.inference``) reverts the plan if the converted model
    decodes slower than dense.
 4. Prefill: for the chosen format, its own batched path (from 17 rows the blocked sparse kernel,
-   see the C source's ``hfs_spmm``) and "unpack" (rebuild the dense
-   weight, one GEMM) are timed against dense ``F.linear``; the faster of the two is used.
-   If both are slower than dense, ``keep_dense_for_prefill=True`` keeps the dense weight
-   for prefill (more memory); by default the faster path is used and the ratio recorded.
+   see the C source's ``hfs_spmm``) and "unpack" (rebuild the dense weight, one GEMM) are timed
+   against dense ``F.linear`` at ``prefill_batch`` rows and at four times as many; the faster of
+   the two is used for batches up to twice ``prefill_batch`` (``prefill``) and above
+   (``prefill_large``): the blocked kernel's gain shrinks as the GEMM gets more efficient with
+   more rows (SmolLM2-135M's shapes at 50%: 0.79-1.02x dense at 128 rows, 0.75-0.99x at 512,
+   where the unpack reaches 0.81-0.95x). If both are slower than dense,
+   ``keep_dense_for_prefill=True`` keeps the dense weight for prefill (more memory); by default
+   the faster path is used and the ratio recorded.
 
 The choice, with every measured time, is in :attr:`AutoBackend.choice`; for a whole model,
 :func:`hf_sparsity.inference.auto_report` prints the per-layer table.
@@ -120,6 +124,8 @@ class AutoBackend(SparseBackend):
         self.counters = _new_counters()
         self.dtype = d.dtype if hasattr(d, "dtype") else d.weight.dtype
         self.kernel = self.choice["decode"]
+        self.prefill_large = self.choice.get("prefill_large", self.prefill)
+        self.prefill_split = self.choice.get("prefill_split", 256)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -140,9 +146,10 @@ class AutoBackend(SparseBackend):
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // max(self.in_features, 1)
-        if rows <= SMALL_BATCH or self.prefill == "own":
+        mode = self.prefill if rows <= self.prefill_split else self.prefill_large
+        if rows <= SMALL_BATCH or mode == "own":
             return self.decode.linear(x, bias)
-        if self.prefill_weight is not None:
+        if mode == "dense" and self.prefill_weight is not None:
             w = self.prefill_weight
         elif hasattr(self.decode, "dense_for_matmul") and not (torch.is_grad_enabled() and x.requires_grad):
             w = self.decode.dense_for_matmul()  # unpacked into a reused buffer (or a custom op, compiled)
@@ -218,15 +225,8 @@ def plan_layers(
         best, decode_ms, prefill_ms = _measure(
             timed, list(timed), cands, prefill_batch, rounds, threads, margin
         )
-        if best in DENSE:
-            best_pf = "dense"
-            pf_ms = prefill_ms["dense"]
-        else:
-            pf = {"own": prefill_ms[f"{best}:own"], "unpack": prefill_ms[f"{best}:unpack"]}
-            best_pf = min(pf, key=pf.__getitem__)
-            pf_ms = pf[best_pf]
-            if keep_dense_for_prefill and pf_ms > prefill_ms["dense"]:
-                best_pf, pf_ms = "dense", prefill_ms["dense"]
+        pf_choice = [_prefill_choice(best, ms, keep_dense_for_prefill) for ms in prefill_ms]
+        (best_pf, pf_ratio), (large_pf, large_ratio) = pf_choice
         for name in names:
             w, m = layers[name]
             choice = {
@@ -237,29 +237,48 @@ def plan_layers(
                 "measured_on": len(sample),
                 "timed_copies": copies,
                 "decode_ms": {k: round(v, 4) for k, v in decode_ms.items()},
-                "prefill_ms": {k: round(v, 4) for k, v in prefill_ms.items()},
+                "prefill_ms": {k: round(v, 4) for k, v in prefill_ms[0].items()},
                 "decode_vs_dense": round(decode_ms["dense"] / decode_ms[best], 3),
-                "prefill_vs_dense": round(prefill_ms["dense"] / pf_ms, 3),
+                "prefill_vs_dense": pf_ratio,
+                "prefill_large": large_pf,
+                "prefill_large_ms": {k: round(v, 4) for k, v in prefill_ms[1].items()},
+                "prefill_large_vs_dense": large_ratio,
+                "prefill_split": 2 * prefill_batch,
                 "density": round(meta[name][0], 4),
             }
             if best == "dense":
                 out[name] = (None, "dense", None, choice)
             elif best == "native_dense":  # batches above SMALL_BATCH run F.linear on its dense weight
                 out[name] = (_build(best, w, m, threads), "own", None, choice)
-            elif best_pf == "dense":
-                out[name] = (_build(best, w, m, threads), "dense", (w * m.to(w.dtype)).contiguous(), choice)
+            elif "dense" in (best_pf, large_pf):
+                out[name] = (_build(best, w, m, threads), best_pf, (w * m.to(w.dtype)).contiguous(), choice)
             else:
                 out[name] = (_build(best, w, m, threads), best_pf, None, choice)
         logger.info(
-            "auto: %d layer(s) %s -> decode %s (%.2fx dense), prefill %s (%.2fx dense)",
+            "auto: %d layer(s) %s -> decode %s (%.2fx dense), prefill %s (%.2fx dense), %d+ rows %s (%.2fx)",
             len(names),
             out[names[0]][3]["group"],
             best,
             out[names[0]][3]["decode_vs_dense"],
             best_pf,
-            out[names[0]][3]["prefill_vs_dense"],
+            pf_ratio,
+            2 * prefill_batch + 1,
+            large_pf,
+            large_ratio,
         )
     return out
+
+
+def _prefill_choice(best: str, ms: dict[str, float], keep_dense: bool) -> tuple[str, float]:
+    """For one prefill batch size: ``(mode, x dense)``, mode ``"own"`` / ``"unpack"`` (the faster of the
+    decode winner's two paths; ``"dense"`` for a dense winner, or with ``keep_dense`` where both lose)."""
+    if best in DENSE:
+        return "dense", 1.0
+    pf = {"own": ms[f"{best}:own"], "unpack": ms[f"{best}:unpack"]}
+    mode = min(pf, key=pf.__getitem__)
+    if keep_dense and pf[mode] > ms["dense"]:
+        return "dense", 1.0
+    return mode, round(ms["dense"] / pf[mode], 3)
 
 
 def _streamed_copies(layers: dict, sample: list[str], stream_bytes: int) -> tuple[dict, int]:
@@ -278,8 +297,8 @@ def _streamed_copies(layers: dict, sample: list[str], stream_bytes: int) -> tupl
 
 def _measure(layers, sample, cands, prefill_batch, rounds, threads, margin):
     """Decode: median ms of one pass over the ``sample`` layers per candidate (batch 1); then prefill
-    (``prefill_batch`` rows, two layers) of dense and of the decode winner's own path and unpack path.
-    Returns ``(best, decode_ms, prefill_ms)``."""
+    (``prefill_batch`` rows and four times as many, two layers) of dense and of the decode winner's own
+    path and unpack path. Returns ``(best, decode_ms, [prefill_ms, prefill_ms at 4x the rows])``."""
     built: dict[str, list] = {}
     for f in cands:
         try:
@@ -293,7 +312,7 @@ def _measure(layers, sample, cands, prefill_batch, rounds, threads, margin):
     dtype = layers[sample[0]][0].dtype
     g = torch.Generator().manual_seed(0)
     x1 = torch.randn(1, in_f, generator=g).to(dtype)
-    xp = torch.randn(prefill_batch, in_f, generator=g).to(dtype)
+    xps = [torch.randn(n, in_f, generator=g).to(dtype) for n in (prefill_batch, 4 * prefill_batch)]
 
     def run(f, x):
         if f == "dense":
@@ -309,16 +328,21 @@ def _measure(layers, sample, cands, prefill_batch, rounds, threads, margin):
         best = min(sparse, key=decode_ms.__getitem__) if sparse else dense_best
         if decode_ms[best] == float("inf") or decode_ms[best] > decode_ms[dense_best] * (1 - margin):
             best = dense_best  # a sparse format must be within ``margin`` of the fastest dense variant
-        two = built["dense"][:2]
-        pf_fns = {"dense": lambda: [F.linear(xp, w) for w in two]}
-        if best not in DENSE:
-            bs = built[best][:2]
-            pf_fns[f"{best}:own"] = lambda: [b.linear(xp) for b in bs]
-            unpack = (
-                (lambda b: b.dense_for_matmul())
-                if hasattr(bs[0], "dense_for_matmul")
-                else (lambda b: b.to_dense())
-            )
-            pf_fns[f"{best}:unpack"] = lambda: [F.linear(xp, unpack(b).to(xp.dtype)) for b in bs]
-        prefill_ms = interleaved_ms(pf_fns, max(3, rounds // 3))
+        prefill_ms = [_prefill_ms(built, best, xp, rounds) for xp in xps]
     return best, decode_ms, prefill_ms
+
+
+def _prefill_ms(built: dict, best: str, xp: torch.Tensor, rounds: int) -> dict[str, float]:
+    """Median ms of two layers at the rows of ``xp``: dense, and the decode winner's own / unpack paths."""
+    two = built["dense"][:2]
+    fns = {"dense": lambda: [F.linear(xp, w) for w in two]}
+    if best not in DENSE:
+        bs = built[best][:2]
+        fns[f"{best}:own"] = lambda: [b.linear(xp) for b in bs]
+        unpack = (
+            (lambda b: b.dense_for_matmul())
+            if hasattr(bs[0], "dense_for_matmul")
+            else (lambda b: b.to_dense())
+        )
+        fns[f"{best}:unpack"] = lambda: [F.linear(xp, unpack(b).to(xp.dtype)) for b in bs]
+    return interleaved_ms(fns, max(3, rounds // 3))
