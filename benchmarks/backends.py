@@ -6,6 +6,7 @@
     python benchmarks/backends.py --layers               # + the per-layer CSR table
     python benchmarks/backends.py --json out.json        # also write the raw numbers
     python benchmarks/backends.py --threads 2 --compile  # + dense and auto with the forward compiled
+    python benchmarks/backends.py --threads 2 --dtype bfloat16   # bf16 models (bf16 values in the formats)
     python benchmarks/backends.py --omp-passive          # OMP_WAIT_POLICY=PASSIVE (flatters sparse: below)
 
 Models (random weights, which is fine for speed; masks by magnitude, applied, so dense and
@@ -196,7 +197,14 @@ def _prefill_ms(variants: dict, swaps, vocab: int, tokens: int, rounds: int) -> 
 
 
 def model_decode(
-    kind: str, level, rounds: int, new_tokens: int, prompt_len: int = 16, verbose=False, compile_=False
+    kind: str,
+    level,
+    rounds: int,
+    new_tokens: int,
+    prompt_len: int = 16,
+    verbose=False,
+    compile_=False,
+    dtype: torch.dtype = torch.float32,
 ) -> dict:
     """Whole-model greedy decode: stock dense vs dense with the same improvements vs ``auto``
     (and, with ``compile_``, dense and auto with the forward compiled)."""
@@ -212,6 +220,7 @@ def model_decode(
 
     t0 = time.time()
     dense, masks = _build_model(kind, level)
+    dense = dense.to(dtype)  # bfloat16: stock dense runs bf16; the packed formats keep bf16 values
     dense_bytes = resident_weight_bytes(dense)
     improved = copy.deepcopy(dense)  # dense + the same non-sparse improvements (native GEMV where faster)
     sparsify_for_inference(improved, "auto", masks=masks, formats=("native_dense",))
@@ -350,6 +359,10 @@ def main(argv=None) -> int:
         help="also dense and auto with the forward compiled (static KV cache, inductor; see "
         "hf_sparsity.inference.compiled_generate_kwargs)",
     )
+    p.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16"),
+        help="the models' dtype (bfloat16: dense in bf16 against the formats' bf16 values)",
+    )  # fmt: skip
     p.add_argument("--json", default=None, help="write raw results here")
     p.add_argument(
         "--omp-passive", action="store_true",
@@ -360,7 +373,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)  # the native kernels use torch.get_num_threads() too
     t0 = time.time()
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY="
+    print(f"torch {torch.__version__}, {args.dtype}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY="
           f"{os.environ.get('OMP_WAIT_POLICY')}, native kernel: "
           f"{'available' if _native.load() is not None else 'unavailable (' + str(_native.error()) + ')'}"
           f"{f', {_native.isa()}, {_native.pool()} pool' if _native.load() else ''}; "
@@ -376,8 +389,10 @@ def main(argv=None) -> int:
             models.append((kind, level if ":" in level or level == "2:4" else float(level)))
     rounds = args.rounds or (3 if args.quick else 5)
     new_tokens = args.new_tokens or (16 if args.quick else 32)
+    dtype = getattr(torch, args.dtype)
+    out["dtype"] = args.dtype
     out["models"] = [
-        model_decode(k, lvl, rounds, new_tokens, verbose=args.verbose, compile_=args.compile)
+        model_decode(k, lvl, rounds, new_tokens, verbose=args.verbose, compile_=args.compile, dtype=dtype)
         for k, lvl in models
     ]
     print("\n== summary: whole-model greedy decode, tok/s ratios (medians) ==")
