@@ -644,6 +644,33 @@ def test_native_kernels_are_custom_ops_torch_compile_traces_without_graph_breaks
     torch._dynamo.reset()
 
 
+@pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
+@pytest.mark.parametrize("name", ["bitmask", "csr", "auto"])
+def test_bf16_layers_run_native_eager_and_compiled(name):
+    # a bf16 model: the packed formats keep bf16 values, csr float32; both compute in float32 and return bf16,
+    # eagerly and in a compiled graph without breaks, for decode and prefill batches
+    from torch import nn
+
+    from hf_sparsity.inference import SparseLinear
+
+    g = torch.Generator().manual_seed(4)
+    lin = nn.Linear(64, 48).eval().to(torch.bfloat16)
+    mask = (torch.rand(48, 64, generator=g) > 0.5).to(torch.uint8)
+    opts = {"formats": ("bitmask",), "margin": -100.0, "rounds": 1} if name == "auto" else {}
+    mod = SparseLinear(lin, get_backend(name).from_dense(lin.weight.detach(), mask, **opts))
+    for batch in (1, SMALL_BATCH + 24):
+        x = torch.randn(batch, 64, generator=g).to(torch.bfloat16)
+        want = x.float() @ (lin.weight.float() * mask).t() + lin.bias.float()
+        torch._dynamo.reset()
+        with torch.no_grad():
+            eager = mod(x)
+            compiled = torch.compile(mod, fullgraph=True, backend="aot_eager")(x)
+        assert eager.dtype == compiled.dtype == torch.bfloat16
+        torch.testing.assert_close(eager.float(), want, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(compiled, eager, rtol=1e-2, atol=1e-2)
+    torch._dynamo.reset()
+
+
 def _op_cases(batch: int) -> list[tuple[str, tuple, torch.Tensor]]:
     """``(op name, arguments, expected result)`` for the custom ops on one 40x64 layer."""
     g = torch.Generator().manual_seed(3)

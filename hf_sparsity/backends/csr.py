@@ -109,7 +109,7 @@ class CSRBackend(SparseBackend):
         nat = self._native
         if (
             nat is None
-            or x.dtype != torch.float32
+            or x.dtype not in (torch.float32, torch.float16, torch.bfloat16)  # computed in float32
             or x.shape[-1] != self.in_features
             or (
                 torch.is_grad_enabled()
@@ -123,14 +123,14 @@ class CSRBackend(SparseBackend):
         big = x2d.shape[0] > NATIVE_MAX_BATCH and not self._native_batched
         if torch.compiler.is_compiling():  # custom ops: no graph break at this layer
             if big:  # torch.sparse does not compile: one dense GEMM on the unpacked weight
-                return torch.nn.functional.linear(x, self.dense_for_matmul(), bias)
+                return torch.nn.functional.linear(x, self.dense_for_matmul().to(x.dtype), bias)
             return ops.linear_op("csr_linear")(
                 x, nat.rowptr, nat.idx, nat.values, bias, nat.rows, self.threads or 0
             )
         if big:
             return super().linear(x, bias)
         self._count("forward", x2d.shape[0])
-        return nat.matmul(x2d, self.threads, bias).view(*x.shape[:-1], self.out_features)
+        return nat.matmul(x2d, self.threads, bias).view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     __call__ = linear
 
