@@ -255,6 +255,41 @@ def test_blocked_batched_kernel_matches_a_float64_product(name):
 
 
 @pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
+def test_blocked_kernel_work_memory_small_stacks_and_thread_counts(tmp_path):
+    # its scratch lives in per-thread work memory, freed when a thread exits (short-lived threads each used
+    # to leave their x copy behind); its frame is small (a thread with a 128 KiB stack used to crash);
+    # a thread count below 1 runs on one thread (it used to divide by zero or return uninitialized rows)
+    code = (
+        "import threading, torch\n"
+        "from hf_sparsity.backends import get_backend, _native\n"
+        "torch.manual_seed(0)\n"
+        "w = torch.randn(16, 4096); m = (torch.rand(16, 4096) < 0.5).to(torch.uint8)\n"
+        "b = get_backend('bitmask').from_dense(w, m, prefill='native', threads=1)\n"
+        "x = torch.randn(512, 4096)\n"  # an 8 MiB x copy per calling thread
+        "want = x.double() @ (w * m).t().double()\n"
+        "errs = []\n"
+        "def call(xx=x, ww=want):\n"
+        "    with torch.no_grad():\n"
+        "        errs.append(float((b.linear(xx).double() - ww).abs().max()))\n"
+        "rss = lambda: int(open('/proc/self/statm').read().split()[1]) * 4096 >> 20\n"
+        "call(); before = rss()\n"
+        "for _ in range(20):\n"
+        "    t = threading.Thread(target=call); t.start(); t.join()\n"
+        "grown = rss() - before\n"
+        "threading.stack_size(128 * 1024)\n"
+        "x17, w17 = x[:17], want[:17]\n"
+        "t = threading.Thread(target=call, args=(x17, w17)); t.start(); t.join()\n"
+        "for nt in (0, -1):\n"
+        "    y = _native.run_op('bitmask', 16, 4096, x17, b.values, b.bits, b.rowptr, None, nt, chunk=16)\n"
+        "    errs.append(float((y.double() - w17).abs().max()))\n"
+        "    bn = get_backend('bitmask').from_dense(w, m, prefill='native', threads=nt)\n"
+        "    errs.append(float((bn.linear(x17).double() - w17).abs().max()))\n"
+        "print(len(errs), max(errs) < 1e-3, grown < 64)\n"
+    )
+    assert _run_fresh(code, tmp_path) == ["26", "True", "True"]
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
 @pytest.mark.parametrize("in_f", [48, 70000], ids=["16-bit-indices", "32-bit-indices"])
 def test_native_kernel_every_row_length(in_f):
     # row r keeps r weights: covers the 16-wide and 8-wide vector steps and every scalar tail

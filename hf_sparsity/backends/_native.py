@@ -336,7 +336,7 @@ def threads_for(work: int, nthreads: int | None = None) -> int:
     """Threads for a product of ``work`` multiply-adds: ``nthreads`` if given, else as many of
     ``torch.get_num_threads()`` as keep at least :data:`MIN_WORK_PER_THREAD` each (at least 1)."""
     if nthreads:
-        return int(nthreads)
+        return max(1, int(nthreads))
     return max(1, min(torch.get_num_threads(), work // MIN_WORK_PER_THREAD))
 
 

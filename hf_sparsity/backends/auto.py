@@ -108,7 +108,9 @@ class AutoBackend(SparseBackend):
         self._adopt((b, prefill, keep, choice))
 
     @classmethod
-    def _wrap(cls, decode: SparseBackend, prefill: str, prefill_weight, choice: dict) -> AutoBackend:
+    def _wrap(
+        cls, decode: SparseBackend, prefill: str | tuple[str, str], prefill_weight, choice: dict
+    ) -> AutoBackend:
         self = cls.__new__(cls)
         self._adopt((decode, prefill, prefill_weight, choice))
         return self
@@ -116,7 +118,10 @@ class AutoBackend(SparseBackend):
     def _adopt(self, parts) -> None:
         from .base import _new_counters
 
-        self.decode, self.prefill, self.prefill_weight, self.choice = parts
+        self.decode, modes, self.prefill_weight, self.choice = parts
+        # prefill up to prefill_split rows, and above: "own" (the format's batched path), "unpack", "dense"
+        self.prefill, self.prefill_large = (modes, modes) if isinstance(modes, str) else modes
+        self.prefill_split = self.choice.get("prefill_split", 256)
         d = self.decode
         self.out_features, self.in_features = d.out_features, d.in_features
         self.nnz = d.nnz
@@ -124,8 +129,6 @@ class AutoBackend(SparseBackend):
         self.counters = _new_counters()
         self.dtype = d.dtype if hasattr(d, "dtype") else d.weight.dtype
         self.kernel = self.choice["decode"]
-        self.prefill_large = self.choice.get("prefill_large", self.prefill)
-        self.prefill_split = self.choice.get("prefill_split", 256)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -203,8 +206,9 @@ def plan_layers(
 ) -> dict[str, tuple]:
     """Choose a format per layer (``name -> (weight [out, in], mask)``); see the module docstring.
 
-    Returns ``name -> (decode backend or None for dense, prefill mode, prefill weight, choice dict)``
-    where a ``None`` backend means: leave the layer dense (``F.linear``).
+    Returns ``name -> (decode backend or None for dense, (prefill mode, prefill mode above 2x
+    prefill_batch rows), prefill weight, choice dict)`` where a ``None`` backend means: leave the layer
+    dense (``F.linear``).
     """
     formats = _check_inputs(layers, formats)
     groups: dict[tuple, list[str]] = {}
@@ -247,13 +251,14 @@ def plan_layers(
                 "density": round(meta[name][0], 4),
             }
             if best == "dense":
-                out[name] = (None, "dense", None, choice)
+                out[name] = (None, ("dense", "dense"), None, choice)
             elif best == "native_dense":  # batches above SMALL_BATCH run F.linear on its dense weight
-                out[name] = (_build(best, w, m, threads), "own", None, choice)
+                out[name] = (_build(best, w, m, threads), ("own", "own"), None, choice)
             elif "dense" in (best_pf, large_pf):
-                out[name] = (_build(best, w, m, threads), best_pf, (w * m.to(w.dtype)).contiguous(), choice)
+                kept = (w * m.to(w.dtype)).contiguous()
+                out[name] = (_build(best, w, m, threads), (best_pf, large_pf), kept, choice)
             else:
-                out[name] = (_build(best, w, m, threads), best_pf, None, choice)
+                out[name] = (_build(best, w, m, threads), (best_pf, large_pf), None, choice)
         logger.info(
             "auto: %d layer(s) %s -> decode %s (%.2fx dense), prefill %s (%.2fx dense), %d+ rows %s (%.2fx)",
             len(names),

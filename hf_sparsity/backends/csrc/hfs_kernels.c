@@ -183,6 +183,7 @@ struct job {
   void (*fn)(const job_t*, int64_t, int64_t);
   int64_t in;
   int vbf16;
+  float* work; /* the blocked products' per-chunk scratch (accumulators, column offsets, positions) */
 };
 
 /* ---- Bitmask, 2:4 and dense GEMV kernels (x: [B, in] row-major, y: [B, rows]) -----------
@@ -536,8 +537,9 @@ static void nm24_unpack_rows(const job_t* j, int64_t r0, int64_t r1) {
    wp accumulator lanes, held in registers across the tile (8 vectors in flight hide the FMA latency). The
    work is the nonzeros' (at 50% half of a dense GEMM's multiply-adds), at about one L1 load per
    multiply-add, where a dense GEMM reuses each load across a register tile: measured on a 2-core Xeon
-   (AVX-512), 128 rows of x, against MKL's GEMM: 1.0-1.15x at 50% on SmolLM2-135M's shapes, 1.3-1.5x at
-   70%. Wider x blocks won each step (32 rows of x: 0.75-0.9x at 50%). Summation order: per tile, a few
+   (AVX-512), 128 rows of x, against MKL's GEMM: 0.8-1.1x at 50% on SmolLM2-135M's shapes (the small
+   192x576 ones lowest), 1.0-1.5x at 70%, 1.9-2.4x for CSR at 90% on GPT-2's. Wider x blocks won each
+   step (32 rows of x: 0.7-0.9x at 50%). Summation order: per tile, a few
    interleaved partial sums; results differ from the sequential sum by rounding only. */
 #if HFS_SIMD && defined(__AVX512F__)
 #define VW 16
@@ -633,15 +635,13 @@ static void spmm_pack_rows(const job_t* j, int64_t c0, int64_t c1) {
 /* Rows [rb, re) of y for one x block (b0: its first row, xt: its copy) of NV vectors per row.
    F: 0 CSR with 16-bit indices, 1 CSR with 32-bit, 2 bitmask, 3 2:4 (values [rows, in/2]). */
 static inline __attribute__((always_inline)) void spmm_block_(const job_t* j, int64_t rb, int64_t re, int64_t b0,
-                                                              const float* xt, const int NV, const int F,
+                                                              const float* xt, float* acc, int32_t* off,
+                                                              int64_t* pos, const int NV, const int F,
                                                               const int BF) {
   const int64_t in = j->in, B = j->B, rows = j->rows, mb = (in + 7) >> 3, wp = NV * VW;
   const int64_t CB = STILE / wp / 16 * 16 < SCBMAX ? STILE / wp / 16 * 16 : SCBMAX;
   const void* const V = j->v;
   const uint8_t* M = (const uint8_t*)j->idx;
-  int64_t pos[SRB];
-  int32_t off[SCBMAX + 16];
-  float acc[SRB * SBMAX] __attribute__((aligned(64)));
   for (int64_t r = rb; r < re; r++) {
     pos[r - rb] = F == 3 ? r * (in >> 1) : j->rowptr[r];
     memset(acc + (r - rb) * wp, 0, wp * sizeof(float));
@@ -731,9 +731,16 @@ static inline __attribute__((always_inline)) void spmm_block_(const job_t* j, in
   }
 }
 
+/* per chunk of rows: accumulators (SRB x SBMAX floats, 64-byte aligned), column offsets, row positions; in
+   the work memory rather than on the stack (inlined for eight widths, they made a 130 KB frame) */
+#define SPMM_SCRATCH (SRB * SBMAX + (SCBMAX + 16) + 2 * SRB + 16) /* floats, a multiple of 16 */
+
 static inline __attribute__((always_inline)) void spmm_rows_(const job_t* j, int64_t r0, int64_t r1, const int F,
                                                              const int BF) {
   const int64_t B = j->B, in = j->in, nb = (B + SBMAX - 1) / SBMAX;
+  float* acc = j->work + (r0 / j->chunk) * SPMM_SCRATCH;
+  int32_t* off = (int32_t*)(acc + SRB * SBMAX);
+  int64_t* pos = (int64_t*)(off + SCBMAX + 16);
   for (int64_t rb = r0; rb < r1; rb += SRB) {
     const int64_t re = rb + SRB < r1 ? rb + SRB : r1;
     for (int64_t bb = 0; bb < nb; bb++) {
@@ -741,14 +748,14 @@ static inline __attribute__((always_inline)) void spmm_rows_(const job_t* j, int
       spmm_block_shape(B, bb, &b0, &bw, &wp);
       const float* xt = j->x + bb * in * SBMAX;
       switch (wp / VW) { /* the last block's width; the others are full */
-        case 1: spmm_block_(j, rb, re, b0, xt, 1, F, BF); break;
-        case 2: spmm_block_(j, rb, re, b0, xt, 2, F, BF); break;
-        case 3: spmm_block_(j, rb, re, b0, xt, 3, F, BF); break;
-        case 4: spmm_block_(j, rb, re, b0, xt, 4, F, BF); break;
-        case 5: spmm_block_(j, rb, re, b0, xt, 5, F, BF); break;
-        case 6: spmm_block_(j, rb, re, b0, xt, 6, F, BF); break;
-        case 7: spmm_block_(j, rb, re, b0, xt, 7, F, BF); break;
-        default: spmm_block_(j, rb, re, b0, xt, SMAXV, F, BF);
+        case 1: spmm_block_(j, rb, re, b0, xt, acc, off, pos, 1, F, BF); break;
+        case 2: spmm_block_(j, rb, re, b0, xt, acc, off, pos, 2, F, BF); break;
+        case 3: spmm_block_(j, rb, re, b0, xt, acc, off, pos, 3, F, BF); break;
+        case 4: spmm_block_(j, rb, re, b0, xt, acc, off, pos, 4, F, BF); break;
+        case 5: spmm_block_(j, rb, re, b0, xt, acc, off, pos, 5, F, BF); break;
+        case 6: spmm_block_(j, rb, re, b0, xt, acc, off, pos, 6, F, BF); break;
+        case 7: spmm_block_(j, rb, re, b0, xt, acc, off, pos, 7, F, BF); break;
+        default: spmm_block_(j, rb, re, b0, xt, acc, off, pos, SMAXV, F, BF);
       }
     }
   }
@@ -881,29 +888,53 @@ static void run(job_t* j, int nthreads) {
   pthread_mutex_unlock(&g_run);
 }
 
+/* Work memory of the batched products (x's copy, the per-chunk scratch), kept per calling thread up to
+   WORK_KEEP bytes: fresh pages on every call would cost page faults. A larger need is allocated for the call
+   and freed after it. A thread's kept buffer is freed when the thread exits. */
+#define WORK_KEEP ((size_t)16 << 20)
+static __thread float* tl_work;
+static __thread size_t tl_cap; /* floats */
+static pthread_key_t g_work_key;
+static pthread_once_t g_work_once = PTHREAD_ONCE_INIT;
+static void work_key_init(void) { pthread_key_create(&g_work_key, free); }
+
+/* n floats, 64-byte aligned, or NULL (out of memory); *owned: the caller frees it */
+static float* work_buf(size_t n, int* owned) {
+  const size_t bytes = (n * sizeof(float) + 63) & ~(size_t)63;
+  *owned = 0;
+  if (n <= tl_cap) return tl_work;
+  if (bytes > WORK_KEEP) {
+    *owned = 1;
+    return aligned_alloc(64, bytes);
+  }
+  pthread_once(&g_work_once, work_key_init);
+  free(tl_work);
+  tl_work = aligned_alloc(64, bytes);
+  tl_cap = tl_work ? n : 0;
+  pthread_setspecific(g_work_key, tl_work);
+  return tl_work;
+}
+
 /* Batched product through the blocked kernel above: x [B, in] row-major, y [B, rows]; fmt as spmm_rows_'s F.
-   Returns 0, or -1 when the x copy cannot be allocated or the build has no SIMD (callers then use the row
-   kernels). The copy lives in a buffer kept per calling thread (fresh pages on every call would cost page
-   faults). */
-static __thread float* tl_xb;
-static __thread size_t tl_cap;
+   Returns 0, or -1 when the work memory cannot be allocated or the build has no SIMD (callers then use the
+   row kernels). */
 int hfs_spmm(int fmt, int64_t rows, int64_t in, int nthreads, const int64_t* rowptr, const void* idx,
              const void* v, int vbf16, const float* x, float* y, int64_t B, const float* bias) {
   static void (*const fns[4])(const job_t*, int64_t, int64_t) = {spmm_csr16_rows, spmm_csr32_rows, spmm_bm_rows,
                                                                  spmm_nm24_rows};
   if (!HFS_SIMD || fmt < 0 || fmt > 3) return -1; /* the scalar build: the row kernels do better */
-  const size_t need = (size_t)((B + SBMAX - 1) / SBMAX) * (size_t)in * SBMAX;
-  if (need > tl_cap) {
-    free(tl_xb);
-    tl_xb = aligned_alloc(64, (need * sizeof(float) + 63) & ~(size_t)63);
-    tl_cap = tl_xb ? need : 0;
-    if (!tl_xb) return -1;
-  }
-  job_t p = {0, 0, in, (in + nthreads - 1) / nthreads, 0, B, NULL, NULL, NULL, x, tl_xb, NULL, spmm_pack_rows, in, 0};
+  if (nthreads < 1) nthreads = 1;
+  const int64_t chunk = (rows + nthreads - 1) / nthreads, nchunks = rows > 0 ? (rows + chunk - 1) / chunk : 0;
+  const size_t xsize = (size_t)((B + SBMAX - 1) / SBMAX) * (size_t)in * SBMAX;
+  int owned;
+  float* work = work_buf(xsize + (size_t)nchunks * SPMM_SCRATCH, &owned);
+  if (!work) return -1;
+  job_t p = {0, 0, in, (in + nthreads - 1) / nthreads, 0, B, NULL, NULL, NULL, x, work, NULL, spmm_pack_rows, in, 0,
+             NULL};
   run(&p, nthreads);
-  int64_t chunk = (rows + nthreads - 1) / nthreads;
-  job_t j = {fmt, 0, rows, chunk, 0, B, rowptr, idx, (const float*)v, tl_xb, y, bias, fns[fmt], in, vbf16};
+  job_t j = {fmt, 0, rows, chunk, 0, B, rowptr, idx, (const float*)v, work, y, bias, fns[fmt], in, vbf16, work + xsize};
   run(&j, nthreads);
+  if (owned) free(work);
   return 0;
 }
 
@@ -913,20 +944,18 @@ int hfs_spmm(int fmt, int64_t rows, int64_t in, int nthreads, const int64_t* row
 void hfs_matmul(int kind, int64_t rows, int64_t in, int64_t chunk, int nthreads, const int64_t* rowptr,
                 const void* idx, const float* v, const float* x, float* y, int64_t B, const float* bias) {
   if (B >= SPMM_MIN_B && hfs_spmm(kind, rows, in, nthreads, rowptr, idx, v, 0, x, y, B, bias) == 0) return;
-  if (B > 1 && (size_t)(B * in) > tl_cap) {
-    free(tl_xb);
-    tl_xb = aligned_alloc(64, ((size_t)(B * in) * sizeof(float) + 63) & ~(size_t)63);
-    tl_cap = tl_xb ? (size_t)(B * in) : 0;
-  }
-  if (B > 1 && tl_xb) {
+  int owned = 0;
+  float* xt = B > 1 ? work_buf((size_t)(B * in), &owned) : NULL;
+  if (xt) {
     for (int64_t b = 0; b < B; b++)
-      for (int64_t c = 0; c < in; c++) tl_xb[c * B + b] = x[b * in + c];
-    job_t j = {kind + 2, 0, rows, chunk, 0, B, rowptr, idx, v, tl_xb, y, bias, NULL, 0, 0};
+      for (int64_t c = 0; c < in; c++) xt[c * B + b] = x[b * in + c];
+    job_t j = {kind + 2, 0, rows, chunk, 0, B, rowptr, idx, v, xt, y, bias, NULL, 0, 0, NULL};
     run(&j, nthreads);
+    if (owned) free(xt);
     return;
   }
   for (int64_t b = 0; b < B; b++) {
-    job_t j = {kind, 0, rows, chunk, 0, 1, rowptr, idx, v, x + b * in, y + b * rows, bias, NULL, 0, 0};
+    job_t j = {kind, 0, rows, chunk, 0, 1, rowptr, idx, v, x + b * in, y + b * rows, bias, NULL, 0, 0, NULL};
     run(&j, nthreads);
   }
 }
@@ -941,7 +970,7 @@ void hfs_run(int op, int64_t rows, int64_t in, int64_t chunk, int nthreads, cons
   if (op < 0 || op > 4) return;
   if (op <= 1 && B >= SPMM_MIN_B && hfs_spmm(op + 2, rows, in, nthreads, rowptr, meta, v, vbf16, x, y, B, bias) == 0)
     return;
-  job_t j = {0, 0, rows, chunk, 0, B, rowptr, meta, (const float*)v, x, y, bias, fns[op], in, vbf16};
+  job_t j = {0, 0, rows, chunk, 0, B, rowptr, meta, (const float*)v, x, y, bias, fns[op], in, vbf16, NULL};
   run(&j, nthreads);
 }
 
