@@ -168,8 +168,8 @@ def _dense_prefill_swaps(model) -> list[tuple]:
     for m in sparse_layers(model).values():
         b = m.backend
         c = getattr(b, "choice", None)
-        slower = c and min(c["prefill_vs_dense"], c.get("prefill_large_vs_dense", 9.0)) < 1.0
-        if slower and "dense" not in (c["prefill"], c.get("prefill_large")):
+        slower = c and min(c["prefill_vs_dense"], c["prefill_large_vs_dense"]) < 1.0
+        if slower and "dense" not in (c["prefill"], c["prefill_large"]):
             out.append((b, (b.prefill, b.prefill_large), b.decode.to_dense().contiguous()))
     return out
 

@@ -38,6 +38,12 @@ from .utils import SparsityError
 
 logger = logging.getLogger(__name__)
 
+PLAN_KEYS = (
+    "decode", "decode_vs_dense", "prefill", "prefill_vs_dense", "prefill_large", "prefill_large_vs_dense",
+)  # fmt: skip
+"""What ``auto`` decided for a layer, in each choice dict: decode format, prefill mode up to twice
+``prefill_batch`` rows and above, each with its speed against dense."""
+
 
 class SparseLinear(nn.Module):
     """Stands in for an ``nn.Linear`` or GPT-2 ``Conv1D``: ``y = backend.linear(x) + bias``.
@@ -292,11 +298,9 @@ def _check_whole_model(
         "dense.",
         ratio,
     )
-    keys = ("decode", "decode_vs_dense", "prefill", "prefill_vs_dense", "prefill_large")
-    keys += ("prefill_large_vs_dense",)
     for c in choices.values():
-        c["planned"] = {k: c.get(k) for k in keys}
-        c.update(zip(keys, ("dense", 1.0) * 3))
+        c["planned"] = {k: c[k] for k in PLAN_KEYS}
+        c.update(zip(PLAN_KEYS, ("dense", 1.0) * 3))
     return []
 
 
@@ -341,8 +345,8 @@ def auto_report(model: nn.Module) -> str:
     for name, c in rows.items():
         lines.append(
             f"{name:<44} {c['group']:<32} {c['decode']:>12} {c['decode_vs_dense']:>7.2f} "
-            f"{c['prefill']:>8} {c['prefill_vs_dense']:>7.2f} {c.get('prefill_large', c['prefill']):>7} "
-            f"{c.get('prefill_large_vs_dense', c['prefill_vs_dense']):>7.2f}"
+            f"{c['prefill']:>8} {c['prefill_vs_dense']:>7.2f} {c['prefill_large']:>7} "
+            f"{c['prefill_large_vs_dense']:>7.2f}"
         )
     return "\n".join(lines)
 

@@ -223,10 +223,8 @@ class NativeCSR:
     """float32 CSR with 16-bit (or 32-bit) column indices and int64 row pointers, on CPU."""
 
     def __init__(self, rowptr: torch.Tensor, cols: torch.Tensor, values: torch.Tensor, shape):
-        lib = load()
-        if lib is None:
+        if load() is None:
             raise RuntimeError(f"native kernel unavailable: {_error}")
-        self.lib = lib
         self.rows, self.cols_n = int(shape[0]), int(shape[1])
         self.rowptr = rowptr.to(torch.int64).contiguous()
         if self.cols_n <= 65536:
@@ -237,15 +235,6 @@ class NativeCSR:
             self.idx = cols.to(torch.int32).contiguous()
         self.values = values.to(torch.float32).contiguous()
         self.nnz = int(self.values.numel())
-
-    def __getstate__(self):  # the library handle is this process's
-        state = self.__dict__.copy()
-        del state["lib"]
-        return state
-
-    def __setstate__(self, state) -> None:
-        self.__dict__.update(state)
-        self.lib = load()
 
     @property
     def index_bytes(self) -> int:

@@ -254,11 +254,9 @@ def plan_layers(
                 out[name] = (None, ("dense", "dense"), None, choice)
             elif best == "native_dense":  # batches above SMALL_BATCH run F.linear on its dense weight
                 out[name] = (_build(best, w, m, threads), ("own", "own"), None, choice)
-            elif "dense" in (best_pf, large_pf):
-                kept = (w * m.to(w.dtype)).contiguous()
+            else:  # the dense weight kept where a prefill regime runs on it (keep_dense_for_prefill)
+                kept = (w * m.to(w.dtype)).contiguous() if "dense" in (best_pf, large_pf) else None
                 out[name] = (_build(best, w, m, threads), (best_pf, large_pf), kept, choice)
-            else:
-                out[name] = (_build(best, w, m, threads), (best_pf, large_pf), None, choice)
         logger.info(
             "auto: %d layer(s) %s -> decode %s (%.2fx dense), prefill %s (%.2fx dense), %d+ rows %s (%.2fx)",
             len(names),

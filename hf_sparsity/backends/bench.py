@@ -262,21 +262,15 @@ def modeled_model_speedup(model, machine=None) -> dict[str, Any]:
     }
 
 
-AUTO_GROUP_KEYS = (
-    "layers", "decode", "decode_vs_dense", "prefill", "prefill_vs_dense",
-    "prefill_large", "prefill_large_vs_dense",
-)  # fmt: skip
-
-
 def auto_groups(model) -> tuple[dict[str, dict[str, Any]], dict | None]:
     """``auto``'s choices per group of like layers (the LM head apart), and its whole-model check."""
-    from ..inference import auto_choices
+    from ..inference import PLAN_KEYS, auto_choices
 
     groups: dict[str, dict[str, Any]] = {}
     check = None
     for c in auto_choices(model).values():
         key = c["group"] + (" (LM head)" if c.get("lm_head") else "")
-        g = groups.setdefault(key, {k: c.get(k) for k in AUTO_GROUP_KEYS if k != "layers"} | {"layers": 0})
+        g = groups.setdefault(key, {k: c[k] for k in PLAN_KEYS} | {"layers": 0})
         g["layers"] += 1
         check = c.get("whole_model_check", check)
     return groups, check
