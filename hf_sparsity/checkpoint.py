@@ -12,7 +12,7 @@ import torch
 
 from .constants import CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, SPARSITY_MASKS_NAME
 from .modeling import apply_masks
-from .serialization import load_masks_for, read_mask_metadata, unpack_mask
+from .serialization import load_masks_for, read_mask_metadata, unpack_mask, verify_checksum
 from .utils import SparsityError
 
 
@@ -42,7 +42,13 @@ class MaskReader:
     def __init__(self, model_dir: str | os.PathLike):
         path = os.path.join(str(model_dir), SPARSITY_MASKS_NAME)
         self.path = path if os.path.isfile(path) else None
-        self.info: dict[str, Any] = read_mask_metadata(path)["tensors"] if self.path else {}
+        meta = read_mask_metadata(path) if self.path else {"tensors": {}}
+        self.info: dict[str, Any] = meta["tensors"]
+        if self.path:  # packed masks are small (1 bit per weight): verify them all up front
+            from safetensors import safe_open
+
+            with safe_open(self.path, framework="pt") as f:
+                verify_checksum(self.path, meta, f.get_tensor)
 
     def __contains__(self, name: str) -> bool:
         return name in self.info
@@ -91,6 +97,57 @@ def iter_shards(
             raise
         except Exception as e:
             raise SparsityError(f"Cannot read {shard!r} ({e}); the file is truncated or corrupt.") from None
+
+
+def check_masks_match_weights(path: str | os.PathLike, masks: dict[str, torch.Tensor]) -> None:
+    """Refuse masks that do not belong to the weights saved beside them.
+
+    hf_sparsity always saves weights with exact zeros at masked positions, so a checkpoint
+    folder whose ``model.safetensors`` (or indexed shards) holds a nonzero where its mask file
+    masks was put together from two runs (a mask file copied in from another model, or the
+    weights replaced). ``path`` is the folder or the mask file inside it. Reads one tensor at a
+    time. Nothing is checked where the folder has no safetensors weights, or for a mask whose
+    tensor the weights lack (e.g. a DeepSpeed checkpoint keeps its weights elsewhere).
+    """
+    from safetensors import safe_open
+
+    folder = Path(path) if os.path.isdir(path) else Path(path).parent
+    index = folder / SAFE_WEIGHTS_INDEX_NAME
+    by_file: dict[str, list[str]] = {}
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # not an index this check can read; loading the weights reports it
+        for name in masks:
+            if name in weight_map:
+                by_file.setdefault(str(folder / weight_map[name]), []).append(name)
+    elif (folder / SAFE_WEIGHTS_NAME).is_file():
+        by_file[str(folder / SAFE_WEIGHTS_NAME)] = list(masks)
+    for file, names in by_file.items():
+        if not os.path.isfile(file):
+            continue
+        with safe_open(file, framework="pt") as f:
+            stored = set(f.keys())
+            for name in names:
+                if name not in stored:
+                    continue
+                w = f.get_tensor(name)
+                masked = masks[name] == 0
+                if tuple(w.shape) != tuple(masked.shape):
+                    raise SparsityError(
+                        f"{file}: weight {name!r} has shape {list(w.shape)} but its mask "
+                        f"{list(masked.shape)}; the mask file in {str(folder)!r} belongs to another model. "
+                        "Use the mask file saved with these weights, or remove it to build fresh masks."
+                    )
+                bad = int(torch.count_nonzero(w[masked]))
+                if bad:
+                    raise SparsityError(
+                        f"{file}: weight {name!r} is nonzero at {bad} of the {int(masked.sum())} positions "
+                        f"its mask in {SPARSITY_MASKS_NAME} prunes, so that mask file was not saved with "
+                        "these weights (copied from another checkpoint or model?). Use the mask file saved "
+                        "with these weights, or remove it from the folder to build fresh masks."
+                    )
 
 
 def iter_tensors(model_dir: str | os.PathLike) -> Iterator[tuple[str, str, torch.Tensor]]:

@@ -40,6 +40,7 @@ from torch import nn
 
 from . import events as E
 from . import masks as M
+from .checkpoint import check_masks_match_weights
 from .config import SparsityConfig, check_structure, set_sparsity_config
 from .constants import SPARSITY_MASKS_NAME
 from .enforcement import ZERO_PRESERVING_OPTIMIZERS, MaskEnforcer
@@ -188,6 +189,7 @@ class SparsityEngine:
         mid-schedule changes nothing, and a tensor the schedule has densified gets no mask.
         """
         loaded, meta = load_masks_for(self.model, path, required=True, with_metadata=True)
+        check_masks_match_weights(path, loaded)
         state = meta.get("state")
         if state:
             state = json.loads(state) if isinstance(state, str) else state

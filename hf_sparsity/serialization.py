@@ -10,17 +10,21 @@ Format (version 1)
   ``8*b + j``. A set bit means the weight is kept (trainable); a clear bit, pruned.
 * Safetensors metadata (all strings): ``format`` = ``hf_sparsity.masks``,
   ``format_version`` = ``1``, ``library_version``, and ``tensors``: JSON
-  ``{name: {"shape": [...], "level": float, "nonzeros": int}}``; plus any extra
-  keys the writer adds (``global_step``, ...).
+  ``{name: {"shape": [...], "level": float, "nonzeros": int}}``; ``checksum`` =
+  ``sha256:<hex>`` over every mask's name, shape and packed bytes, in name order (see
+  :func:`mask_checksum`); plus any extra keys the writer adds (``global_step``, ...).
+  Files without ``checksum`` (written before it existed) load with a warning.
 
 A 2-D mask therefore costs ``ceil(cols/8)/cols`` ~ 0.125 bytes per parameter on disk.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -29,6 +33,11 @@ import torch
 from .constants import MASK_FORMAT_NAME, MASK_FORMAT_VERSION, SPARSITY_MASKS_NAME
 from .masks import MASK_DTYPE
 from .utils import SparsityError, atomic_path, library_version
+
+logger = logging.getLogger(__name__)
+
+CHECKSUM_KEY = "checksum"
+_warned_unchecked: set[str] = set()
 
 
 def _as_2d(shape) -> tuple[int, int]:
@@ -86,12 +95,48 @@ def save_masks(
         "format_version": str(MASK_FORMAT_VERSION),
         "library_version": library_version(),
         "tensors": json.dumps(info, sort_keys=True),
+        CHECKSUM_KEY: mask_checksum(info, tensors.__getitem__),
     }
     for k, v in (extra_metadata or {}).items():
         metadata[k] = v if isinstance(v, str) else json.dumps(v)
     with atomic_path(path) as tmp:
         save_file(tensors, tmp, metadata=metadata)
     return path
+
+
+def mask_checksum(info: Mapping[str, Any], packed: Callable[[str], torch.Tensor]) -> str:
+    """``sha256:<hex>`` over each mask's name, shape and packed bytes, in sorted name order.
+
+    ``packed(name)`` returns the stored uint8 tensor; one is read at a time. Unlike the nonzero
+    counts, this catches changes that keep the count (two bits swapped).
+    """
+    h = hashlib.sha256()
+    for name in sorted(info):
+        h.update(name.encode("utf-8") + b"\0")
+        h.update(json.dumps([int(s) for s in info[name]["shape"]]).encode("ascii") + b"\0")
+        h.update(packed(name).contiguous().numpy().tobytes())
+    return "sha256:" + h.hexdigest()
+
+
+def verify_checksum(path: str, meta: Mapping[str, Any], packed: Callable[[str], torch.Tensor]) -> None:
+    """Refuse a mask file whose bytes do not match its recorded checksum; warn (once per file) about
+    files written before checksums existed."""
+    recorded = meta.get(CHECKSUM_KEY)
+    if recorded is None:
+        if path not in _warned_unchecked:
+            _warned_unchecked.add(path)
+            logger.warning(
+                "%s has no checksum (written by an older hf_sparsity); its masks cannot be verified. "
+                "Re-save it (load the model with its masks and save_pretrained) to add one.",
+                path,
+            )
+        return
+    actual = mask_checksum(meta["tensors"], packed)
+    if actual != recorded:
+        raise SparsityError(
+            f"Mask file {path!r} is corrupt: its contents do not match the checksum in its metadata. "
+            "Restore it from the checkpoint it came from (or a backup), or delete it to rebuild the masks."
+        )
 
 
 def read_mask_metadata(path: str | os.PathLike) -> dict[str, Any]:
@@ -143,8 +188,10 @@ def load_masks(
     masks = {}
     try:
         with safe_open(path, framework="pt") as f:
-            for name, t in info.items():
-                masks[name] = unpack_mask(f.get_tensor(name), t["shape"])
+            packed = {name: f.get_tensor(name) for name in info}
+        verify_checksum(path, meta, packed.__getitem__)
+        for name, t in info.items():
+            masks[name] = unpack_mask(packed[name], t["shape"])
     except SparsityError:
         raise
     except Exception as e:

@@ -81,12 +81,8 @@ class _Probe(TrainerCallback):
 
 
 def _dirty_masked_positions(ckpt, masks):
-    from safetensors.torch import save_file
-
-    weights = load_file(os.path.join(ckpt, "model.safetensors"))
-    for name, m in masks.items():
-        weights[name] = weights[name] + 0.1 * (m == 0)
-    save_file(weights, os.path.join(ckpt, "model.safetensors"), metadata={"format": "pt"})
+    """Nonzero optimizer state at masked positions (the weights there must stay 0: a checkpoint whose
+    weights disagree with its masks is refused, see test_mask_file_of_another_model_is_refused)."""
     opt_path = os.path.join(ckpt, "optimizer.pt")
     opt = torch.load(opt_path, weights_only=False)
     dirtied = 0
@@ -111,8 +107,8 @@ def test_resume_at_another_level_prunes_or_regrows(tmp_path):
         assert int((m == 0).sum()) == round(0.8 * m.numel())
         assert bool(((old[name] == 0) <= (m == 0)).all())
     # Lower level: random masked positions regrow from 0 with zeroed optimizer state, then train.
-    # The checkpoint is first given nonzero weights and optimizer state at its masked positions
-    # (as a hand-edited or foreign checkpoint might have), so the probe can only pass if resume zeroes them.
+    # The checkpoint is first given nonzero optimizer state at its masked positions (as a
+    # hand-edited or foreign checkpoint might have), so the probe can only pass if resume zeroes it.
     _dirty_masked_positions(ckpt, old)
     probe_cb = SparsityCallback(SparsityConfig(sparsity=0.3, init_method="topk"))
     probe = _Probe(probe_cb, old)
@@ -199,3 +195,81 @@ def test_resume_dir_is_read_from_trainer(tmp_path):
     ckpt = str(tmp_path / "a" / "checkpoint-3")
     _run("gpt2", tmp_path / "b", SparsityConfig(sparsity=0.5), resume=ckpt, steps=4, extra_cbs=[Probe()])
     assert seen == [ckpt]
+
+
+def _sparse_folder(path, seed, **save_kw):
+    """A saved model with its masks, as save_pretrained writes it (weights exactly 0 where masked)."""
+    from hf_sparsity.engine import SparsityEngine
+
+    model = tiny_model("llama", seed=seed)
+    eng = SparsityEngine(model, SparsityConfig(sparsity=0.5, seed=seed))
+    eng.build_masks()
+    eng.apply()
+    eng.install_save_hook()
+    model.save_pretrained(path, **save_kw)
+    return eng
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_mask_file_of_another_model_is_refused(tmp_path, sharded):
+    """A mask file with the same names and shapes, copied from another model into a checkpoint folder:
+    the weights there are nonzero where it masks, so restore refuses it, naming file, tensor and count."""
+    import shutil
+
+    from hf_sparsity.engine import SparsityEngine
+
+    kw = {"max_shard_size": "20KB"} if sharded else {}
+    mine = _sparse_folder(tmp_path / "mine", seed=1, **kw)
+    _sparse_folder(tmp_path / "other", seed=2)
+    if sharded:
+        assert (tmp_path / "mine" / "model.safetensors.index.json").is_file()
+    # Its own mask file restores.
+    eng = SparsityEngine(tiny_model("llama"), SparsityConfig(sparsity=0.5, seed=1))
+    eng.restore(tmp_path / "mine")
+    assert all(torch.equal(eng.masks[n], m) for n, m in mine.masks.items())
+
+    shutil.copy(tmp_path / "other" / SPARSITY_MASKS_NAME, tmp_path / "mine" / SPARSITY_MASKS_NAME)
+    foreign = load_masks(tmp_path / "mine")[0]  # a valid file: names, shapes and checksum all fine
+    first = next(iter(foreign))
+    with pytest.raises(SparsityError) as err:
+        SparsityEngine(tiny_model("llama"), SparsityConfig(sparsity=0.5, seed=1)).restore(tmp_path / "mine")
+    msg = str(err.value)
+    assert "model" in msg and ".safetensors" in msg and repr(first) in msg
+    assert "was not saved with these weights" in msg and "remove it" in msg
+    weights = mine.model.get_parameter(first).detach()
+    differ = int(torch.count_nonzero(weights[foreign[first] == 0]))
+    assert differ > 0 and f"nonzero at {differ} of the" in msg
+
+
+def test_weights_check_skips_folders_without_those_weights(tmp_path):
+    """No weight file, or a weight file lacking the tensor (weights kept elsewhere): no check, no error."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from hf_sparsity.engine import SparsityEngine
+
+    src = _sparse_folder(tmp_path / "src", seed=1)
+    (tmp_path / "masks_only").mkdir()
+    shutil.copy(tmp_path / "src" / SPARSITY_MASKS_NAME, tmp_path / "masks_only")
+    SparsityEngine(tiny_model("llama"), SparsityConfig(sparsity=0.5, seed=1)).restore(tmp_path / "masks_only")
+    (tmp_path / "other_names").mkdir()
+    shutil.copy(tmp_path / "src" / SPARSITY_MASKS_NAME, tmp_path / "other_names")
+    save_file({"something.else": torch.ones(3)}, str(tmp_path / "other_names" / "model.safetensors"))
+    eng = SparsityEngine(tiny_model("llama"), SparsityConfig(sparsity=0.5, seed=1))
+    eng.restore(tmp_path / "other_names")
+    assert all(torch.equal(eng.masks[n], m) for n, m in src.masks.items())
+
+
+def test_resume_from_a_checkpoint_with_revived_weights_is_refused(tmp_path):
+    """Trainer resume reads the same check: weights nonzero where the masks prune are refused."""
+    from safetensors.torch import save_file
+
+    _, _, first = _run("llama", tmp_path / "a", SparsityConfig(sparsity=0.5))
+    ckpt = tmp_path / "a" / "checkpoint-6"
+    weights = load_file(ckpt / "model.safetensors")
+    name = next(iter(first.engine.masks))
+    weights[name] = weights[name] + 0.1 * (first.engine.masks[name] == 0)
+    save_file(weights, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(SparsityError, match=f"{name!r} is nonzero at"):
+        _run("llama", tmp_path / "b", SparsityConfig(sparsity=0.5), resume=str(ckpt), steps=9)

@@ -91,3 +91,53 @@ def test_tensor_absent_from_metadata_is_refused(mask_file):
     _rewrite(mask_file, edit_meta=drop)
     with pytest.raises(SparsityError, match="disagree"):
         load_masks(mask_file)
+
+
+def test_file_carries_a_checksum(mask_file):
+    meta = read_mask_metadata(mask_file)
+    assert meta["checksum"].startswith("sha256:") and len(meta["checksum"]) == len("sha256:") + 64
+
+
+def _swap_two_bits(tensors):
+    """Swap a kept and a pruned bit of a.weight: every nonzero count stays the same."""
+    packed = tensors["a.weight"]
+    for i, byte in enumerate(packed.flatten().tolist()):
+        if (byte & 1) != ((byte >> 1) & 1):
+            packed.view(-1)[i] = byte ^ 0b11
+            return
+    raise AssertionError("no byte with two differing low bits")
+
+
+def test_two_swapped_bits_are_refused(mask_file):
+    """Only the checksum catches a change that keeps the counts."""
+    _rewrite(mask_file, edit_tensors=_swap_two_bits)
+    meta = read_mask_metadata(mask_file)  # the metadata alone still looks fine
+    assert meta["tensors"]["a.weight"]["nonzeros"] == int(MASKS["a.weight"].sum())
+    with pytest.raises(SparsityError) as err:
+        load_masks(mask_file)
+    msg = str(err.value)
+    assert str(mask_file) in msg and "is corrupt" in msg and "checksum" in msg and "Restore it" in msg
+
+
+def test_file_without_checksum_loads_with_one_warning(tmp_path, caplog):
+    """Files written before checksums existed still load; the warning comes once per file."""
+    path = save_masks(tmp_path / "old.safetensors", MASKS)
+    _rewrite(path, edit_meta=lambda meta: meta.pop("checksum"))
+    with caplog.at_level("WARNING", logger="hf_sparsity"):
+        loaded, _ = load_masks(path)
+        load_masks(path)
+    assert all(torch.equal(loaded[k], MASKS[k]) for k in MASKS)
+    warned = [r for r in caplog.records if "has no checksum" in r.getMessage()]
+    assert len(warned) == 1 and str(path) in warned[0].getMessage()
+
+
+def test_mask_reader_verifies_the_checksum(tmp_path):
+    """Conversions read masks one at a time through MaskReader; it refuses a corrupt file up front."""
+    from hf_sparsity.checkpoint import MaskReader
+    from hf_sparsity.constants import SPARSITY_MASKS_NAME
+
+    path = save_masks(tmp_path / SPARSITY_MASKS_NAME, MASKS)
+    assert torch.equal(MaskReader(tmp_path).get("a.weight"), MASKS["a.weight"])
+    _rewrite(path, edit_tensors=_swap_two_bits)
+    with pytest.raises(SparsityError, match="is corrupt"):
+        MaskReader(tmp_path)
