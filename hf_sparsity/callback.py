@@ -20,7 +20,8 @@ goes to the callables given to :meth:`SparsityCallback.add_listener`.
 Logging (``on_log``, so TensorBoard and every other reporter get it when this
 callback runs before them; :func:`move_to_front` arranges that): per-layer and
 total measured sparsity of the weights, cumulative training FLOPs at the levels in
-force, the dense-equivalent FLOPs and the effective (FLOP-weighted) sparsity, from
+force, for the tokens actually trained (padding excluded, see ``_TokenCounter``), the
+dense-equivalent FLOPs and the effective (FLOP-weighted) sparsity, from
 :class:`hf_sparsity.flops.FlopAccountant`. The FLOP counts travel in the mask file's
 state, so they continue across resume.
 """
@@ -32,6 +33,7 @@ import logging
 import os
 from typing import Any
 
+import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -59,8 +61,9 @@ class SparsityCallback(TrainerCallback, ExportableState):
             ``trainer.train(resume_from_checkpoint=...)`` the callback finds it, and a model
             loaded with ``from_pretrained`` from a sparse folder brings its masks along.
         print_report: print the per-layer sparsity table at the end of training.
-        seq_len: tokens per sample, for FLOP accounting when the Trainer does not count
-            tokens (``include_num_input_tokens_seen``); default: the model's context length.
+        seq_len: tokens per sample for FLOP accounting, when the Trainer does not count tokens
+            (``include_num_input_tokens_seen``); default: the real (non-padding) tokens of the
+            training batches (see :class:`_TokenCounter`).
         log_layers: log each layer's sparsity (``sparsity/layer/<name>``) besides the total: to
             TensorBoard and the other reporters, not to the console line
             (:mod:`hf_sparsity.logging_utils` says how to change that).
@@ -89,7 +92,7 @@ class SparsityCallback(TrainerCallback, ExportableState):
         self.log_layers = log_layers
         self.flops = None
         self._listeners: list[Any] = []
-        self._tokens = _TokenCounter()
+        self._tokens = _TokenCounter(seq_len)
 
     @property
     def events(self) -> list[dict[str, Any]]:
@@ -177,12 +180,12 @@ class SparsityCallback(TrainerCallback, ExportableState):
         saved = self.engine.restored_state.get("flops") if state.global_step > 0 else None
         if saved:
             self.flops.load_state_dict(saved)
-        self._tokens.reset(state)
+        self._tokens.start(model, state)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.engine.before_step()
         if self.flops is not None:  # this step trained at the levels in force now
-            self.flops.add_tokens(self._tokens.step(args, state, self.flops.seq_len), self.engine.levels)
+            self.flops.add_tokens(self._tokens.step(args, state), self.engine.levels)
         return control
 
     def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):
@@ -221,6 +224,7 @@ class SparsityCallback(TrainerCallback, ExportableState):
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
+        self._tokens.stop()
         if self.engine is not None and state.is_world_process_zero:
             report = self.engine.format_report()
             logger.info("Per-layer sparsity at the end of training:\n%s", report)
@@ -239,30 +243,95 @@ def _enable_debug_logging() -> None:
 
 
 class _TokenCounter:
-    """Tokens trained per optimizer step, for both callbacks' FLOP accounting: Trainer's own count
-    when it keeps one (``include_num_input_tokens_seen``), else batch x accumulation x processes x
-    ``seq_len`` (said once in the log)."""
+    """Tokens trained per optimizer step, for both callbacks' FLOP accounting.
 
-    def __init__(self):
+    Sources, in order (the one used is logged once):
+
+    1. Trainer's own count, when it keeps one (``include_num_input_tokens_seen``);
+    2. ``seq_len`` when the user gives it: every sample counted as ``seq_len`` tokens
+       (batch x accumulation x processes x ``seq_len``);
+    3. the batches themselves: a forward pre-hook on the model counts, while it is in training
+       mode (evaluation forwards are left out), the nonzero entries of a 2-D ``attention_mask``
+       (padding excluded) or, without one, the entries of ``input_ids`` (packed batches carry
+       ``position_ids`` and no padding). Micro-batches of one optimizer step are summed
+       (gradient accumulation); under ``torch.distributed`` the per-process counts are
+       all-reduced, so processes whose batches pad differently are each counted exactly.
+    """
+
+    def __init__(self, seq_len: int | None = None):
+        self.seq_len = seq_len
         self.seen = 0
-        self.warned = False
+        self.pending: Any = 0  # tokens of the micro-batches since the last optimizer step
+        self.batch_source: str | None = None
+        self.logged: str | None = None
+        self._hook = None
 
-    def reset(self, state) -> None:
+    def start(self, model, state) -> None:
+        """Begin counting for a run (or a resumed one) of ``model``."""
+        self.stop()
         self.seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
+        self.pending = 0
+        if self.seq_len is None:
+            self._hook = model.register_forward_pre_hook(self._count_batch, with_kwargs=True)
 
-    def step(self, args, state, seq_len: int) -> int:
+    def stop(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def _count_batch(self, module, args, kwargs) -> None:
+        if not module.training:
+            return
+        mask = kwargs.get("attention_mask")
+        ids = kwargs.get("input_ids", args[0] if args and torch.is_tensor(args[0]) else None)
+        if torch.is_tensor(mask) and mask.dim() == 2:
+            n, source = torch.count_nonzero(mask), "nonzero attention_mask entries (padding excluded)"
+        elif torch.is_tensor(ids):
+            n, source = ids.numel(), "input_ids entries (no 2-D attention_mask: unpadded or packed)"
+        elif torch.is_tensor(kwargs.get("inputs_embeds")):
+            n, source = kwargs["inputs_embeds"].shape[:-1].numel(), "inputs_embeds positions"
+        else:
+            return
+        self.pending = self.pending + n  # a tensor stays on its device: no sync per micro-batch
+        self.batch_source = self.batch_source or source
+
+    def step(self, args, state) -> int:
+        """Tokens trained since the previous call (call once per optimizer step, on every process)."""
+        pending, self.pending = self.pending, 0
         seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
         if seen > self.seen:
             n, self.seen = seen - self.seen, seen
+            self._log("Trainer's count (include_num_input_tokens_seen)")
             return n
-        if not self.warned:
-            logger.info(
-                "FLOPs: Trainer does not count tokens (include_num_input_tokens_seen); estimating "
-                "batch x accumulation x processes x %d tokens per step.",
-                seq_len,
+        if self.seq_len is not None:
+            self._log(f"seq_len={self.seq_len} per sample (batch x accumulation x processes x seq_len)")
+            return (
+                args.per_device_train_batch_size
+                * args.gradient_accumulation_steps
+                * args.world_size
+                * self.seq_len
             )
-            self.warned = True
-        return args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size * seq_len
+        self._log(f"the training batches: {self.batch_source or 'none seen yet'}, summed over processes")
+        return _sum_over_processes(pending)
+
+    def _log(self, source: str) -> None:
+        if self.logged is None:
+            logger.info("FLOPs: tokens per step from %s.", source)
+            self.logged = source
+
+
+def _sum_over_processes(n: Any) -> int:
+    """``n`` summed over the processes of ``torch.distributed`` (just ``n`` without it)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return int(n)
+    if not torch.is_tensor(n):  # no batch seen on this process: join the collective with 0
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        n = torch.zeros((), dtype=torch.int64, device=device)
+    total = n.detach().to(torch.int64).clone()
+    dist.all_reduce(total)
+    return int(total)
 
 
 class FlopCallback(TrainerCallback):
@@ -270,7 +339,8 @@ class FlopCallback(TrainerCallback):
     :class:`SparsityCallback` keeps for sparse ones (so a dense baseline is counted the same way).
 
     Logs ``sparsity/train_flops`` and friends in ``on_log``; its count is saved in every
-    checkpoint (``flop_state.json``) and continues when Trainer resumes from one.
+    checkpoint (``flop_state.json``) and continues when Trainer resumes from one. Tokens are
+    counted as :class:`SparsityCallback` counts them (real batch tokens unless ``seq_len`` is given).
     """
 
     FILE = "flop_state.json"
@@ -278,7 +348,7 @@ class FlopCallback(TrainerCallback):
     def __init__(self, seq_len: int | None = None):
         self.seq_len = seq_len
         self.flops = None
-        self._tokens = _TokenCounter()
+        self._tokens = _TokenCounter(seq_len)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         from .flops import FlopAccountant
@@ -289,11 +359,15 @@ class FlopCallback(TrainerCallback):
         if state.global_step > 0 and os.path.isfile(saved):
             with open(saved, encoding="utf-8") as f:
                 self.flops.load_state_dict(json.load(f))
-        self._tokens.reset(state)
+        self._tokens.start(model, state)
         return control
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.flops.add_tokens(self._tokens.step(args, state, self.flops.seq_len), {})
+        self.flops.add_tokens(self._tokens.step(args, state), {})
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._tokens.stop()
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):

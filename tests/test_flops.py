@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from hf_sparsity.cli import main
 from hf_sparsity.config import SparsityConfig
@@ -315,3 +316,164 @@ def test_dense_and_sparse_callbacks_count_the_same_tokens(tmp_path, count_tokens
         trainer.train()
         tokens[name] = cb.flops.tokens
     assert tokens["dense"] == tokens["sparse"] == 3 * 4 * 16  # steps x batch x block length
+
+
+class _PaddedBlocks:
+    """Samples padded to ``width`` with an attention_mask: real lengths ``lengths``."""
+
+    def __init__(self, lengths, width=16, pad=1, vocab=128):
+        g = torch.Generator().manual_seed(0)
+        self.items = []
+        for n in lengths:
+            ids = torch.full((width,), pad, dtype=torch.long)
+            ids[:n] = torch.randint(2, vocab, (n,), generator=g)
+            mask = (torch.arange(width) < n).long()
+            self.items.append(
+                {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+            )
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+class _LoggedTokens(TrainerCallback):
+    """The ``sparsity/tokens`` of every training log line (runs after the callback that adds it)."""
+
+    def __init__(self):
+        self.values = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs and "sparsity/tokens" in logs:
+            self.values.append(logs["sparsity/tokens"])
+
+
+@pytest.mark.parametrize("which", ["sparse", "dense"])
+def test_padded_batches_count_their_real_tokens(tmp_path, caplog, which):
+    """Padding is not counted, gradient accumulation sums micro-batches, evaluation is left out."""
+    from hf_sparsity import SparsityCallback
+    from hf_sparsity.callback import FlopCallback
+
+    from .trainer_utils import make_trainer
+
+    lengths = [3 + (7 * i) % 13 for i in range(24)]  # 3..15 real tokens, padded to 16
+    data = _PaddedBlocks(lengths)
+    cb = SparsityCallback(0.5) if which == "sparse" else FlopCallback()
+    rec = _LoggedTokens()
+    trainer = make_trainer(
+        tiny_model("llama"),
+        tmp_path,
+        [cb, rec],
+        dataset=data,
+        eval_dataset=_PaddedBlocks([16] * 8),
+        eval_strategy="steps",
+        eval_steps=1,
+        max_steps=3,  # 3 steps x 4 samples x 2 micro-batches: exactly one pass over the 24 samples
+        gradient_accumulation_steps=2,
+        logging_steps=1,
+    )
+    with caplog.at_level("INFO", logger="hf_sparsity"):
+        trainer.train()
+    assert cb.flops.tokens == sum(lengths) < 24 * 16
+    assert rec.values[-1] == sum(lengths) and len(rec.values) == 3
+    assert rec.values == sorted(rec.values) and rec.values[0] < rec.values[-1]
+    sources = [r.getMessage() for r in caplog.records if "tokens per step from" in r.getMessage()]
+    assert sources == [
+        "FLOPs: tokens per step from the training batches: nonzero attention_mask entries "
+        "(padding excluded), summed over processes."
+    ]
+    assert cb._tokens._hook is None  # removed at train end: later forwards count nothing
+
+
+@pytest.mark.parametrize("which", ["sparse", "dense"])
+def test_samples_shorter_than_the_context_are_not_counted_as_the_context(tmp_path, which):
+    from hf_sparsity import SparsityCallback
+    from hf_sparsity.callback import FlopCallback
+
+    from .trainer_utils import make_trainer, random_blocks
+
+    model = tiny_model("llama")
+    assert model.config.max_position_embeddings == 64
+    cb = SparsityCallback(0.5) if which == "sparse" else FlopCallback()
+    make_trainer(model, tmp_path, [cb], dataset=random_blocks(length=16), max_steps=3).train()
+    assert cb.flops.tokens == 3 * 4 * 16  # steps x batch x sample length, not x 64
+
+
+def test_packed_batches_without_attention_mask_count_every_token(tmp_path):
+    """A packed (padding-free) batch: one row, position_ids restarting per sample, no attention_mask."""
+    from hf_sparsity import SparsityCallback
+
+    from .trainer_utils import make_trainer
+
+    lengths = [5, 11, 7, 9, 3, 13, 6, 10]
+
+    class Packed:
+        def __len__(self):
+            return 6
+
+        def __getitem__(self, i):
+            g = torch.Generator().manual_seed(i)
+            ids = torch.randint(2, 128, (sum(lengths),), generator=g)
+            pos = torch.cat([torch.arange(n) for n in lengths])
+            return {"input_ids": ids, "position_ids": pos, "labels": ids.clone()}
+
+    cb = SparsityCallback(0.5)
+    make_trainer(
+        tiny_model("llama"),
+        tmp_path,
+        [cb],
+        dataset=Packed(),
+        per_device_train_batch_size=1,
+        max_steps=3,
+        gradient_accumulation_steps=2,
+    ).train()
+    assert cb.flops.tokens == 3 * 2 * sum(lengths)
+
+
+def test_trl_sft_packing_counts_the_packed_tokens(tmp_path):
+    """TRL's SFTTrainer with packing: the tokens counted are those of the packed rows, not rows x context."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from hf_sparsity import SparsityCallback
+
+    words = [f"w{i}" for i in range(100)]
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
+    g = torch.Generator().manual_seed(0)
+    texts = [
+        " ".join(words[j] for j in torch.randint(0, 100, (int(n),), generator=g).tolist())
+        for n in torch.randint(3, 20, (40,), generator=g)
+    ]
+    model = tiny_model("llama", vocab=len(vocab))
+    cb = SparsityCallback(0.5)
+    trainer = trl.SFTTrainer(
+        model=model,
+        args=trl.SFTConfig(
+            output_dir=str(tmp_path),
+            packing=True,
+            max_length=48,
+            per_device_train_batch_size=2,
+            num_train_epochs=1,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            disable_tqdm=True,
+        ),
+        train_dataset=Dataset.from_dict({"text": texts}),
+        processing_class=tokenizer,
+        callbacks=[cb],
+    )
+    packed = trainer.train_dataset
+    real = sum(len(r) for r in packed["input_ids"])
+    trainer.train()
+    assert trainer.state.global_step == (len(packed) + 1) // 2
+    assert cb.flops.tokens == real < trainer.state.global_step * 2 * 64  # 64: the model's context

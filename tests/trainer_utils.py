@@ -13,7 +13,9 @@ def random_blocks(n: int = 64, length: int = 16, vocab: int = 128, seed: int = 0
     return BlockDataset(torch.randint(2, vocab, (n, length), generator=g).tolist())
 
 
-def make_trainer(model, out_dir, callbacks, optimizers=(None, None), dataset=None, **kw) -> Trainer:
+def make_trainer(
+    model, out_dir, callbacks, optimizers=(None, None), dataset=None, eval_dataset=None, **kw
+) -> Trainer:
     args = dict(
         output_dir=str(out_dir),
         max_steps=6,
@@ -32,6 +34,7 @@ def make_trainer(model, out_dir, callbacks, optimizers=(None, None), dataset=Non
         model=model,
         args=TrainingArguments(**args),
         train_dataset=dataset if dataset is not None else random_blocks(),
+        eval_dataset=eval_dataset,
         callbacks=callbacks,
         optimizers=optimizers,
     )
