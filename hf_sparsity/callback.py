@@ -326,10 +326,9 @@ def _sum_over_processes(n: Any) -> int:
 
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return int(n)
-    if not torch.is_tensor(n):  # no batch seen on this process: join the collective with 0
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        n = torch.zeros((), dtype=torch.int64, device=device)
-    total = n.detach().to(torch.int64).clone()
+    # NCCL reduces CUDA tensors only; gloo is given CPU ones.
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    total = torch.as_tensor(n).detach().to(device=device, dtype=torch.int64).clone()
     dist.all_reduce(total)
     return int(total)
 

@@ -31,5 +31,8 @@ def test_ddp_masks_identical_on_both_ranks(arch, tmp_path):
     assert r0["weights"] == r1["weights"]  # DDP kept replicas in sync, masked weights included
     assert r0["checked_steps"] == r1["checked_steps"] == 5  # invariants checked after every step on each rank
     assert r0["levels"] == [0.75]
+    # Batch tokens summed over micro-batches and all-reduced over ranks: steps x accumulation x batch x
+    # ranks x block length, the same on both ranks.
+    assert r0["tokens"] == r1["tokens"] == 5 * 2 * 4 * 2 * 16
     masks, _ = load_masks(tmp_path / "checkpoint-5")
     assert all(int((m == 0).sum()) == round(0.75 * m.numel()) for m in masks.values())

@@ -1,7 +1,7 @@
 """Run under ``accelerate launch --multi_gpu --num_processes 2``: Trainer + SparsityCallback on DDP.
 
-Each rank writes ``rank{R}.json`` with a hash of its masks and of its final weights, and
-how many optimizer steps passed the invariant check.
+Each rank writes ``rank{R}.json`` with a hash of its masks and of its final weights, how many
+optimizer steps passed the invariant check, and the tokens its FLOP accounting counted.
 """
 
 import hashlib
@@ -49,6 +49,7 @@ def main(out, arch):
         "weights": digest(p for _, p in sorted(model.named_parameters())),
         "checked_steps": checker.checked,
         "levels": sorted(set(round(v, 6) for v in cb.engine.levels.values())),
+        "tokens": cb.flops.tokens,
     }
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
