@@ -401,6 +401,28 @@ def get_sparsity_state(config: Any) -> dict[str, Any]:
     return dict(section.get("_state", {})) if isinstance(section, dict) else {}
 
 
+def mask_seeds(config: SparsityConfig) -> dict[str, Any]:
+    """The seeds random masks are drawn from: the config's ``seed`` and each group's."""
+    out: dict[str, Any] = {"seed": config.seed}
+    if config.groups:
+        out["groups"] = [g.seed for g in config.groups]
+    return out
+
+
+def with_mask_seeds(config: SparsityConfig, seeds: dict[str, Any] | None) -> SparsityConfig:
+    """``config`` with the seeds the masks were built with (``seeds`` from :func:`mask_seeds`), so
+    ``config.json`` names the seed that made its masks even after a resume under another seed."""
+    if not seeds or seeds == mask_seeds(config):
+        return config
+    out = copy.deepcopy(config)
+    out.seed = int(seeds.get("seed", out.seed))
+    groups = seeds.get("groups")
+    if out.groups and groups and len(groups) == len(out.groups):
+        for g, seed in zip(out.groups, groups):
+            g.seed = int(seed)
+    return out
+
+
 def set_sparsity_config(config: Any, sparsity: SparsityConfig | None, state: dict | None = None) -> None:
     """Put (or with ``None`` remove) the sparsity section on a ``PretrainedConfig`` so it lands in
     config.json."""

@@ -41,7 +41,7 @@ from torch import nn
 from . import events as E
 from . import masks as M
 from .checkpoint import check_masks_match_weights
-from .config import SparsityConfig, check_structure, set_sparsity_config
+from .config import SparsityConfig, check_structure, mask_seeds, set_sparsity_config, with_mask_seeds
 from .constants import SPARSITY_MASKS_NAME
 from .enforcement import ZERO_PRESERVING_OPTIMIZERS, MaskEnforcer
 from .hooks import carry_masks_in_save_pretrained, release_save_pretrained
@@ -93,6 +93,7 @@ class SparsityEngine:
         self._lr_scheduler = None
         self._pending_zero: dict[str, torch.Tensor] = {}  # restored masked positions, zeroed in attach()
         self._orig_save_pretrained = None
+        self._told_seed = False
 
     @property
     def state_masking(self) -> str:
@@ -109,6 +110,8 @@ class SparsityEngine:
         """Create masks for ``names`` (default: every target) from the config: random, topk or N:M."""
         for name in names if names is not None else self.targets:
             self.state_.set(name, self._initial_mask(name))
+        if names is None:
+            self.state_.seeds = mask_seeds(self.config)
         self.refresh()
 
     def _initial_mask(self, name: str) -> torch.Tensor | None:
@@ -241,8 +244,20 @@ class SparsityEngine:
         return f"{'pruned' if want > have else 'regrown'} {have:.4f} -> {want:.4f}"
 
     def stamp_config(self) -> None:
-        """Write the config and the current state into ``model.config`` (so ``config.json`` carries them)."""
-        set_sparsity_config(self.model.config, self.config, state=self.state())
+        """Write the config and the current state into ``model.config`` (so ``config.json`` carries them).
+
+        The seed written is the one the masks were built with, when a resume configured another.
+        """
+        config = with_mask_seeds(self.config, self.state_.seeds)
+        if config is not self.config and not self._told_seed:
+            self._told_seed = True
+            logger.warning(
+                "The masks were built with seeds %s, the config now gives %s: config.json keeps the "
+                "former (the new seeds only affect masks built or regrown from now on).",
+                self.state_.seeds,
+                mask_seeds(self.config),
+            )
+        set_sparsity_config(self.model.config, config, state=self.state())
 
     def install_save_hook(self) -> None:
         """Make ``model.save_pretrained(dir)`` also write the masks and the config section."""

@@ -25,6 +25,7 @@ class MaskState:
     densified: set[str] = field(default_factory=set)
     pending_rewind: int | None = None  # LR step to rewind to, applied after the scheduler's step
     extra: dict[str, Any] = field(default_factory=dict)  # callers' state carried along (FLOP counts, ...)
+    seeds: dict[str, Any] | None = None  # seeds the masks were built with; a resume keeps them
 
     def set(self, name: str, mask: torch.Tensor | None) -> None:
         if mask is None:
@@ -45,6 +46,8 @@ class MaskState:
                 "pending_rewind": self.pending_rewind,
             }
         )
+        if self.seeds is not None:
+            out["mask_seeds"] = dict(self.seeds)
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -52,6 +55,7 @@ class MaskState:
         self.events = list(state.get("events", []))
         self.densified = set(state.get("densified", []))
         self.pending_rewind = state.get("pending_rewind")
+        self.seeds = state.get("mask_seeds")
 
 
 def _state_field(name: str, doc: str) -> property:

@@ -273,3 +273,24 @@ def test_resume_from_a_checkpoint_with_revived_weights_is_refused(tmp_path):
     save_file(weights, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(SparsityError, match=f"{name!r} is nonzero at"):
         _run("llama", tmp_path / "b", SparsityConfig(sparsity=0.5), resume=str(ckpt), steps=9)
+
+
+def test_resume_under_another_seed_keeps_the_seed_that_made_the_masks(tmp_path, caplog):
+    _, _, first = _run("llama", tmp_path / "a", SparsityConfig(sparsity=0.5, seed=1234))
+    with caplog.at_level("WARNING", logger="hf_sparsity"):
+        _, _, cb = _run(
+            "llama",
+            tmp_path / "b",
+            SparsityConfig(sparsity=0.5, seed=999),
+            resume=str(tmp_path / "a" / "checkpoint-3"),
+        )
+    assert all(torch.equal(cb.engine.masks[n], m) for n, m in first.engine.masks.items())
+    section = json.loads((tmp_path / "b" / "checkpoint-6" / "config.json").read_text())["sparsity"]
+    assert section["seed"] == 1234 and section["_state"]["mask_seeds"] == {"seed": 1234}
+    assert SparsityConfig.from_dict(section).seed == 1234
+    told = [r.getMessage() for r in caplog.records if "built with seeds" in r.getMessage()]
+    assert len(told) == 1 and "1234" in told[0] and "999" in told[0]
+    # A fresh run (masks built now) writes its own seed.
+    _run("llama", tmp_path / "c", SparsityConfig(sparsity=0.5, seed=999), steps=3)
+    fresh = json.loads((tmp_path / "c" / "checkpoint-3" / "config.json").read_text())["sparsity"]
+    assert fresh["seed"] == 999
