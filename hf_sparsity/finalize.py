@@ -81,10 +81,12 @@ def finalize_checkpoint(
     With ``model_card`` (the default) ``README.md`` gets the Hub card of :mod:`hf_sparsity.model_card`,
     with the evaluation table of ``results`` (an ``hf_sparsity eval`` results.json) when given.
     """
-    from .model_card import load_eval_results, write_model_card
+    from .model_card import card_section, load_eval_results, write_model_card
 
     eval_results = load_eval_results(results)
     src = Path(in_dir)
+    if model_card:
+        card_section(src)  # a section the card cannot show is refused before anything is written
     masks = MaskReader(src)
     if masks.path is None and CONFIG_SECTION not in read_config(src):
         raise SparsityError(

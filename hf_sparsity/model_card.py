@@ -15,6 +15,7 @@ its own values kept) and this card is appended as a section.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -27,6 +28,9 @@ README_NAME = "README.md"
 SECTION_TITLE = "## Sparsity (hf_sparsity)"
 TAGS = ("sparse", "sparsity", "hf_sparsity")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+LEVEL_TOLERANCE = 0.005  # configured vs measured level: rounding per tensor, and weights that are 0 anyway
+
+logger = logging.getLogger(__name__)
 
 
 def load_eval_results(path: str | os.PathLike | None) -> dict[str, Any] | None:
@@ -42,6 +46,39 @@ def load_eval_results(path: str | os.PathLike | None) -> dict[str, Any] | None:
             "that `hf_sparsity eval MODEL --out DIR` wrote."
         )
     return results
+
+
+def card_section(src: str | os.PathLike) -> Any:
+    """The ``sparsity`` section of ``src/config.json`` that the card copies, checked like a config.
+
+    A hand-edited section that is not a valid config (``sparsity: 7``) is refused rather than shown
+    beside the measured figures; ``None`` when there is no section.
+    """
+    from .config import SparsityConfig
+
+    path = Path(src) / CONFIG_NAME
+    section = _read_json(path).get(CONFIG_SECTION)
+    if section is None:
+        return None
+    try:
+        SparsityConfig.from_dict(section)
+    except SparsityError as e:
+        raise SparsityError(
+            f"{str(path)!r}: its `{CONFIG_SECTION}` section is not a valid sparsity config ({e}) and the "
+            "model card would copy it. Fix the section (or remove it), or finalize with --no-model-card."
+        ) from None
+    return section
+
+
+def _uniform_level(section: Any) -> float | None:
+    """The one level a section gives every target, when it does (no schedule, groups or overrides)."""
+    from .config import SparsityConfig
+
+    cfg = SparsityConfig.from_dict(section)
+    pats = cfg.param_name_patterns
+    if cfg.has_schedule or cfg.groups or cfg.structure or (isinstance(pats, dict) and pats):
+        return None
+    return cfg.sparsity
 
 
 def split_front_matter(text: str) -> tuple[dict[str, Any], str]:
@@ -155,10 +192,25 @@ def _oneshot_rows(oneshot: dict[str, Any]) -> list[str]:
     return rows
 
 
-def _how_made(src: Path) -> list[str]:
+def _level_row(section: dict[str, Any], measured: float) -> str:
+    """The ``sparsity`` row, flagged when the configured level is not what the weights hold."""
+    level = _uniform_level(section)
+    row = f"| sparsity | {_fmt_value(section['sparsity'])}"
+    if level is not None and abs(level - measured) > LEVEL_TOLERANCE:
+        logger.warning(
+            "config.json says sparsity %s but the sparsified weights are %.2f%% sparse; the card shows the "
+            "measured level and flags the difference.",
+            section["sparsity"],
+            100 * measured,
+        )
+        row += f" (**disagrees with the measured {measured:.2%}**; the figures above are measured)"
+    return row + " |"
+
+
+def _how_made(src: Path, measured: float) -> list[str]:
     from .serialization import read_mask_metadata
 
-    section = _read_json(src / CONFIG_NAME).get(CONFIG_SECTION)
+    section = card_section(src)
     lines = ["### How the masks were made", ""]
     if isinstance(section, dict):
         state = section.get("_state") or {}
@@ -169,7 +221,10 @@ def _how_made(src: Path) -> list[str]:
         lines += ["| setting | value |", "|---|---|"]
         if oneshot:
             lines += _oneshot_rows(oneshot)
-        lines += [f"| {k} | {_fmt_value(section[k])} |" for k in keys]
+        lines += [
+            _level_row(section, measured) if k == "sparsity" else f"| {k} | {_fmt_value(section[k])} |"
+            for k in keys
+        ]
         if section.get("hf_sparsity_version"):
             lines.append(f"| hf_sparsity version | `{section['hf_sparsity_version']}` |")
         if state.get("optimizer_steps"):
@@ -197,7 +252,7 @@ def _how_made(src: Path) -> list[str]:
         extra = {
             k: v
             for k, v in meta.items()
-            if k not in ("format", "format_version", "tensors", "state", "library_version")
+            if k not in ("format", "format_version", "tensors", "state", "library_version", "checksum")
         }
         if extra:
             lines.append("Mask file metadata: " + ", ".join(f"{k} = `{v}`" for k, v in sorted(extra.items())))
@@ -267,7 +322,7 @@ def card_body(src: Path, figures: dict[str, Any], results: dict[str, Any] | None
     else:
         lines += ["", f"FLOPs not counted: {figures.get('flops_error')}."]
     lines.append("")
-    lines += _how_made(src)
+    lines += _how_made(src, tg["sparsity"])
     lines.append("")
     if results is not None:
         lines += _eval_lines(results)
@@ -300,4 +355,4 @@ def write_model_card(
     return path
 
 
-__all__ = ["card_figures", "load_eval_results", "split_front_matter", "write_model_card"]
+__all__ = ["card_figures", "card_section", "load_eval_results", "split_front_matter", "write_model_card"]

@@ -122,3 +122,43 @@ def test_card_of_a_one_shot_pruned_folder_names_method_and_calibration(tmp_path)
     assert "| masks made by | one-shot `wanda` pruning (`hf_sparsity prune`) |" in body
     assert "| calibration | `owt.jsonl`: 32 samples x 512 tokens, seed 0 |" in body
     assert "init_method" not in body
+
+
+def _edit_section(path, **changes):
+    cfgj = json.loads((path / "config.json").read_text())
+    cfgj["sparsity"].update(changes)
+    (path / "config.json").write_text(json.dumps(cfgj))
+
+
+def test_invalid_hand_edited_section_is_refused_before_anything_is_written(tmp_path):
+    src = sparse_folder(tmp_path)
+    _edit_section(src, sparsity=7)
+    out = tmp_path / "final"
+    with pytest.raises(SparsityError) as err:
+        from hf_sparsity.finalize import finalize_checkpoint
+
+        finalize_checkpoint(src, out)
+    msg = str(err.value)
+    assert "config.json" in msg and "not a valid sparsity config" in msg and "--no-model-card" in msg
+    assert not out.exists()
+    assert cli("convert", "--finalize", str(src), str(out), "--no-model-card") == 0  # the way out it names
+
+
+def test_section_disagreeing_with_the_weights_is_flagged(tmp_path, caplog):
+    """A hand-edited level the weights do not hold: the card shows the measured level and says so."""
+    src = sparse_folder(tmp_path)  # masks at 0.6
+    _edit_section(src, sparsity=0.5)
+    out = tmp_path / "final"
+    with caplog.at_level("WARNING", logger="hf_sparsity"):
+        assert cli("convert", "--finalize", str(src), str(out)) == 0
+    _, body = split_front_matter((out / "README.md").read_text())
+    import re
+
+    measured = re.search(r"This checkpoint is \*\*([0-9.]+%) sparse\*\*", body).group(1)
+    assert abs(float(measured[:-1]) - 60) < 0.1  # the measured level heads the card, not the edited 50%
+    assert (
+        f"| sparsity | `0.5` (**disagrees with the measured {measured}**; the figures above are measured) |"
+        in body
+    )
+    assert "checksum" not in body  # file-integrity metadata is not a fact about the model
+    assert any("config.json says sparsity 0.5" in r.getMessage() for r in caplog.records)
