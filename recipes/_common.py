@@ -166,8 +166,8 @@ def stage_done(args, out: str) -> StageResult | None:
 
 
 def train_and_save(trainer: Trainer, metrics_cb, resume: bool) -> StageResult:
-    """Run ``trainer`` (from its last complete checkpoint with ``resume``), evaluate, save ``final/``, record the
-    stage.
+    """Run ``trainer`` (from its last complete checkpoint with ``resume``), evaluate, save ``final/``,
+    record the stage.
 
     ``metrics_cb``: the run's :class:`SparsityCallback` or :class:`FlopCallback`; it is moved in
     front of Trainer's own callbacks so its scalars reach TensorBoard. An interrupted run (one a
