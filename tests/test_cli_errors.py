@@ -38,6 +38,10 @@ CASES = {
         (["convert", "--finalize", "M", "existing"], "already exists"),
         (["convert", "--finalize", "dense", "out"], "nothing to finalize"),
         (["convert", "M", "out"], "one of the arguments"),
+        (["convert", "--finalize", "M", "M", "--overwrite"], "is the model folder"),
+        (["convert", "--finalize", "M", "M/final", "--overwrite"], "inside the model folder"),
+        (["convert", "--to-sentinel", "M", "M/sub/out"], "inside the model folder"),
+        (["convert", "--finalize", "M", ".", "--overwrite"], "holds the model folder"),
     ],
     "flops": [
         (["flops", "--config", "nosuch"], "no config.json"),

@@ -12,12 +12,12 @@ from pathlib import Path
 
 from ..config import SparsityConfig, check_level, check_structure
 from ..modeling import context_length
-from ..utils import SparsityError
+from ..utils import SparsityError, check_out_dir
 from .calibration import read_documents, sample_calibration
 from .levels import OWLSettings
 from .methods import METHODS
 from .oneshot import OneShotResult, prune_oneshot
-from .save import check_out_dir, save_pruned
+from .save import save_pruned
 
 logger = logging.getLogger(__name__)
 
