@@ -20,6 +20,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from .config import get_sparsity_state
 from .constants import CONFIG_NAME, CONFIG_SECTION, SPARSITY_MASKS_NAME
 from .utils import SparsityError
 
@@ -158,10 +159,11 @@ def _oneshot_rows(oneshot: dict[str, Any]) -> list[str]:
 def _how_made(src: Path) -> list[str]:
     from .serialization import read_mask_metadata
 
-    section = _read_json(src / CONFIG_NAME).get(CONFIG_SECTION)
+    config = _read_json(src / CONFIG_NAME)
+    section = config.get(CONFIG_SECTION)
     lines = ["### How the masks were made", ""]
     if isinstance(section, dict):
-        state = section.get("_state") or {}
+        state = get_sparsity_state(config)
         oneshot = state.get("oneshot") or {}
         # masks from `hf_sparsity prune`: the method and calibration say how; init_method was not used
         skip = ("_state", "hf_sparsity_version") + (("init_method",) if oneshot else ())
