@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
@@ -26,6 +27,22 @@ def library_version() -> str:
         return __version__
 
 
+def _disk_full(e: BaseException) -> bool:
+    """A write failed for lack of space: an ``OSError`` with ENOSPC / EDQUOT, or a writer's own error
+    carrying it (safetensors raises ``SafetensorError(... No space left on device (os error 28))``)."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(e)
+    return any(s in text for s in (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT)))
+
+
+def _disk_full_error(path: Path) -> SparsityError:
+    return SparsityError(
+        f"{os.strerror(errno.ENOSPC)} writing {str(path)!r}; nothing was written there. Free some space "
+        "or write to another disk."
+    )
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     """Yield a temporary path in the same folder; rename it onto ``path`` only if the block succeeds."""
@@ -39,6 +56,10 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
         # give the file what open() would.
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
+    except Exception as e:
+        if _disk_full(e):
+            raise _disk_full_error(path) from None
+        raise
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -126,6 +147,10 @@ def atomic_dir(
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, path)
+    except Exception as e:
+        if _disk_full(e):
+            raise _disk_full_error(path) from None
+        raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
