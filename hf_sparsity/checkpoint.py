@@ -47,6 +47,31 @@ def weight_shards(model_dir: str | os.PathLike) -> list[str]:
     raise SparsityError(f"No {SAFE_WEIGHTS_NAME} (or sharded index) in {str(d)!r}.")
 
 
+def _safetensors_error(path: str | os.PathLike) -> str | None:
+    """Why a safetensors file cannot be opened (``None``: its header and size are consistent)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            f.keys()
+    except Exception as e:  # safetensors' own error types: a missing, truncated or corrupt file
+        return str(e) or type(e).__name__
+    return None
+
+
+def _unreadable(shard: str, reason: object) -> SparsityError:
+    return SparsityError(f"Cannot read {shard!r} ({reason}); the file is truncated or corrupt.")
+
+
+def check_weights_readable(model_dir: str | os.PathLike) -> None:
+    """Open every safetensors weight file of a folder (headers only): a truncated or corrupt one raises
+    the error :func:`iter_shards` gives, before a loader fails on it with a traceback."""
+    for shard in weight_shards(model_dir):
+        reason = _safetensors_error(shard)
+        if reason:
+            raise _unreadable(shard, reason)
+
+
 class MaskReader:
     """Lazily unpacks one mask at a time from a ``sparsity_masks.safetensors`` (or returns None)."""
 
@@ -92,16 +117,14 @@ def iter_shards(
                         try:
                             t = f.get_tensor(name)
                         except Exception as e:
-                            raise SparsityError(
-                                f"Cannot read {shard!r} ({e}); the file is truncated or corrupt."
-                            ) from None
+                            raise _unreadable(shard, e) from None
                         yield name, t
 
                 yield shard, meta, tensors()
         except SparsityError:
             raise
         except Exception as e:
-            raise SparsityError(f"Cannot read {shard!r} ({e}); the file is truncated or corrupt.") from None
+            raise _unreadable(shard, e) from None
 
 
 def iter_tensors(model_dir: str | os.PathLike) -> Iterator[tuple[str, str, torch.Tensor]]:
@@ -215,14 +238,7 @@ _WEIGHT_FILES = ("model.safetensors", "adapter_model.safetensors", "pytorch_mode
 
 
 def _readable_safetensors(path: Path) -> bool:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            f.keys()
-    except Exception:  # safetensors' own error types: a truncated or corrupt file
-        return False
-    return True
+    return _safetensors_error(path) is None
 
 
 def _weights_problem(d: Path) -> str | None:
