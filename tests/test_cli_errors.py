@@ -156,7 +156,10 @@ CASES = {
         (["generate", "M", "--prompt", "hi", "--threads", "0"], "--threads"),
         (["generate", "M"], "--prompt"),
         (["generate", "trunc", "--prompt", "hi"], "truncated"),
-        (["generate", "M", "--prompt", "hi", "--max-new-tokens", "100", "--no-dense"], "--max-new-tokens 63"),
+        (
+            ["generate", "M", "--prompt", "hi", "--max-new-tokens", "100", "--no-dense"],
+            "--max-new-tokens 64 or less",
+        ),
         (["generate", "M", "--prompt", "hi " * 70, "--no-dense"], "shorten the prompt"),
         (["generate", "smallvocab", "--prompt", "hi there"], "embedding has 128 rows"),
     ],
@@ -329,3 +332,21 @@ def test_every_subcommand_has_cases():
     mine = {"validate", "inspect", "convert", "flops", "ift", "eval", "bench", "prune", "generate"}
     assert mine <= set(sub.choices), set(sub.choices)
     assert mine <= set(CASES)
+
+
+def test_generate_up_to_the_context_runs(workdir, capsys, monkeypatch):
+    """The largest --max-new-tokens the context error allows is accepted and runs."""
+    root, _ = workdir
+    monkeypatch.chdir(root)
+    argv = [
+        "generate",
+        "M",
+        "--prompt",
+        "hi",
+        "--max-new-tokens",
+        "64",
+        "--no-dense",
+        "--backend",
+        "masked_dense",
+    ]
+    assert main(argv) == 0, capsys.readouterr().err

@@ -319,8 +319,9 @@ def generate_fits(model_dir: str, ids, max_new_tokens: int) -> None:
     check_token_ids(config, ids, model_dir)
     limit = context_length(config, default=0)
     n = ids.shape[1]
-    if limit and n + max_new_tokens > limit:
-        fix = f"use --max-new-tokens {limit - n} or less" if n < limit else "shorten the prompt"
+    # the last new token is never fed back, so n + max_new_tokens - 1 positions are used
+    if limit and n + max_new_tokens - 1 > limit:
+        fix = f"use --max-new-tokens {limit - n + 1} or less" if n <= limit else "shorten the prompt"
         raise SparsityError(
             f"The prompt's {n} tokens + --max-new-tokens {max_new_tokens} exceed the model's context of "
             f"{limit} tokens: {fix}."
