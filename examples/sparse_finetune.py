@@ -87,7 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch_size", type=int, default=2)
     ap.add_argument("--learning_rate", type=float, default=1e-5)
     ap.add_argument("--docs", type=int, default=200, help="documents read from --data")
-    ap.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output_dir")
+    ap.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        metavar="CHECKPOINT",
+        help="continue from the last complete checkpoint in --output_dir (or from CHECKPOINT)",
+    )
     ap.add_argument(
         "--stop_after", type=int, help="exit right after the checkpoint of this step (test resume)"
     )
@@ -96,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
 
-    from hf_sparsity import SparsityCallback
+    from hf_sparsity import SparsityCallback, resume_checkpoint
     from hf_sparsity.cli import _checks
     from hf_sparsity.data import BlockDataset, pack_tokens
     from hf_sparsity.utils import SparsityError
@@ -108,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
             _checks.positive(getattr(args, flag), "--" + flag)
         if args.resume and not os.path.isdir(args.output_dir):
             raise SparsityError(f"--resume: {args.output_dir!r} does not exist; run once without --resume.")
+        # Not Trainer's resume_from_checkpoint=True: that takes the newest folder, even one a crash
+        # left half-written.
+        resume_from = resume_checkpoint(args.output_dir, args.resume)
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         blocks = pack_tokens(_texts(args.data, args.docs), tokenizer, args.block_size)
         if len(blocks) < args.batch_size:
@@ -148,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         processing_class=tokenizer,
         callbacks=[SparsityCallback(sparsity, seq_len=args.block_size, print_report=True), StopAfter()],
     )
-    trainer.train(resume_from_checkpoint=True if args.resume else None)
+    trainer.train(resume_from_checkpoint=resume_from)
     final = os.path.join(args.output_dir, "final")
     trainer.save_model(final)  # weights + sparsity_masks.safetensors + the config's sparsity section
     print(f"wrote {final}")

@@ -28,7 +28,7 @@ def __getattr__(name):
         from . import finalize
 
         return getattr(finalize, name)
-    if name in ("inspect_checkpoint", "load_sparse_model"):
+    if name in ("inspect_checkpoint", "load_sparse_model", "last_complete_checkpoint", "resume_checkpoint"):
         from . import checkpoint
 
         return getattr(checkpoint, name)
@@ -82,12 +82,14 @@ __all__ = [
     "get_backend",
     "get_sparsity_config",
     "inspect_checkpoint",
+    "last_complete_checkpoint",
     "load_sparse_model",
     "merge_sparse",
     "plan_sparsity",
     "prune_oneshot",
     "register_backend",
     "restore_dense",
+    "resume_checkpoint",
     "set_sparsity_config",
     "sparse_ift",
     "sparsify_for_inference",

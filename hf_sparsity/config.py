@@ -395,10 +395,30 @@ def get_sparsity_config(config: Any) -> SparsityConfig | None:
 
 
 def get_sparsity_state(config: Any) -> dict[str, Any]:
+    """The ``_state`` record of the sparsity section (``{}`` without one); a malformed one is refused."""
     section = (
         config.get(CONFIG_SECTION) if isinstance(config, dict) else getattr(config, CONFIG_SECTION, None)
     )
-    return dict(section.get("_state", {})) if isinstance(section, dict) else {}
+    if not isinstance(section, dict):
+        return {}
+    state = section.get("_state") or {}
+    # The library writes these shapes; anything else is a hand edit or a corrupt file.
+    checks = [("_state", state, isinstance(state, dict), "a mapping")]
+    if isinstance(state, dict):
+        oneshot, events = state.get("oneshot") or {}, state.get("events") or []
+        checks += [
+            ("_state.oneshot", oneshot, isinstance(oneshot, dict), "a mapping"),
+            ("_state.events", events, isinstance(events, list) and all(isinstance(e, dict) for e in events),
+             "a list of mappings"),
+        ]  # fmt: skip
+    for key, value, ok, want in checks:
+        if not ok:
+            raise SparsityError(
+                f"config.json's {CONFIG_SECTION}.{key} is {value!r:.40}, not {want} as hf_sparsity writes "
+                f"it: the file was edited or is corrupt. Delete {CONFIG_SECTION}._state from config.json (a "
+                "training record; the masks do not need it)."
+            )
+    return dict(state)
 
 
 def mask_seeds(config: SparsityConfig) -> dict[str, Any]:

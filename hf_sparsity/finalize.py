@@ -92,7 +92,7 @@ def finalize_checkpoint(
         raise SparsityError(
             f"{str(src)!r} has no {SPARSITY_MASKS_NAME} and no sparsity section: nothing to finalize."
         )
-    with atomic_dir(out_dir, overwrite=overwrite) as tmp:
+    with atomic_dir(out_dir, overwrite=overwrite, source=src) as tmp:
 
         def bake(name, t):
             if name in masks:
@@ -129,7 +129,7 @@ def to_sentinel(in_dir: str | os.PathLike, out_dir: str | os.PathLike, overwrite
             f"{str(src)!r} has no {SPARSITY_MASKS_NAME}: nothing marks which weights are masked."
         )
     section = read_config(src).get(CONFIG_SECTION)
-    with atomic_dir(out_dir, overwrite=overwrite) as tmp:
+    with atomic_dir(out_dir, overwrite=overwrite, source=src) as tmp:
 
         def mark(name, t):
             if name in masks:
@@ -154,7 +154,7 @@ def from_sentinel(in_dir: str | os.PathLike, out_dir: str | os.PathLike, overwri
     """
     src = Path(in_dir)
     found: dict[str, torch.Tensor] = {}
-    with atomic_dir(out_dir, overwrite=overwrite) as tmp:
+    with atomic_dir(out_dir, overwrite=overwrite, source=src) as tmp:
 
         def unmark(name, t):
             if t.is_floating_point():

@@ -21,6 +21,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from .config import get_sparsity_state
 from .constants import CONFIG_NAME, CONFIG_SECTION, SPARSITY_MASKS_NAME
 from .utils import SparsityError
 
@@ -213,7 +214,7 @@ def _how_made(src: Path, measured: float) -> list[str]:
     section = card_section(src)
     lines = ["### How the masks were made", ""]
     if isinstance(section, dict):
-        state = section.get("_state") or {}
+        state = get_sparsity_state({CONFIG_SECTION: section})
         oneshot = state.get("oneshot") or {}
         # masks from `hf_sparsity prune`: the method and calibration say how; init_method was not used
         skip = ("_state", "hf_sparsity_version") + (("init_method",) if oneshot else ())

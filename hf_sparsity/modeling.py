@@ -8,6 +8,7 @@ applying masks to weights, and the per-layer sparsity table every report prints.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -74,6 +75,20 @@ def context_length(config: Any, default: int = DEFAULT_CONTEXT_LENGTH) -> int:
         if isinstance(v, int) and v > 0:
             return v
     return default
+
+
+def check_token_ids(config: Any, ids: torch.Tensor, tokenizer_dir: str | os.PathLike) -> None:
+    """Refuse token ids past the vocabulary of a model's ``config`` (a tokenizer from another model):
+    the embedding lookup would fail with an index error deep inside the forward."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rows = getattr(text, "vocab_size", None)
+    top = int(ids.max()) if ids.numel() else -1
+    if isinstance(rows, int) and top >= rows:
+        raise SparsityError(
+            f"The tokenizer in {str(tokenizer_dir)!r} gives token id {top}, but the model's embedding has "
+            f"{rows} rows: the tokenizer belongs to another model. Save the model's own tokenizer there "
+            "(tokenizer.save_pretrained(DIR))."
+        )
 
 
 def meta_causal_lm(config: Any, build: Any = None) -> nn.Module:

@@ -15,7 +15,7 @@ what they all need lives here:
   is a pure function of the schedule and the seed, and Trainer walks it
   sequentially, so a resumed run sees exactly the samples an uninterrupted one does.
 * :func:`train_and_save`: what follows a recipe's own ``Trainer(...)``: resume from
-  the last checkpoint, train, evaluate, save ``final/``, record the stage
+  the last complete checkpoint, train, evaluate, save ``final/``, record the stage
   (:func:`stage_done` skips a stage a resumed run already finished).
 * :func:`plot_stages`, :func:`write_results`.
 
@@ -49,9 +49,9 @@ from _data import (  # noqa: F401  (re-exported: recipes use them as C.<name>)
 )
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
-from transformers.trainer_utils import get_last_checkpoint
 
 from hf_sparsity.callback import SparsityCallback, move_to_front
+from hf_sparsity.checkpoint import last_complete_checkpoint
 from hf_sparsity.modeling import sparsity_table
 
 STAGE_DONE = "stage_done.json"
@@ -166,8 +166,8 @@ def stage_done(args, out: str) -> StageResult | None:
 
 
 def train_and_save(trainer: Trainer, metrics_cb, resume: bool) -> StageResult:
-    """Run ``trainer`` (from its last checkpoint with ``resume``), evaluate, save ``final/``, record the
-    stage.
+    """Run ``trainer`` (from its last complete checkpoint with ``resume``), evaluate, save ``final/``,
+    record the stage.
 
     ``metrics_cb``: the run's :class:`SparsityCallback` or :class:`FlopCallback`; it is moved in
     front of Trainer's own callbacks so its scalars reach TensorBoard. An interrupted run (one a
@@ -179,7 +179,8 @@ def train_and_save(trainer: Trainer, metrics_cb, resume: bool) -> StageResult:
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(_Printer(name))
-    last = get_last_checkpoint(str(out)) if resume and out.is_dir() else None
+    # The newest complete checkpoint: a run killed while saving leaves a partial newer folder.
+    last = last_complete_checkpoint(out) if resume else None
     if last:
         log(f"[{name}] resuming from {last}")
     trainer.train(resume_from_checkpoint=last)

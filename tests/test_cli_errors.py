@@ -7,7 +7,11 @@ escaped (any other exception fails the test), and the folder holds exactly what 
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -38,6 +42,11 @@ CASES = {
         (["convert", "--finalize", "M", "existing"], "already exists"),
         (["convert", "--finalize", "dense", "out"], "nothing to finalize"),
         (["convert", "M", "out"], "one of the arguments"),
+        (["convert", "--finalize", "M", "M", "--overwrite"], "is the model folder"),
+        (["convert", "--finalize", "M", "M/final", "--overwrite"], "inside the model folder"),
+        (["convert", "--to-sentinel", "M", "M/sub/out"], "inside the model folder"),
+        (["convert", "--finalize", "M", ".", "--overwrite"], "holds the model folder"),
+        (["convert", "--finalize", "garbage", "out"], "sparsity._state is 'garbage'"),
     ],
     "flops": [
         (["flops", "--config", "nosuch"], "no config.json"),
@@ -82,6 +91,7 @@ CASES = {
         (["eval", "M", "--suite", "pile", "--data-dir", "DATA", "--context", "100000", *SMALL], "--context"),
         (["eval", "M", "--suite", "harness7", *SMALL], "--data-dir"),  # offline: no Hub data
         (["eval", "--suite", "pile"], "Name the model folder"),
+        (["eval", "trunc", "--suite", "pile", "--data-dir", "DATA", *SMALL], "truncated"),
         (["eval", "--compare", "M"], "--out"),
         (["eval", "--compare", "nosuch", "--out", "cmp"], "nosuch"),
     ],
@@ -124,6 +134,15 @@ CASES = {
         (["prune", "dense", "out", "--method", "magnitude", "--structure", "x:y"], "N:M"),
         (["prune", "dense", "out", "--method", "magnitude", "--config", "nosuch.yaml"], "does not exist"),
         (["prune", "dense", "out", "--method", "nosuch"], "invalid choice"),
+        (["prune", "dense", "out", "--calib-data", "bin.jsonl", *CALIB_SMALL], "not UTF-8"),
+        (["prune", "dense", "out", "--calib-data", "bin.txt", *CALIB_SMALL], "not UTF-8"),
+        (["prune", "dense", "out", "--calib-data", "null.jsonl", *CALIB_SMALL], "'text' is NoneType"),
+        (["prune", "dense", "out", "--calib-data", "number.jsonl", *CALIB_SMALL], "'text' is int 12345"),
+        (["prune", "dense", "out", "--calib-data", "list.jsonl", *CALIB_SMALL], "'text' is list"),
+        (["prune", "dense", "out", "--calib-data", "array.json", *CALIB_SMALL], "one object per line"),
+        (["prune", "dense", "out", "--calib-data", "strings.jsonl", *CALIB_SMALL], "not an object"),
+        (["prune", "smallvocab", "out", "--calib-data", "CALIB", *CALIB_SMALL], "embedding has 128 rows"),
+        (["prune", "trunc", "out", "--method", "magnitude"], "truncated"),
     ],
     "generate": [
         (["generate", "nosuch", "--prompt", "hi"], "does not exist"),
@@ -136,6 +155,13 @@ CASES = {
         (["generate", "M", "--prompt", "hi", "--masks", "nosuch.safetensors"], "--masks"),
         (["generate", "M", "--prompt", "hi", "--threads", "0"], "--threads"),
         (["generate", "M"], "--prompt"),
+        (["generate", "trunc", "--prompt", "hi"], "truncated"),
+        (
+            ["generate", "M", "--prompt", "hi", "--max-new-tokens", "100", "--no-dense"],
+            "--max-new-tokens 64 or less",
+        ),
+        (["generate", "M", "--prompt", "hi " * 70, "--no-dense"], "shorten the prompt"),
+        (["generate", "smallvocab", "--prompt", "hi there"], "embedding has 128 rows"),
     ],
 }
 
@@ -170,6 +196,23 @@ def workdir(tmp_path_factory):
     (root / "existing").mkdir()
     (root / "S.yaml").write_text("sparsity:\n  sparsity: 0.5\n")
     (root / "bad.yaml").write_text("sparsity:\n  sparsity: 7\n")
+    shutil.copytree(root / "M", root / "trunc")  # a copy cut short mid-write
+    weights = (root / "M" / "model.safetensors").read_bytes()
+    (root / "trunc" / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    shutil.copytree(root / "M", root / "garbage")
+    cfg = json.loads((root / "M" / "config.json").read_text())
+    cfg["sparsity"] = {"sparsity": 0.5, "_state": "garbage"}
+    (root / "garbage" / "config.json").write_text(json.dumps(cfg))
+    tiny_model("gpt2", vocab=128).save_pretrained(root / "smallvocab")  # with gpt2's 50257-token tokenizer
+    tok.save_pretrained(root / "smallvocab")
+    long = "word " * 200
+    (root / "bin.jsonl").write_bytes(bytes(range(256)) * 8)
+    (root / "bin.txt").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(128, 256)) * 8)
+    for name, value in (("null", None), ("number", 12345), ("list", ["a", "b"])):
+        rows = [{"text": long}, {"text": value}]
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "array.json").write_text(json.dumps([{"text": long}, {"text": long}], indent=1))
+    (root / "strings.jsonl").write_text(json.dumps(long) + "\n")
     return root, data
 
 
@@ -183,11 +226,8 @@ def _cases():
             yield pytest.param(argv, expect, id=f"{command}:{' '.join(argv[1:])}"[:90])
 
 
-@pytest.mark.parametrize("argv,expect", list(_cases()))
-def test_bad_input_is_one_line(workdir, argv, expect, capsys, monkeypatch):
-    root, data = workdir
-    monkeypatch.chdir(root)
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # as in CI: nothing from the Hub
+def _one_line_error(root: Path, data: Path, argv: list[str], capsys) -> str:
+    """Run the CLI on ``argv``; check it failed with one error line and wrote nothing; return the line."""
     calib = str(data / "corpus" / "openwebtext-1000.jsonl")
     argv = [str(data) if a == "DATA" else calib if a == "CALIB" else a for a in argv]
     before = _tree(root)
@@ -203,8 +243,86 @@ def test_bad_input_is_one_line(workdir, argv, expect, capsys, monkeypatch):
     assert last.startswith(("error:", "hf_sparsity")), err
     if not last.startswith("hf_sparsity"):  # argparse puts usage first; ours is one line
         assert len(err.splitlines()) == 1, err
-    assert expect.lower() in last.lower(), f"expected {expect!r} in {last!r}"
     assert _tree(root) == before, f"{argv} left {sorted(_tree(root) - before)}"
+    return last
+
+
+@pytest.mark.parametrize("argv,expect", list(_cases()))
+def test_bad_input_is_one_line(workdir, argv, expect, capsys, monkeypatch):
+    root, data = workdir
+    monkeypatch.chdir(root)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # as in CI: nothing from the Hub
+    last = _one_line_error(root, data, argv, capsys)
+    assert expect.lower() in last.lower(), f"expected {expect!r} in {last!r}"
+
+
+def test_json_array_calibration_names_the_format_not_text_column(workdir, capsys, monkeypatch):
+    root, data = workdir
+    monkeypatch.chdir(root)
+    last = _one_line_error(
+        root, data, ["prune", "dense", "out", "--calib-data", "array.json", *CALIB_SMALL], capsys
+    )
+    assert "JSON array" in last and "JSON Lines" in last and "--text-column" not in last
+
+
+def _fill_disk(write):
+    """A writer that writes half of its output, then fails as a full disk does."""
+
+    def full(tensors, filename, *args, **kwargs):
+        write(tensors, filename, *args, **kwargs)
+        data = Path(filename).read_bytes()
+        Path(filename).write_bytes(data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(filename))
+
+    return full
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["prune", "dense", "out", "--method", "magnitude", "--no-progress"],
+        ["prune", "dense", "existing", "--method", "magnitude", "--overwrite", "--no-progress"],
+        ["convert", "--finalize", "M", "out"],
+        ["convert", "--to-sentinel", "M", "existing", "--overwrite"],
+    ],
+    ids=lambda a: " ".join(a[:2] + a[3:4]),
+)
+def test_disk_full_is_one_line_and_leaves_nothing(workdir, argv, capsys, monkeypatch):
+    import safetensors.torch
+    import transformers.modeling_utils
+
+    root, data = workdir
+    monkeypatch.chdir(root)
+    # every safetensors write fails: save_pretrained's (prune) and the shard rewrites' (convert)
+    monkeypatch.setattr(
+        transformers.modeling_utils, "safe_save_file", _fill_disk(transformers.modeling_utils.safe_save_file)
+    )
+    monkeypatch.setattr(safetensors.torch, "save_file", _fill_disk(safetensors.torch.save_file))
+    last = _one_line_error(root, data, argv, capsys)
+    assert "No space left on device" in last and "Free some space" in last, last
+    assert not any((root / "existing").iterdir())  # --overwrite kept the old folder as it was
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 256 KiB tmpfs (needs root; skipped elsewhere)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], capture_output=True
+    ).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield disk
+    subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_convert_onto_a_really_full_disk(workdir, tiny_disk, capsys, monkeypatch):
+    root, data = workdir
+    monkeypatch.chdir(root)
+    before = set(tiny_disk.iterdir())
+    last = _one_line_error(root, data, ["convert", "--finalize", "M", str(tiny_disk / "out")], capsys)
+    assert "No space left on device" in last, last
+    assert set(tiny_disk.iterdir()) == before
 
 
 def test_every_subcommand_has_cases():
@@ -214,3 +332,21 @@ def test_every_subcommand_has_cases():
     mine = {"validate", "inspect", "convert", "flops", "ift", "eval", "bench", "prune", "generate"}
     assert mine <= set(sub.choices), set(sub.choices)
     assert mine <= set(CASES)
+
+
+def test_generate_up_to_the_context_runs(workdir, capsys, monkeypatch):
+    """The largest --max-new-tokens the context error allows is accepted and runs."""
+    root, _ = workdir
+    monkeypatch.chdir(root)
+    argv = [
+        "generate",
+        "M",
+        "--prompt",
+        "hi",
+        "--max-new-tokens",
+        "64",
+        "--no-dense",
+        "--backend",
+        "masked_dense",
+    ]
+    assert main(argv) == 0, capsys.readouterr().err

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -127,6 +128,11 @@ def test_interrupted_and_resumed_run_is_bit_identical(name, args, stop_stage, st
     cut = _run(name, tmp_path / "cut", *args, callbacks=[StopAt(stop_stage, stop_at)])
     assert cut is None  # interrupted
     assert not (tmp_path / "cut" / "results.json").exists()
+    # A crash while the next checkpoint was written leaves a partial folder: --resume skips it.
+    stage = next((tmp_path / "cut").rglob(f"{stop_stage}/checkpoint-{stop_at}"))
+    partial = stage.with_name(f"checkpoint-{stop_at + 1}")
+    partial.mkdir()
+    shutil.copy(stage / "model.safetensors", partial)
     resumed = _run(name, tmp_path / "cut", *args, "--resume", "true")
     a, b = _final_weights(tmp_path / "full" / final), _final_weights(tmp_path / "cut" / final)
     assert a.keys() == b.keys()

@@ -46,6 +46,10 @@ def model_dir(path: str | None, flag: str = "MODEL", weights: bool = True) -> Pa
             f"{flag} {path!r} has a config.json but no weights ({' / '.join(WEIGHT_FILES[:3])}). "
             "Save the model with model.save_pretrained(DIR) or point at the checkpoint folder that has them."
         )
+    if weights and any((p / f).is_file() for f in WEIGHT_FILES[:2]):
+        from ..checkpoint import check_weights_readable
+
+        check_weights_readable(p)  # a truncated file: inspect's one-line error, not a loader traceback
     return p
 
 
@@ -302,3 +306,23 @@ def generate_args(args) -> None:
     positive(args.threads, "--threads")
     if args.masks and args.masks != "zeros" and not os.path.exists(args.masks):
         raise SparsityError(f"--masks {args.masks!r} does not exist. Give a mask file or folder, or 'zeros'.")
+
+
+def generate_fits(model_dir: str, ids, max_new_tokens: int) -> None:
+    """The prompt's tokens exist in the model's vocabulary, and prompt + new tokens fit its context
+    (else an index error deep in the model)."""
+    from transformers import AutoConfig
+
+    from ..modeling import check_token_ids, context_length
+
+    config = AutoConfig.from_pretrained(model_dir)
+    check_token_ids(config, ids, model_dir)
+    limit = context_length(config, default=0)
+    n = ids.shape[1]
+    # the last new token is never fed back, so n + max_new_tokens - 1 positions are used
+    if limit and n + max_new_tokens - 1 > limit:
+        fix = f"use --max-new-tokens {limit - n + 1} or less" if n <= limit else "shorten the prompt"
+        raise SparsityError(
+            f"The prompt's {n} tokens + --max-new-tokens {max_new_tokens} exceed the model's context of "
+            f"{limit} tokens: {fix}."
+        )

@@ -19,9 +19,11 @@ import sys
 import time
 
 from ..utils import SparsityError
+from . import _checks
 
 
-def _load(model_dir: str, dtype: str | None):
+def _load(model_dir: str, dtype: str | None, prompt: str, max_new_tokens: int):
+    """The model, its tokenizer and the prompt's ids; the prompt is checked before the model loads."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -34,9 +36,13 @@ def _load(model_dir: str, dtype: str | None):
         tok = AutoTokenizer.from_pretrained(model_dir)
     except Exception as e:  # noqa: BLE001 - any loader failure is the same user error
         raise SparsityError(f"{model_dir} has no usable tokenizer ({e.__class__.__name__}: {e}).") from None
+    ids = tok(prompt, return_tensors="pt").input_ids
+    if ids.shape[1] == 0:
+        raise SparsityError("--prompt is empty after tokenization; pass some text.")
+    _checks.generate_fits(model_dir, ids, max_new_tokens)
     kw = {"dtype": dtypes[dtype]} if dtype else {}
     model = AutoModelForCausalLM.from_pretrained(model_dir, **kw).eval()
-    return model, tok
+    return model, tok, ids
 
 
 def _generate(model, ids, n: int, streamer=None, **kw) -> tuple[object, float]:
@@ -66,12 +72,11 @@ def generate_command(args) -> int:
 
     from ..constants import SPARSITY_MASKS_NAME
     from ..inference import auto_report, resident_weight_bytes, sparsify_for_inference
-    from . import _checks
 
     _checks.generate_args(args)  # one-line errors for bad input before anything loads
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tok = _load(args.model_dir, args.dtype)
+    model, tok, ids = _load(args.model_dir, args.dtype, args.prompt, args.max_new_tokens)
     masks = args.masks
     if masks is None and not os.path.isfile(os.path.join(args.model_dir, SPARSITY_MASKS_NAME)):
         print(
@@ -80,9 +85,6 @@ def generate_command(args) -> int:
             file=sys.stderr,
         )
         masks = "zeros"
-    ids = tok(args.prompt, return_tensors="pt").input_ids
-    if ids.shape[1] == 0:
-        raise SparsityError("--prompt is empty after tokenization; pass some text.")
     dense_tok_s = stock_tok_s = None
     dense_bytes = resident_weight_bytes(model)
     kw, compile_s = {}, {}

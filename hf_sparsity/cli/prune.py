@@ -55,6 +55,10 @@ def prune_command(args: argparse.Namespace) -> int:
     from . import _checks
 
     _checks.prune_args(args)  # one-line errors for bad input before anything loads or is written
+    if args.no_progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # transformers' "Loading weights" bar too
     t0 = time.perf_counter()
     result = prune_folder(
         args.model_dir,

@@ -32,13 +32,32 @@ def read_documents(source: str | os.PathLike, text_column: str = "text") -> list
     """The calibration documents of a ``.jsonl`` / ``.txt`` file, or of a dataset name's train split."""
     path = Path(source)
     if path.is_file():
-        if path.suffix in (".jsonl", ".json"):
-            return _read_jsonl(path, text_column)
-        text = path.read_text(encoding="utf-8")
+        try:
+            if path.suffix in (".jsonl", ".json"):
+                return _read_jsonl(path, text_column)
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise SparsityError(
+                f"Calibration file {str(path)!r} is not UTF-8 text (byte {e.start} cannot be decoded): give "
+                f"a .jsonl file (one JSON object per line) or a .txt file."
+            ) from None
         return [p.strip("\n") for p in text.split("\n\n") if p.strip()]
     if path.suffix in (".jsonl", ".json", ".txt") or os.sep in str(source):
         raise SparsityError(f"Calibration file {str(source)!r} does not exist.")
     return _read_dataset(str(source), text_column)
+
+
+JSONL_FORMAT = 'JSON Lines: one object per line, like {"text": "..."}'
+
+
+def _text(value, where: str, text_column: str) -> str:
+    """A document's text; anything but a string (null, a number, a list) is refused, not stringified."""
+    if not isinstance(value, str):
+        raise SparsityError(
+            f"{where}: {text_column!r} is {type(value).__name__} {value!r:.40}, not text. Give every row a "
+            f"string in {text_column!r} (or drop the row)."
+        )
+    return value
 
 
 def _read_jsonl(path: Path, text_column: str) -> list[str]:
@@ -47,17 +66,28 @@ def _read_jsonl(path: Path, text_column: str) -> list[str]:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
+            if not docs and line.lstrip().startswith("["):
+                raise SparsityError(
+                    f"{str(path)!r} is a JSON array; calibration data is {JSONL_FORMAT}. Write one object "
+                    "per line (e.g. jq -c '.[]' FILE > FILE.jsonl)."
+                )
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise SparsityError(f"{str(path)!r} line {lineno} is not JSON ({e}).") from None
-            if not isinstance(row, dict) or text_column not in row:
-                keys = sorted(row) if isinstance(row, dict) else type(row).__name__
                 raise SparsityError(
-                    f"{str(path)!r} line {lineno} has no {text_column!r} field (it has {keys}); "
+                    f"{str(path)!r} line {lineno} is not JSON ({e}); give {JSONL_FORMAT}."
+                ) from None
+            if not isinstance(row, dict):
+                raise SparsityError(
+                    f"{str(path)!r} line {lineno} is a JSON {type(row).__name__}, not an object; give "
+                    f"{JSONL_FORMAT}."
+                )
+            if text_column not in row:
+                raise SparsityError(
+                    f"{str(path)!r} line {lineno} has no {text_column!r} field (it has {sorted(row)}); "
                     "name the text field with --text-column."
                 )
-            docs.append(str(row[text_column]))
+            docs.append(_text(row[text_column], f"{str(path)!r} line {lineno}", text_column))
     if not docs:
         raise SparsityError(f"Calibration file {str(path)!r} holds no documents.")
     return docs
@@ -77,7 +107,7 @@ def _read_dataset(name: str, text_column: str) -> list[str]:
         raise SparsityError(
             f"Dataset {name!r} has no column {text_column!r} ({ds.column_names}); use --text-column."
         )
-    return list(ds[text_column])
+    return [_text(t, f"Dataset {name!r} row {i}", text_column) for i, t in enumerate(ds[text_column])]
 
 
 def sample_calibration(

@@ -11,13 +11,13 @@ import os
 from pathlib import Path
 
 from ..config import SparsityConfig, check_level, check_structure
-from ..modeling import context_length
-from ..utils import SparsityError
+from ..modeling import check_token_ids, context_length
+from ..utils import SparsityError, check_out_dir
 from .calibration import read_documents, sample_calibration
 from .levels import OWLSettings
 from .methods import METHODS
 from .oneshot import OneShotResult, prune_oneshot
-from .save import check_out_dir, save_pruned
+from .save import save_pruned
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def prune_folder(
 ) -> OneShotResult:
     """Load ``model_dir``, prune it one-shot and write a sparse model folder to ``out_dir``."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     _check_inputs(model_dir, out_dir, method, nsamples, seqlen, calib_data, overwrite)
     config = build_config(sparsity, structure, config_path)
@@ -86,18 +86,20 @@ def prune_folder(
     if device and device.startswith("cuda") and not torch.cuda.is_available():
         raise SparsityError(f"--device {device} but no CUDA device is available; use --device cpu.")
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto")
-    model.eval()
     calib, info = None, {}
-    if method != "magnitude":
-        ctx = context_length(model.config, default=0)
+    if method != "magnitude":  # calibration first: bad data is refused before the model loads
+        model_config = AutoConfig.from_pretrained(str(model_dir))
+        ctx = context_length(model_config, default=0)
         if ctx and seqlen > ctx:
             raise SparsityError(f"--seqlen {seqlen} exceeds the model's context length {ctx}; lower it.")
         docs = read_documents(calib_data, text_column)
         calib = sample_calibration(docs, tokenizer, nsamples=nsamples, seqlen=seqlen, seed=seed)
+        check_token_ids(model_config, calib, model_dir)
         info = {"calib_data": str(calib_data), "text_column": text_column, "seed": seed}
         if method == "sparsegpt":
             info.update(blocksize=blocksize, percdamp=percdamp)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto")
+    model.eval()
     if owl is not None:
         info["owl"] = {"lambda": owl.lam, "M": owl.outlier_m}
     result = prune_oneshot(

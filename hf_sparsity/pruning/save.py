@@ -15,25 +15,8 @@ from typing import Any
 from ..config import SparsityConfig, set_sparsity_config
 from ..constants import SPARSITY_MASKS_NAME
 from ..serialization import save_masks
-from ..utils import SparsityError, atomic_dir
+from ..utils import atomic_dir
 from .oneshot import OneShotResult
-
-
-def check_out_dir(model_dir: str | os.PathLike | None, out_dir: str | os.PathLike, overwrite: bool) -> None:
-    """Refuse an OUT inside (or equal to) MODEL_DIR, and an existing OUT without ``overwrite``."""
-    out = Path(out_dir).resolve()
-    if model_dir is not None:
-        src = Path(model_dir).resolve()
-        if out == src or src in out.parents:
-            raise SparsityError(
-                f"Output folder {str(out_dir)!r} is inside the model folder {str(model_dir)!r}; "
-                "write the pruned model to a folder outside it."
-            )
-    if out.exists() and not overwrite:
-        raise SparsityError(
-            f"Output folder {str(out_dir)!r} already exists. Choose another path or pass --overwrite to "
-            "replace it."
-        )
 
 
 def oneshot_state(result: OneShotResult, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -58,12 +41,11 @@ def save_pruned(
     overwrite: bool = False,
 ) -> Path:
     """Save ``model`` (already pruned by :func:`prune_oneshot`) with ``result.masks`` to ``out_dir``."""
-    check_out_dir(model_dir, out_dir, overwrite)
     if config is None:
         config = SparsityConfig(sparsity=_overall_level(result))
     state = oneshot_state(result, info)
     set_sparsity_config(model.config, config, state={"oneshot": state["oneshot"]})
-    with atomic_dir(out_dir, overwrite=overwrite) as tmp:
+    with atomic_dir(out_dir, overwrite=overwrite, source=model_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
