@@ -16,8 +16,11 @@ current masks through :meth:`MaskEnforcer.place`. For every masked parameter:
   Any other optimizer (Adamax's ``exp_inf`` picks up ``eps``, for one) is re-masked every
   step; ``state_masking="always"`` forces that everywhere.
 
-FSDP2 (DTensor) parameters: each rank keeps the full mask and applies the slice matching
-its local shard (:func:`local_slice`).
+FSDP2 (DTensor) and DeepSpeed ZeRO-3 parameters: each rank keeps the full mask and applies the
+slice matching its local shard (:func:`local_slice`); gradients under ZeRO-3 arrive full-shape
+and are masked by the full mask. DeepSpeed ZeRO-1/2/3 also keep fp32 master weights and moments
+in flat partitions inside the optimizer: :mod:`hf_sparsity.zero` finds this rank's piece of
+them, masked at placement and after every step (:meth:`MaskEnforcer.mask_zero_masters`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 from torch import nn
 
 from . import masks as M
+from . import zero
 from .modeling import is_dtensor, local
 from .utils import SparsityError
 
@@ -38,6 +42,8 @@ ZERO_PRESERVING_OPTIMIZERS = frozenset({"SGD", "Adam", "AdamW", "Adagrad", "RMSp
 
 def local_slice(mask: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """The part of a full mask that matches ``param``'s local shard (identity for plain tensors)."""
+    if zero.is_zero3(param):
+        return zero.local_flat_mask(mask, param)
     if not is_dtensor(param):
         return mask
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -68,6 +74,8 @@ class MaskEnforcer:
         self._params: dict[str, torch.Tensor] = {}
         self._dev_masks: dict[str, torch.Tensor] = {}  # local slice on the parameter's device
         self._mask_by_param: dict[int, torch.Tensor] = {}
+        self._grad_masks: dict[str, torch.Tensor] = {}  # full-shape where the gradient is (ZeRO-3)
+        self._zero_masks: dict[str, torch.Tensor] = {}  # DeepSpeed: the piece its master copies hold
         self._grad_hooks: list[Any] = []
         self._hooked: set[str] = set()
         self._opt_hooks: list[Any] = []
@@ -78,12 +86,16 @@ class MaskEnforcer:
         """Re-read parameter objects (after ``.to()``, DDP/FSDP wrapping) and place ``masks`` on them."""
         self._masks = masks
         self._params = {n: self.model.get_parameter(n) for n in masks}
-        self._dev_masks, self._mask_by_param = {}, {}
+        self._dev_masks, self._mask_by_param, self._grad_masks, self._zero_masks = {}, {}, {}, {}
         for name, mask in masks.items():
             p = self._params[name]
             dev = local_slice(mask, p).to(local(p).device)
             self._dev_masks[name] = dev
             self._mask_by_param[id(p)] = dev
+            # ZeRO-3 gathers the whole weight for backward: its gradient arrives full-shape.
+            self._grad_masks[name] = mask.to(local(p).device) if zero.is_zero3(p) else dev
+            if zero.is_zero(p):
+                self._zero_masks[name] = zero.master_mask(mask, p)
         if self._grad_hooks or self._hooks_enabled:
             self.register_grad_hooks()
 
@@ -99,6 +111,7 @@ class MaskEnforcer:
         for name, p in self._params.items():
             local(p).mul_(self._dev_masks[name])
         self.mask_optimizer_state()
+        self.mask_zero_masters()
 
     @torch.no_grad()
     def zero_positions(self, name: str, where: torch.Tensor) -> None:
@@ -111,6 +124,10 @@ class MaskEnforcer:
             for v in opt.state.get(p, {}).values():
                 if torch.is_tensor(v) and v.shape == p.shape:
                     local(v).mul_(keep)
+        if zero.is_zero(p):
+            piece = zero.master_mask((~where).to(M.MASK_DTYPE), p)
+            for view in zero.master_views(p):
+                view.mul_(piece.to(view.device, view.dtype))
 
     @torch.no_grad()
     def mask_gradients(self, only_unhooked: bool = True) -> None:
@@ -131,6 +148,18 @@ class MaskEnforcer:
         for name, p in self._params.items():
             local(p).mul_(self._dev_masks[name])
         self.mask_optimizer_state(every_step=True)
+        self.mask_zero_masters()
+
+    @torch.no_grad()
+    def mask_zero_masters(self) -> None:
+        """DeepSpeed ZeRO: the optimizer's fp32 master weights and moments, on this rank's partition.
+
+        Every step (not only for optimizers that keep zeros zero): ZeRO-1/2 link the moments only
+        after the first step, and the masters are what DeepSpeed writes to its checkpoint.
+        """
+        for name, piece in self._zero_masks.items():
+            for view in zero.master_views(self._params[name]):
+                view.mul_(piece if piece.dtype == view.dtype else piece.to(view.dtype))
 
     def needs_per_step_state_masking(self, opt: torch.optim.Optimizer) -> bool:
         return self.state_masking == "always" or type(opt).__name__ not in ZERO_PRESERVING_OPTIMIZERS
@@ -155,7 +184,7 @@ class MaskEnforcer:
         for name, p in self._params.items():
             if is_dtensor(p) or not p.requires_grad:
                 continue  # FSDP2 writes sharded grads directly; masked in before_step()
-            mask = self._dev_masks[name]
+            mask = self._grad_masks[name]
             # In place: the incoming gradient of a leaf weight is a fresh matmul output that
             # nothing else holds, and an out-of-place product would double the traffic.
             self._grad_hooks.append(p.register_hook(lambda g, m=mask, n=name: self._on_grad(n, g, m)))
@@ -185,6 +214,7 @@ class MaskEnforcer:
     ) -> None:
         """Mask ``optimizer``'s state; with ``before`` / ``after``, call them around each of its steps."""
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
+        zero.check_supported(inner)
         if inner not in self.optimizers:
             self.optimizers.append(inner)
         if before is not None:

@@ -47,7 +47,7 @@ from .enforcement import ZERO_PRESERVING_OPTIMIZERS, MaskEnforcer
 from .hooks import carry_masks_in_save_pretrained, release_save_pretrained
 from .lora import peft_view
 from .mask_state import MaskState, _state_field
-from .modeling import full_tensor, sparsity_table
+from .modeling import full_shape, full_tensor, sparsity_table
 from .schedules import Schedule, ScheduledEvent, compile_schedule
 from .serialization import check_mask_names, load_masks_for, save_masks
 from .targeting import TargetDecision, log_plan, plan_sparsity, unwrap_model
@@ -104,7 +104,7 @@ class SparsityEngine:
         return self.model.get_parameter(name)
 
     def _full_weight(self, name: str) -> torch.Tensor:
-        return full_tensor(self._param(name).detach())
+        return full_tensor(self._param(name)).detach()
 
     def build_masks(self, names: Iterable[str] | None = None) -> None:
         """Create masks for ``names`` (default: every target) from the config: random, topk or N:M."""
@@ -119,7 +119,7 @@ class SparsityEngine:
         level = self.target_level(name)
         if level is None:  # densified at this point of the schedule
             return None
-        shape = tuple(self._param(name).shape)
+        shape = tuple(full_shape(self._param(name)))
         if d.structure is not None:
             n, m = check_structure(d.structure)
             if d.init_method == "topk":
@@ -132,7 +132,7 @@ class SparsityEngine:
         return M.random_mask(shape, level, d.seed, name)
 
     def set_masks(self, masks: dict[str, torch.Tensor]) -> None:
-        expected = {n: tuple(self._param(n).shape) for n in self.targets}
+        expected = {n: tuple(full_shape(self._param(n))) for n in self.targets}
         check_mask_names({n: {"shape": list(m.shape)} for n, m in masks.items()}, expected)
         for name, m in masks.items():
             self.state_.set(name, m)
@@ -293,7 +293,7 @@ class SparsityEngine:
                 revived = old == 0
                 self.densified.add(name)
             else:
-                if tuple(new.shape) != tuple(self._param(name).shape):
+                if tuple(new.shape) != tuple(full_shape(self._param(name))):
                     raise SparsityError(
                         f"New mask for {name!r} has shape {list(new.shape)}, the weight another."
                     )

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import zero
 from .utils import SparsityError
 
 DEFAULT_CONTEXT_LENGTH = 2048
@@ -49,7 +50,8 @@ def linear_dims(module: nn.Module) -> tuple[int, int] | None:
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features
     if is_conv1d(module) and getattr(module, "weight", None) is not None:  # weight is [in, out]
-        return int(module.weight.shape[0]), int(module.weight.shape[1])
+        shape = full_shape(module.weight)
+        return int(shape[0]), int(shape[1])
     return None
 
 
@@ -112,19 +114,40 @@ def meta_causal_lm(config: Any, build: Any = None) -> nn.Module:
         hf_logging.set_verbosity(verbosity)
 
 
-# ---------------------------------------------------------------------- DTensor (FSDP2) parameters
+# ---------------------------------------------------------------------- sharded parameters
+# FSDP2 (DTensor) and DeepSpeed ZeRO-3 (``ds_tensor``) parameters: this rank holds a shard.
 def is_dtensor(t: torch.Tensor) -> bool:
     return type(t).__name__ == "DTensor" or hasattr(t, "to_local") and hasattr(t, "placements")
 
 
+def is_sharded(t: torch.Tensor) -> bool:
+    """True when this rank holds only a shard of ``t`` (FSDP2 DTensor, DeepSpeed ZeRO-3)."""
+    return is_dtensor(t) or zero.is_zero3(t)
+
+
+def full_shape(t: torch.Tensor) -> torch.Size:
+    """The whole tensor's shape, whatever this rank holds of it."""
+    return zero.full_shape(t)
+
+
+def full_numel(t: torch.Tensor) -> int:
+    return int(full_shape(t).numel())
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (the tensor itself otherwise)."""
-    return t.to_local() if is_dtensor(t) else t
+    """This rank's shard of a DTensor or of a ZeRO-3 parameter (flat); the tensor itself otherwise."""
+    if is_dtensor(t):
+        return t.to_local()
+    return t.ds_tensor if zero.is_zero3(t) else t
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor, gathering DTensor shards (a collective: every rank must call it)."""
-    return t.full_tensor() if is_dtensor(t) else t
+    """The whole tensor, gathering shards (a collective for sharded ones: every rank must call it).
+
+    Under DeepSpeed ZeRO the fp32 master weight (what a single process holds)."""
+    if is_dtensor(t):
+        return t.full_tensor()
+    return zero.gather_full(t) if zero.is_zero(t) else t
 
 
 # ---------------------------------------------------------------------- masks on weights
@@ -148,7 +171,7 @@ def sparsity_table(
     Each row: ``name``, ``shape``, ``numel``, ``zeros`` (exact zeros in the weight) and
     ``sparsity`` (their fraction); with ``mask_sparsity``, also ``mask_sparsity`` (the masked
     fraction of each tensor in ``masks``: a pass over the mask, so not computed at every
-    log). A sharded (DTensor) weight is not gathered (no collective in a report): its mask's
+    log). A sharded (FSDP2 or ZeRO-3) weight is not gathered (no collective in a report): its mask's
     zeros stand in for the weight's.
     """
     masks = masks or {}
@@ -156,14 +179,14 @@ def sparsity_table(
     for name in names:
         p = model.get_parameter(name)
         mask = masks.get(name)
-        if is_dtensor(p):
+        if is_sharded(p):
             zeros = int((mask == 0).sum()) if mask is not None else 0
         else:
             zeros = int((p.detach() == 0).sum())
-        n = p.numel()
+        n = full_numel(p)
         row = {
             "name": name,
-            "shape": list(p.shape),
+            "shape": list(full_shape(p)),
             "numel": n,
             "zeros": zeros,
             "sparsity": zeros / max(n, 1),

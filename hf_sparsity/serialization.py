@@ -32,6 +32,7 @@ import torch
 
 from .constants import MASK_FORMAT_NAME, MASK_FORMAT_VERSION, SPARSITY_MASKS_NAME
 from .masks import MASK_DTYPE
+from .modeling import full_shape
 from .utils import SparsityError, atomic_path, library_version
 
 logger = logging.getLogger(__name__)
@@ -236,7 +237,7 @@ def load_masks_for(
         if required:
             _resolve(directory)  # raises the "no mask file" error
         return (None, {}) if with_metadata else None
-    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    shapes = {n: tuple(full_shape(p)) for n, p in model.named_parameters()}
     masks, meta = load_masks(directory, expected_shapes=shapes)
     return (masks, meta) if with_metadata else masks
 

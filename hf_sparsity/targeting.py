@@ -22,7 +22,7 @@ from torch import nn
 
 from .config import SparsityConfig, check_structure
 from .lora import peft_view
-from .modeling import input_dim, linear_kind
+from .modeling import full_shape, input_dim, linear_kind
 from .utils import SparsityError
 
 logger = logging.getLogger(__name__)
@@ -87,8 +87,9 @@ def default_rule(
     name: str, param: torch.Tensor, owner: nn.Module | None, embedding_ids: set[int]
 ) -> tuple[bool, str]:
     """(sparsify?, why) under the default projection/FFN rule."""
-    if param.ndim != 2:
-        return False, f"default: skip {param.ndim}-D tensor (biases, norms, scalars)"
+    ndim = len(full_shape(param))  # a ZeRO-3 shard is empty here: its full shape decides
+    if ndim != 2:
+        return False, f"default: skip {ndim}-D tensor (biases, norms, scalars)"
     if id(param) in embedding_ids:
         return False, "default: skip embedding / lm_head (or a weight tied to one)"
     lowered = name.lower()
@@ -181,7 +182,7 @@ def plan_sparsity(model: nn.Module, config: SparsityConfig, strict: bool = True)
                 level = 1.0 - n / m
             decision = TargetDecision(
                 name=name,
-                shape=tuple(param.shape),
+                shape=tuple(full_shape(param)),
                 sparsify=True,
                 rule=reason,
                 sparsity=float(level),
@@ -193,7 +194,7 @@ def plan_sparsity(model: nn.Module, config: SparsityConfig, strict: bool = True)
             break
         if decision is None:
             reason = default_reason or "no pattern matched"
-            decision = TargetDecision(name=name, shape=tuple(param.shape), sparsify=False, rule=reason)
+            decision = TargetDecision(name=name, shape=tuple(full_shape(param)), sparsify=False, rule=reason)
         decisions.append(decision)
 
     if strict:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..config import SparsityConfig
-from ..modeling import context_length, linear_dims
+from ..modeling import context_length, full_numel, full_shape, linear_dims
 from ..targeting import plan_sparsity, unwrap_model
 from ..utils import SparsityError
 from .report import FlopReport, LayerFlops
@@ -91,7 +91,7 @@ def count_flops(
     if masks is not None:
         zeros_by_name = _levels_from_masks(masks)
     elif levels is not None:
-        shapes = {n: p.numel() for n, p in model.named_parameters()}
+        shapes = {n: full_numel(p) for n, p in model.named_parameters()}
         for name, lv in levels.items():
             if name not in shapes:
                 raise SparsityError(
@@ -142,7 +142,7 @@ def count_flops(
                 seen.add(id(p))
         if isinstance(mod, nn.Embedding):
             w = mod.weight
-            v, d = (int(x) for x in w.shape)
+            v, d = (int(x) for x in full_shape(w))
             wname = param_names.get(id(w), prefix + "weight")
             zeros, level = level_of(wname)
             n = 0 if id(w) in seen else v * d

@@ -1,0 +1,146 @@
+"""``Trainer(deepspeed=...)`` + ``SparsityCallback`` under ``torchrun --nproc_per_node 2`` (DeepSpeed's CPU
+accelerator, gloo), or in one plain process (``--stage 0``) as the reference the ZeRO runs are compared with.
+
+Data are read in order (no shuffle). On CPU accelerate does not see DeepSpeed's ranks (it has no
+CPU backend for DeepSpeed), so every rank reads the same batches and the single-process reference
+takes the same batch; ZeRO still partitions the parameters, masters and moments across the ranks.
+After every optimizer step a checker reads,
+through DeepSpeed's public ``safe_get_full_*`` API (independent of the library's enforcement), the fp32
+master weights and the Adam moments and counts the masked positions that are not exactly 0.
+
+Each rank writes ``rank{R}.json``: losses per step, a digest of the masks, the per-step violations,
+the levels, and the events.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+from torch.utils.data import SequentialSampler  # noqa: E402
+from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+from hf_sparsity import SparsityCallback, SparsityConfig  # noqa: E402
+from tests.conftest import tiny_model  # noqa: E402
+from tests.trainer_utils import random_blocks  # noqa: E402
+
+
+class InOrderTrainer(Trainer):
+    def _get_train_sampler(self, *args, **kwargs):
+        return SequentialSampler(self.train_dataset)
+
+
+class MasterChecker(TrainerCallback):
+    """Masked positions of the fp32 master weights and of every moment, read back through DeepSpeed."""
+
+    def __init__(self, cb):
+        self.cb = cb
+        self.violations: list[int] = []
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        eng = self.cb.engine
+        bad = 0
+        for name, mask in sorted(eng.masks.items()):
+            p = eng.model.get_parameter(name)
+            off = (mask == 0).reshape(-1)
+            if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):
+                from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+                tensors = [safe_get_full_fp32_param(p)]
+                tensors += [safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq")]
+            else:
+                opt = kwargs["optimizer"]
+                tensors = [p.detach()] + [
+                    v for v in opt.state.get(p, {}).values() if torch.is_tensor(v) and v.shape == p.shape
+                ]
+            for t in tensors:
+                if t is not None:
+                    bad += int(torch.count_nonzero(t.reshape(-1)[off]))
+        self.violations.append(bad)
+
+
+def digest(masks):
+    h = hashlib.sha256()
+    for k in sorted(masks):
+        h.update(k.encode())
+        h.update(masks[k].contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--stage", type=int, default=2)
+    ap.add_argument("--arch", default="llama")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--init", default="random")
+    ap.add_argument("--prune_at", type=int, default=0, help="a magnitude prune 0.5 -> 0.75 at this step")
+    ap.add_argument("--save_steps", type=int, default=0)
+    ap.add_argument("--resume", default="")
+    ap.add_argument("--offload", action="store_true")
+    a = ap.parse_args()
+
+    rank = int(os.environ.get("RANK", "0"))
+    torch.manual_seed(100 + rank)  # ranks differ in global RNG: masks must not depend on it
+    model = tiny_model(a.arch, seed=0, hidden=64)
+    cfg = dict(sparsity=0.5, init_method=a.init, seed=42)
+    if a.prune_at:
+        cfg = dict(
+            sparsity=0.5, init_method=a.init, seed=42, schedule=[{"step": a.prune_at, "sparsity": 0.75}]
+        )
+    cb = SparsityCallback(SparsityConfig.from_dict(cfg))
+    checker = MasterChecker(cb)
+    kw = dict(per_device_train_batch_size=2, gradient_accumulation_steps=1)
+    if a.stage:
+        zero = {"stage": a.stage, "stage3_gather_16bit_weights_on_model_save": True}
+        if a.offload:
+            zero["offload_optimizer"] = {"device": "cpu"}
+        kw["deepspeed"] = {
+            "zero_optimization": zero,
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto",
+            "zero_allow_untested_optimizer": True,
+        }
+    else:
+        # accelerate does not see DeepSpeed's CPU ranks, so each of them reads the same batches: the
+        # single-process reference therefore takes the same batch, with no accumulation.
+        kw.update(use_cpu=True)
+    args = TrainingArguments(
+        output_dir=a.out,
+        max_steps=a.steps,
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        max_grad_norm=0.5,
+        logging_steps=1,
+        save_strategy="steps" if a.save_steps else "no",
+        save_steps=a.save_steps or 500,
+        report_to=[],
+        seed=0,
+        disable_tqdm=True,
+        **kw,
+    )
+    trainer = InOrderTrainer(
+        model=model, args=args, train_dataset=random_blocks(n=64, length=16), callbacks=[cb, checker]
+    )
+    trainer.train(resume_from_checkpoint=a.resume or None)
+    losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+    result = {
+        "world_size": args.world_size,
+        "losses": losses,
+        "masks": digest(cb.engine.masks),
+        "violations": checker.violations,
+        "levels": sorted({round(v, 6) for v in cb.engine.levels.values()}),
+        "events": [e["kind"] for e in cb.events],
+        "restored_from": cb.restored_from,
+    }
+    with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
