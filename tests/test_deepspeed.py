@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hf_sparsity import zero
-from hf_sparsity.serialization import load_masks
+from hf_sparsity.serialization import load_masks, save_masks
 from hf_sparsity.utils import SparsityError
 
 from .conftest import REPO
@@ -92,6 +92,19 @@ def test_zero_matches_single_process_and_saves_sparse(stage, train, save_at, tmp
         assert s0["violations"] == [0, 0, 0]
         for step in ("4", "5", "6"):
             assert s0["losses"][step] == pytest.approx(r0["losses"][step], rel=1e-5, abs=1e-5)
+
+        # A mask file that does not fit the model: refused before the first step, naming the problem.
+        bad = tmp_path / "bad"
+        shutil.copytree(ckpt, bad / ckpt.name)
+        name = sorted(masks)[0]
+        masks[name] = torch.ones(3, 5, dtype=torch.uint8)
+        save_masks(bad / ckpt.name, masks)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(SCRIPT), str(bad), "--stage", "3", *train, "--resume", str(bad / ckpt.name)]  # fmt: skip
+        proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=400)
+        assert proc.returncode != 0
+        assert f"mask {name!r} has shape [3, 5]" in proc.stdout + proc.stderr
+        assert not (bad / "rank0.json").exists()  # no step was trained
 
 
 def test_offload_is_refused_with_what_works():
