@@ -53,6 +53,9 @@ def main(out, arch):
     }
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+    if torch.distributed.is_initialized():  # a clean teardown: gloo's threads joined before exit
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

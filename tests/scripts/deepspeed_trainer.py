@@ -140,6 +140,9 @@ def main():
     }
     with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+    if torch.distributed.is_initialized():  # a clean teardown: gloo's threads joined before exit
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
