@@ -33,8 +33,9 @@ def is_zero3(p: Any) -> bool:
 
 
 def is_zero12(p: Any) -> bool:
-    """A parameter linked to ZeRO-1/2 fp32 master partitions."""
-    return getattr(p, "_hp_mapping", None) is not None
+    """A parameter ZeRO-1/2 linked to its fp32 master partitions. On a rank whose partition holds none
+    of it the link is ``None``, but the parameter still takes part in gathers (collectives)."""
+    return hasattr(p, "_hp_mapping")
 
 
 def is_zero(p: Any) -> bool:
@@ -85,6 +86,8 @@ def gather_full(p: Any) -> torch.Tensor:
 def master_mask(mask: torch.Tensor, p: Any) -> torch.Tensor:
     """The flat piece of a full mask that lines up with :func:`master_views` of ``p`` on this rank."""
     if is_zero12(p):
+        if p._hp_mapping is None:  # no piece of it on this rank
+            return mask.new_empty(0)
         a = p._hp_mapping.lp_fragment_address
         piece = mask.reshape(-1)[a.start : a.start + a.numel]
         return piece.to(p._hp_mapping.hp_fragment.device)
@@ -100,6 +103,8 @@ def master_views(p: Any) -> list[torch.Tensor]:
     """
     if is_zero12(p):
         m = p._hp_mapping
+        if m is None:
+            return []
         return [m.hp_fragment, *(getattr(m, "optim_fragment", None) or {}).values()]
     opt = getattr(p, "_z3_optimizer", None)
     if opt is None or not p.requires_grad:

@@ -56,8 +56,8 @@ def _consolidated_and_finalized(ckpt, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "stage,train,save_at",
-    [(2, [], 6), (3, ["--init", "topk", "--prune_at", "3"], 3)],
-    ids=["zero2-static", "zero3-topk-prune-resume"],
+    [(2, ["--prune_at", "3"], 6), (3, ["--init", "topk", "--prune_at", "3"], 3)],
+    ids=["zero2-random-prune", "zero3-topk-prune-resume"],
 )
 def test_zero_matches_single_process_and_saves_sparse(stage, train, save_at, tmp_path):
     ref_out, ds_out = tmp_path / "single", tmp_path / "zero"
@@ -65,8 +65,9 @@ def test_zero_matches_single_process_and_saves_sparse(stage, train, save_at, tmp
     ds_out.mkdir()
     (ref,) = _run(ref_out, "--stage", "0", *train, procs=1)
     r0, r1 = _run(ds_out, "--stage", str(stage), *train, "--save_steps", str(save_at))
-    # Masks: identical on both ranks and to the single process (random init, topk from the gathered
-    # weights, and a magnitude prune over the whole tensor at step 3).
+    # Masks: identical on both ranks and to the single process (random or topk init, and a magnitude
+    # prune over the whole tensor at step 3, gathered on every rank: ZeRO-1/2 ranks holding no piece of a
+    # weight must join the gather too).
     assert r0["masks"] == r1["masks"] == ref["masks"]
     assert r0["events"] == ref["events"]
     # After every step, read back through DeepSpeed: fp32 masters and Adam moments exactly 0 where masked.
