@@ -110,8 +110,16 @@ class MaskEnforcer:
         self._check_params()
         for name, p in self._params.items():
             local(p).mul_(self._dev_masks[name])
+        self._mask_gathered()
         self.mask_optimizer_state()
         self.mask_zero_masters()
+
+    def _mask_gathered(self) -> None:
+        """ZeRO-3: the full copies DeepSpeed keeps gathered between steps (see ``zero.gathered_view``)."""
+        for name in self._zero_masks:
+            full = zero.gathered_view(self._params[name])
+            if full is not None:
+                full.mul_(self._grad_masks[name].to(full.dtype))
 
     @torch.no_grad()
     def zero_positions(self, name: str, where: torch.Tensor) -> None:
@@ -120,6 +128,9 @@ class MaskEnforcer:
         p = self.model.get_parameter(name)
         keep = local_slice((~where).to(M.MASK_DTYPE), p).to(local(p).device)
         local(p).mul_(keep)
+        full = zero.gathered_view(p)
+        if full is not None:
+            full.mul_((~where).to(full.device, full.dtype))
         for opt in self.optimizers:
             for v in opt.state.get(p, {}).values():
                 if torch.is_tensor(v) and v.shape == p.shape:
@@ -147,6 +158,7 @@ class MaskEnforcer:
         """Right after ``optimizer.step()``: masked weights and optimizer state exactly 0."""
         for name, p in self._params.items():
             local(p).mul_(self._dev_masks[name])
+        self._mask_gathered()
         self.mask_optimizer_state(every_step=True)
         self.mask_zero_masters()
 

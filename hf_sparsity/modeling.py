@@ -8,6 +8,7 @@ applying masks to weights, and the per-layer sparsity table every report prints.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -93,6 +94,21 @@ def check_token_ids(config: Any, ids: torch.Tensor, tokenizer_dir: str | os.Path
         )
 
 
+def _no_zero3_init():
+    """A context in which transformers builds models without ``deepspeed.zero.Init``.
+
+    Under a ZeRO-3 Trainer, transformers wraps every ``from_config`` in ``zero.Init``, a collective:
+    a meta model built on one rank only (a model card, a FLOP count) would wait for the others
+    forever. transformers' own guard against nested ``zero.Init`` (``set_zero3_state``) switches it
+    off for the block; without it (an older transformers) nothing needs switching off.
+    """
+    try:
+        from transformers.modeling_utils import set_zero3_state
+    except ImportError:
+        return contextlib.nullcontext()
+    return set_zero3_state()
+
+
 def meta_causal_lm(config: Any, build: Any = None) -> nn.Module:
     """The causal LM of a transformers ``config`` on the ``meta`` device: real shapes, no memory.
 
@@ -104,7 +120,7 @@ def meta_causal_lm(config: Any, build: Any = None) -> nn.Module:
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # meta init warnings are noise here
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), _no_zero3_init():
             return (build or AutoModelForCausalLM.from_config)(config)
     except SparsityError:
         raise

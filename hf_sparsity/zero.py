@@ -8,7 +8,8 @@
   the first step views of the moments, ``optim_fragment``).
 * **Stage 3**: the parameter itself is partitioned: ``param.ds_tensor`` is this rank's slice of
   the flattened parameter (``ceil(numel / world)`` elements from ``rank * that``, zero-padded
-  on the last rank), ``param.ds_shape`` the full shape. Its fp32 master and moments are read
+  on the last rank), ``param.ds_shape`` the full shape; a parameter DeepSpeed keeps gathered
+  (small ones persist) also holds the full weight in ``param.data``. Its fp32 master and moments are read
   through DeepSpeed's public local API (``safe_get_local_fp32_param``,
   ``safe_get_local_optimizer_state``), which returns views of the optimizer's partitions.
 
@@ -64,6 +65,19 @@ def local_flat_mask(mask: torch.Tensor, p: Any) -> torch.Tensor:
     if piece.numel() < size:  # the last rank's padding: not a weight, left alone
         piece = torch.cat([piece, torch.ones(size - piece.numel(), dtype=mask.dtype)])
     return piece
+
+
+def gathered_view(p: Any) -> torch.Tensor | None:
+    """The full weight ZeRO-3 currently holds gathered on this rank (``None`` when partitioned).
+
+    Parameters below ``stage3_param_persistence_threshold`` stay gathered between steps (DeepSpeed
+    re-gathers them from the partitions after each optimizer step), so a mask change between steps
+    must reach this copy too, or the next forward would still see the old weights.
+    """
+    if not is_zero3(p):
+        return None
+    data = p.data
+    return data if data.numel() == int(p.ds_numel) and tuple(data.shape) == tuple(p.ds_shape) else None
 
 
 def gather_full(p: Any) -> torch.Tensor:

@@ -24,9 +24,9 @@ SCRIPT = REPO / "tests" / "scripts" / "deepspeed_trainer.py"
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), DS_ACCELERATOR="cpu")
 
 
-def _run(out, *args, procs=2):
+def _run(out, *args, procs=2, torchrun=False):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs)]
-    cmd = (launcher if procs > 1 else [sys.executable]) + [str(SCRIPT), str(out), *args]
+    cmd = (launcher if procs > 1 or torchrun else [sys.executable]) + [str(SCRIPT), str(out), *args]
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(procs)]
@@ -56,8 +56,8 @@ def _consolidated_and_finalized(ckpt, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "stage,train,save_at",
-    [(2, ["--prune_at", "3"], 6), (3, ["--init", "topk", "--prune_at", "3"], 3)],
-    ids=["zero2-random-prune", "zero3-topk-prune-resume"],
+    [(1, ["--prune_at", "3"], 6), (2, ["--prune_at", "3"], 6), (3, ["--init", "topk", "--prune_at", "3"], 3)],
+    ids=["zero1-random-prune", "zero2-random-prune", "zero3-topk-prune-resume"],
 )
 def test_zero_matches_single_process_and_saves_sparse(stage, train, save_at, tmp_path):
     ref_out, ds_out = tmp_path / "single", tmp_path / "zero"
@@ -106,6 +106,63 @@ def test_zero_matches_single_process_and_saves_sparse(stage, train, save_at, tmp
         assert proc.returncode != 0
         assert f"mask {name!r} has shape [3, 5]" in proc.stdout + proc.stderr
         assert not (bad / "rank0.json").exists()  # no step was trained
+
+        # On a different number of processes: DeepSpeed's universal checkpoint (its own converter), loaded
+        # by one process. The masks come from the mask file (full shapes), bit-identical.
+        conv = subprocess.run(
+            [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+             str(ckpt / "global_step3"), "--output_folder", str(ckpt / "global_step3_universal"),
+             "--inject_missing_state"],
+            env=ENV, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert conv.returncode == 0, conv.stderr[-3000:]
+        one = tmp_path / "one"
+        one.mkdir()
+        (u,) = _run(one, "--stage", "3", *train, "--resume", str(ckpt), "--universal", procs=1, torchrun=True)
+        assert u["world_size"] == 1 and u["restored_from"] == str(ckpt)
+        assert u["masks"] == before
+        assert u["violations"] == [0, 0, 0]
+        for step in ("4", "5", "6"):
+            assert u["losses"][step] == pytest.approx(r0["losses"][step], rel=1e-4, abs=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "stage,train", [(3, ["--events"]), (2, ["--rigl"])], ids=["zero3-events", "zero2-rigl"]
+)
+def test_zero_events_match_single_process(stage, train, tmp_path):
+    """Prune (with an LR rewind), regrow and densify under ZeRO-3, and RigL updates under ZeRO-2: after
+    every step the masks, the learning rate and the loss are those of one process."""
+    ref_out, ds_out = tmp_path / "single", tmp_path / "zero"
+    ref_out.mkdir()
+    ds_out.mkdir()
+    (ref,) = _run(ref_out, "--stage", "0", *train, procs=1)
+    r0, r1 = _run(ds_out, "--stage", str(stage), *train)
+    kinds = ["prune", "regrow", "densify"] if "--events" in train else ["update", "update"]
+    assert ref["events"] == r0["events"] == r1["events"] == kinds
+    assert r0["trace"] == r1["trace"] == ref["trace"]  # the masks' digest after every step
+    assert len(set(ref["trace"])) == len(kinds) + 1  # every event changed the masks
+    assert r0["lrs"] == pytest.approx(ref["lrs"], rel=1e-12)
+    assert r0["violations"] == r1["violations"] == [0] * 6
+    for step, loss in ref["losses"].items():
+        assert r0["losses"][step] == pytest.approx(loss, rel=1e-5, abs=1e-5), step
+    if "--events" in train:  # the rewind at step 2 sent the schedule back to step 1's learning rate
+        assert ref["lrs"][1] == ref["lrs"][0]
+
+
+def test_meta_model_under_an_active_zero3_config():
+    """transformers wraps ``from_config`` in ``deepspeed.zero.Init`` (a collective) while a ZeRO-3 Trainer
+    lives; the library's meta models (FLOP counts, model cards: built on one rank) must not be."""
+    from transformers import GPT2Config
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from hf_sparsity.modeling import meta_causal_lm
+
+    ds = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    model = meta_causal_lm(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64))
+    assert all(p.is_meta and not hasattr(p, "ds_id") for p in model.parameters())
+    assert tuple(model.get_parameter("transformer.h.0.attn.c_attn.weight").shape) == (32, 96)
+    del ds
 
 
 def test_offload_is_refused_with_what_works():

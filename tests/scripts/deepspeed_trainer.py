@@ -40,6 +40,8 @@ class MasterChecker(TrainerCallback):
     def __init__(self, cb):
         self.cb = cb
         self.violations: list[int] = []
+        self.trace: list[str] = []  # the masks' digest after every step (events change them)
+        self.lrs: list[float] = []
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         eng = self.cb.engine
@@ -62,6 +64,11 @@ class MasterChecker(TrainerCallback):
                     bad += int(torch.count_nonzero(t.reshape(-1)[off]))
         self.violations.append(bad)
 
+    def on_step_end(self, args, state, control, **kwargs):
+        # After the callback's own step end (events fire there, an LR rewind is applied there).
+        self.trace.append(digest(self.cb.engine.masks))
+        self.lrs.append(kwargs["lr_scheduler"].get_last_lr()[0])
+
 
 def digest(masks):
     h = hashlib.sha256()
@@ -79,9 +86,16 @@ def main():
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--init", default="random")
     ap.add_argument("--prune_at", type=int, default=0, help="a magnitude prune 0.5 -> 0.75 at this step")
+    ap.add_argument(
+        "--events",
+        action="store_true",
+        help="prune 0.5 -> 0.75 with an LR rewind at step 2, regrow to 0.6 at 4, densify at 5",
+    )
+    ap.add_argument("--rigl", action="store_true", help="RigL at 0.5, an update every 2 steps")
     ap.add_argument("--save_steps", type=int, default=0)
     ap.add_argument("--resume", default="")
     ap.add_argument("--offload", action="store_true")
+    ap.add_argument("--universal", action="store_true", help="load a universal checkpoint (ds_to_universal)")
     a = ap.parse_args()
 
     rank = int(os.environ.get("RANK", "0"))
@@ -92,6 +106,14 @@ def main():
         cfg = dict(
             sparsity=0.5, init_method=a.init, seed=42, schedule=[{"step": a.prune_at, "sparsity": 0.75}]
         )
+    if a.events:
+        cfg["schedule"] = [
+            {"step": 2, "sparsity": 0.75, "rewind_to": 1},
+            {"step": 4, "sparsity": 0.6},
+            {"step": 5, "densify": True},
+        ]
+    if a.rigl:
+        cfg.update(algorithm="rigl", update={"freq": 2})
     cb = SparsityCallback(SparsityConfig.from_dict(cfg))
     checker = MasterChecker(cb)
     kw = dict(per_device_train_batch_size=2, gradient_accumulation_steps=1)
@@ -106,6 +128,8 @@ def main():
             "gradient_clipping": "auto",
             "zero_allow_untested_optimizer": True,
         }
+        if a.universal:
+            kw["deepspeed"]["checkpoint"] = {"load_universal": True}
     else:
         # accelerate does not see DeepSpeed's CPU ranks, so each of them reads the same batches: the
         # single-process reference therefore takes the same batch, with no accumulation.
@@ -134,6 +158,8 @@ def main():
         "losses": losses,
         "masks": digest(cb.engine.masks),
         "violations": checker.violations,
+        "trace": checker.trace,
+        "lrs": checker.lrs,
         "levels": sorted({round(v, 6) for v in cb.engine.levels.values()}),
         "events": [e["kind"] for e in cb.events],
         "restored_from": cb.restored_from,
