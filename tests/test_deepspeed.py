@@ -63,7 +63,7 @@ def test_zero_matches_single_process_and_saves_sparse(stage, train, save_at, tmp
     ref_out, ds_out = tmp_path / "single", tmp_path / "zero"
     ref_out.mkdir()
     ds_out.mkdir()
-    (ref,) = _run(ref_out, "--stage", "0", *train, procs=1)
+    (ref,) = _run(ref_out, "--stage", "0", *train, "--save_steps", str(save_at), procs=1)
     r0, r1 = _run(ds_out, "--stage", str(stage), *train, "--save_steps", str(save_at))
     # Masks: identical on both ranks and to the single process (random or topk init, and a magnitude
     # prune over the whole tensor at step 3, gathered on every rank: ZeRO-1/2 ranks holding no piece of a
@@ -124,6 +124,18 @@ def test_zero_matches_single_process_and_saves_sparse(stage, train, save_at, tmp
         assert u["violations"] == [0, 0, 0]
         for step in ("4", "5", "6"):
             assert u["losses"][step] == pytest.approx(r0["losses"][step], rel=1e-4, abs=1e-4)
+
+        # Resumed with another level in the config: pruned further at train begin, as one process does.
+        lv, lv_ref = tmp_path / "level", tmp_path / "level_ref"
+        lv.mkdir()
+        lv_ref.mkdir()
+        more = ["--init", "topk", "--sparsity", "0.9"]
+        (sr,) = _run(lv_ref, "--stage", "0", *more, "--resume", str(ref_out / ckpt.name), procs=1)
+        z0, z1 = _run(lv, "--stage", "3", *more, "--resume", str(ckpt))
+        assert z0["events"][-1] == sr["events"][-1] == "resume-level-change"
+        assert z0["masks"] == z1["masks"] == sr["masks"]
+        assert z0["levels"] == sr["levels"] and min(z0["levels"]) > 0.899
+        assert z0["violations"] == [0, 0, 0]
 
 
 @pytest.mark.slow

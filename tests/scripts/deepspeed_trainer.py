@@ -85,6 +85,7 @@ def main():
     ap.add_argument("--arch", default="llama")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--init", default="random")
+    ap.add_argument("--sparsity", type=float, default=0.5)
     ap.add_argument("--prune_at", type=int, default=0, help="a magnitude prune 0.5 -> 0.75 at this step")
     ap.add_argument(
         "--events",
@@ -101,11 +102,9 @@ def main():
     rank = int(os.environ.get("RANK", "0"))
     torch.manual_seed(100 + rank)  # ranks differ in global RNG: masks must not depend on it
     model = tiny_model(a.arch, seed=0, hidden=64)
-    cfg = dict(sparsity=0.5, init_method=a.init, seed=42)
+    cfg = dict(sparsity=a.sparsity, init_method=a.init, seed=42)
     if a.prune_at:
-        cfg = dict(
-            sparsity=0.5, init_method=a.init, seed=42, schedule=[{"step": a.prune_at, "sparsity": 0.75}]
-        )
+        cfg["schedule"] = [{"step": a.prune_at, "sparsity": 0.75}]
     if a.events:
         cfg["schedule"] = [
             {"step": 2, "sparsity": 0.75, "rewind_to": 1},
