@@ -22,8 +22,8 @@ callback runs before them; :func:`move_to_front` arranges that): per-layer and
 total measured sparsity of the weights, cumulative training FLOPs at the levels in
 force, for the tokens actually trained (padding excluded, see ``_TokenCounter``), the
 dense-equivalent FLOPs and the effective (FLOP-weighted) sparsity, from
-:class:`hf_sparsity.flops.FlopAccountant`. The FLOP counts travel in the mask file's
-state, so they continue across resume.
+:class:`hf_sparsity.flops.FlopAccountant`. The FLOP counts are saved in every checkpoint
+(``flop_state.json``, the same file for sparse and dense runs), so they continue across resume.
 """
 
 from __future__ import annotations
@@ -147,27 +147,21 @@ class SparsityCallback(TrainerCallback, ExportableState):
             _enable_debug_logging()
         model = unwrap_model(model)
         self.engine = SparsityEngine(model, self.config, total_steps=state.max_steps or None)
-        self.engine.listeners.extend(self._listeners)
-        self.engine.optimizer_steps = state.global_step  # Trainer's count is the truth on (re)start
-        if self.config.has_schedule:
-            self.engine.compile_schedule(state.max_steps)
+        for fn in self._listeners:
+            self.engine.add_listener(fn)
         source = self._find_masks(args, state, model)
+        # Trainer's step count is the truth on a (re)start; the callback drives the step hooks itself.
+        actions = self.engine.start(optimizer, step=state.global_step, resume_from=source, step_hooks=False)
         if source is not None:
-            actions = self.engine.restore(source, step=state.global_step)
             self.restored_from = source
             logger.info("Restored masks for %d tensors from %s", len(actions), source)
-        else:
-            self.engine.build_masks()
-        self.engine.attach(optimizer, step_hooks=False)
-        self.engine.install_save_hook()
-        self._init_flops(model, state)
-        self.engine.stamp_config()
+        self._init_flops(model, state, source)
         from .logging_utils import arrange_for_callback
 
         arrange_for_callback(self)  # run before the reporters; per-layer values off the console line
         return control
 
-    def _init_flops(self, model, state) -> None:
+    def _init_flops(self, model, state, source: str | None) -> None:
         from .flops import FlopAccountant
 
         seq_len = self.seq_len or context_length(model.config)
@@ -177,9 +171,11 @@ class SparsityCallback(TrainerCallback, ExportableState):
             logger.warning("FLOP accounting disabled: %s", e)
             self.flops = None
             return
-        saved = self.engine.restored_state.get("flops") if state.global_step > 0 else None
-        if saved:
-            self.flops.load_state_dict(saved)
+        if state.global_step > 0:
+            # Checkpoints written before FLOP counts had their own file carried them in the mask file.
+            saved = load_flop_state(source) or self.engine.restored_state.get("flops")
+            if saved:
+                self.flops.load_state_dict(saved)
         self._tokens.start(model, state)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
@@ -190,8 +186,6 @@ class SparsityCallback(TrainerCallback, ExportableState):
 
     def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):
         self.engine.apply_pending_rewind(lr_scheduler)  # right after the scheduler's step
-        if self.flops is not None:
-            self.engine.extra_state["flops"] = self.flops.state_dict()
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -216,11 +210,12 @@ class SparsityCallback(TrainerCallback, ExportableState):
         return control
 
     def on_save(self, args, state, control, **kwargs):
-        ckpt = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        ckpt = _checkpoint_dir(args, state)
         if state.is_world_process_zero and os.path.isdir(ckpt):
             if not os.path.isfile(os.path.join(ckpt, SPARSITY_MASKS_NAME)):
                 # A model whose save path bypassed save_pretrained: write the masks ourselves.
                 self.engine.save(ckpt, {"global_step": state.global_step})
+            save_flop_state(ckpt, self.flops)
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -342,7 +337,7 @@ class FlopCallback(TrainerCallback):
     counted as :class:`SparsityCallback` counts them (real batch tokens unless ``seq_len`` is given).
     """
 
-    FILE = "flop_state.json"
+    FILE = "flop_state.json"  # FLOP_STATE_NAME
 
     def __init__(self, seq_len: int | None = None):
         self.seq_len = seq_len
@@ -354,10 +349,9 @@ class FlopCallback(TrainerCallback):
 
         model = unwrap_model(model)
         self.flops = FlopAccountant(model, seq_len=self.seq_len or context_length(model.config))
-        saved = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}", self.FILE)
-        if state.global_step > 0 and os.path.isfile(saved):
-            with open(saved, encoding="utf-8") as f:
-                self.flops.load_state_dict(json.load(f))
+        saved = load_flop_state(_checkpoint_dir(args, state)) if state.global_step > 0 else None
+        if saved:
+            self.flops.load_state_dict(saved)
         self._tokens.start(model, state)
         return control
 
@@ -375,7 +369,30 @@ class FlopCallback(TrainerCallback):
         return control
 
     def on_save(self, args, state, control, **kwargs):
-        ckpt = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        ckpt = _checkpoint_dir(args, state)
         if state.is_world_process_zero and os.path.isdir(ckpt):
-            atomic_write_text(os.path.join(ckpt, self.FILE), json.dumps(self.flops.state_dict()))
+            save_flop_state(ckpt, self.flops)
         return control
+
+
+# ---------------------------------------------------------------------- FLOP counts in checkpoints
+FLOP_STATE_NAME = "flop_state.json"
+
+
+def _checkpoint_dir(args, state) -> str:
+    return os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+
+
+def save_flop_state(checkpoint_dir: str, flops) -> None:
+    """The one way both callbacks save their FLOP count with a checkpoint (``flop_state.json``)."""
+    if flops is not None:
+        atomic_write_text(os.path.join(checkpoint_dir, FLOP_STATE_NAME), json.dumps(flops.state_dict()))
+
+
+def load_flop_state(checkpoint_dir: str | None) -> dict[str, Any] | None:
+    """The FLOP count :func:`save_flop_state` wrote into ``checkpoint_dir`` (``None`` if there is none)."""
+    path = os.path.join(str(checkpoint_dir), FLOP_STATE_NAME) if checkpoint_dir else None
+    if path is None or not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)

@@ -202,6 +202,16 @@ class MaskEnforcer:
             self._grad_hooks.append(p.register_hook(lambda g, m=mask, n=name: self._on_grad(n, g, m)))
             self._hooked.add(name)
 
+    def capture_gradients(self, on: bool) -> None:
+        """RigL: keep (``on``) the dense gradients of the coming backward passes; drops any kept so far."""
+        self.capture_grads = bool(on)
+        self.captured = {}
+
+    def take_captured(self) -> dict[str, torch.Tensor]:
+        """The dense gradients kept since :meth:`capture_gradients`, handed over (and forgotten here)."""
+        captured, self.captured = self.captured, {}
+        return captured
+
     def _on_grad(self, name: str, g: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if self.capture_grads:  # RigL scores regrowth by the dense gradient, before masking
             prev = self.captured.get(name)

@@ -3,8 +3,8 @@
 Lifecycle::
 
     engine = SparsityEngine(model, config)   # plan targets (no tensors touched yet)
-    engine.build_masks()                     # or engine.restore(checkpoint_dir)
-    engine.attach(optimizer)                 # grad hooks + optimizer step hooks
+    engine.start(optimizer)                  # masks built (or restored: resume_from=dir, step=N),
+                                             # hooks attached, save hook installed, config stamped
     ... loss.backward(); optimizer.step() ...   # enforcement runs inside the hooks
     engine.save(output_dir)                  # sparsity_masks.safetensors
 
@@ -17,7 +17,8 @@ Who owns what:
   zeroing, DTensor slicing; see that module for the enforcement rules.
 * :mod:`hf_sparsity.events`: pure functions giving the new masks of an event.
 * The engine: the one place that changes masks (:meth:`~SparsityEngine.change_masks`),
-  counts steps (:meth:`~SparsityEngine.after_step`), rewinds the LR
+  sets the step count (:meth:`~SparsityEngine.start`, from the caller's count on a (re)start)
+  and advances it (:meth:`~SparsityEngine.after_step`), rewinds the LR
   (:meth:`~SparsityEngine.apply_pending_rewind`) and stamps the config
   (:meth:`~SparsityEngine.stamp_config`).
 
@@ -164,6 +165,40 @@ class SparsityEngine:
         if not self.config.has_schedule:
             return None if name in self.densified else configured
         return self._schedule().level_at(self.optimizer_steps if step is None else step, configured)
+
+    # ------------------------------------------------------------------ starting
+    def add_listener(self, fn: Callable[[dict[str, Any]], None]) -> None:
+        """Call ``fn(record)`` on every sparsity event (prune, regrow, densify, update)."""
+        self.listeners.append(fn)
+
+    def start(
+        self,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        step: int = 0,
+        resume_from: str | os.PathLike | None = None,
+        lr_scheduler: Any = None,
+        step_hooks: bool = True,
+    ) -> dict[str, str]:
+        """Begin enforcing, at optimizer step ``step`` (the caller's count is the truth on a (re)start).
+
+        Compiles the schedule, builds the masks (or restores them from ``resume_from``, reconciled to
+        the level wanted at ``step``; see :meth:`restore`), attaches the hooks (:meth:`attach`), makes
+        ``save_pretrained`` carry the masks and stamps the config. Returns what a restore did per tensor
+        (empty when the masks were built).
+        """
+        self.optimizer_steps = int(step)
+        if self.config.has_schedule:
+            self.compile_schedule()
+        actions: dict[str, str] = {}
+        if resume_from is not None:
+            actions = self.restore(resume_from, step=step)
+        else:
+            self.build_masks()
+        self.attach(optimizer, step_hooks=step_hooks, lr_scheduler=lr_scheduler)
+        self.install_save_hook()
+        self.stamp_config()
+        return actions
 
     # ------------------------------------------------------------------ save / restore
     def state(self) -> dict[str, Any]:
@@ -315,11 +350,11 @@ class SparsityEngine:
         """Apply one scheduled event; returns (and records, and tells the listeners) what it did."""
         if event.kind == "update":
             grads = None
+            captured = self.enforcer.take_captured()
             if self.config.algorithm == "rigl":
-                grads = E.reduce_gradients(self.enforcer.captured)
+                grads = E.reduce_gradients(captured)
             seeds = {n: d.seed for n, d in self.targets.items()}
             new_masks = E.dynamic_update(event, self.masks, seeds, self._full_weight, grads)
-            self.enforcer.captured = {}
         else:
             new_masks = E.masks_for_level_event(event, self.targets, self.masks, self._full_weight)
         changes = self.change_masks(new_masks)
@@ -348,8 +383,7 @@ class SparsityEngine:
         if self.config.algorithm != "rigl":
             return
         nxt = self.optimizer_steps + 1
-        self.enforcer.capture_grads = any(e.kind == "update" for e in self._schedule().events_at(nxt))
-        self.enforcer.captured = {}
+        self.enforcer.capture_gradients(any(e.kind == "update" for e in self._schedule().events_at(nxt)))
 
     def apply_pending_rewind(self, lr_scheduler: Any) -> None:
         """The one place an LR rewind happens: call right after the scheduler's own step."""
