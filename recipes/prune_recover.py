@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -182,13 +183,39 @@ def train_args(args, out, steps, lr) -> TrainingArguments:
     )  # fmt: skip
 
 
+def _is_main() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _barrier() -> None:
+    """Under a launcher (DDP, DeepSpeed): the other processes wait while the main one writes files."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def _check_launcher(targs: TrainingArguments) -> None:
+    """Set up the process group now (a launcher's processes meet here) and refuse ZeRO-3, which
+    partitions the models this recipe prunes and evaluates whole."""
+    _ = targs.device  # initializes torch.distributed under a launcher
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if is_deepspeed_zero3_enabled():
+        raise SparsityError(
+            "prune_recover prunes and evaluates whole models, which DeepSpeed ZeRO-3 partitions. Run it "
+            "in one process, under DDP, or with ZeRO-1/2 (recipes/configs/zero2.yaml)."
+        )
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     out = Path(args.output_dir)
+    _check_launcher(train_args(args, out / "dense_run", max(args.dense_steps, 1), args.dense_lr))
     if out.exists() and any(out.iterdir()):
         if not args.overwrite:
             raise SparsityError(f"{out} is not empty; pass --overwrite true or choose another --output_dir.")
-        shutil.rmtree(out)
+        if _is_main():
+            shutil.rmtree(out)
+    _barrier()
     out.mkdir(parents=True, exist_ok=True)
     tok, texts, train, held_out = load_data(args)
     stages, t0 = [], time.time()
@@ -196,24 +223,30 @@ def main(argv=None) -> dict:
     def record(stage, model, **extra):
         stages.append({"stage": stage, **evaluate(model, held_out, args, tok), **extra})
         stages[-1]["elapsed_s"] = round(time.time() - t0, 1)
-        print(json.dumps(stages[-1]), flush=True)
+        if _is_main():
+            print(json.dumps(stages[-1]), flush=True)
 
     # 1. dense
     dense = dense_model(args, tok)
     if args.dense_steps:
         Trainer(model=dense, args=train_args(args, out / "dense_run", args.dense_steps, args.dense_lr),
                 train_dataset=BlockDataset(train)).train()  # fmt: skip
-    dense.save_pretrained(out / "dense")
-    tok.save_pretrained(out / "dense")
+    if _is_main():
+        dense.save_pretrained(out / "dense")
+        tok.save_pretrained(out / "dense")
+    _barrier()
     record("dense", dense)
 
-    # 2. one-shot prune (a copy: the dense model stays the teacher)
+    # 2. one-shot prune (a copy: the dense model stays the teacher). Every process prunes the same
+    # (deterministic) way; the main one writes the folder.
     structure = args.structure or None
     config = SparsityConfig(sparsity=0.5 if structure else args.sparsity, structure=structure)
     student = AutoModelForCausalLM.from_pretrained(out / "dense")
     calib = sample_calibration(texts, tok, nsamples=args.nsamples, seqlen=args.seqlen, seed=args.calib_seed)
     result = prune_oneshot(student, config, calib, method=args.method)
-    save_pruned(student, result, out / "pruned", config=config, tokenizer=tok)
+    if _is_main():
+        save_pruned(student, result, out / "pruned", config=config, tokenizer=tok)
+    _barrier()
     record("pruned", student, prune_s=round(result.seconds, 2))
 
     # 3. recover: the pruned folder in Trainer; SparsityCallback restores its masks and keeps them fixed
@@ -228,9 +261,11 @@ def main(argv=None) -> dict:
     if args.recover_steps:
         trainer.train()
         trainer.save_model(out / "recovered")  # weights + sparsity_masks.safetensors + config section
-    else:
+    elif _is_main():
         shutil.copytree(out / "pruned", out / "recovered")
-    tok.save_pretrained(out / "recovered")
+    if _is_main():
+        tok.save_pretrained(out / "recovered")
+    _barrier()
     flops = callback.flops  # None when recover_steps is 0 (no training ran)
     record(
         "recovered", student, masks_restored_from=str(callback.restored_from),
@@ -239,13 +274,18 @@ def main(argv=None) -> dict:
     )  # fmt: skip
 
     # 4. finalize: masks baked into zeros, a vanilla folder
-    finalize_checkpoint(out / "recovered", out / "final", overwrite=True)
+    if _is_main():
+        finalize_checkpoint(out / "recovered", out / "final", overwrite=True)
+    _barrier()
     record("final", AutoModelForCausalLM.from_pretrained(out / "final"))
 
     results = summarize(args, stages)
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    plot(stages, out / "perplexity.png", args)
-    print(f"gap closed by recovery: {results['gap_closed']:.1%}; wrote {out}/results.json and perplexity.png")
+    if _is_main():
+        (out / "results.json").write_text(json.dumps(results, indent=2))
+        plot(stages, out / "perplexity.png", args)
+        print(
+            f"gap closed by recovery: {results['gap_closed']:.1%}; wrote {out}/results.json, perplexity.png"
+        )
     return results
 
 

@@ -33,7 +33,7 @@ SHORT = {
 def summary(results: dict) -> str:
     """The figures a recipe's ``results.json`` reports, whichever recipe wrote it."""
     keys = ("final_sparsity", "pretrain_sparsity", "sparsity", "pretrain_eval_loss", "finetune_eval_loss",
-            "final_eval_loss", "recovered_ppl")  # fmt: skip
+            "final_eval_loss", "dense_eval_loss", "sparse_ift_eval_loss", "gap_closed")  # fmt: skip
     parts = []
     for k in keys:
         v = results.get(k)
