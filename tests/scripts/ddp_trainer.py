@@ -1,4 +1,6 @@
 """Run under ``accelerate launch --multi_gpu --num_processes 2``: Trainer + SparsityCallback on DDP.
+With a third argument ``fsdp`` (under ``torchrun``): ``Trainer(fsdp="full_shard", fsdp_config={"fsdp_version":
+2})``, which transformers runs as DDP on CPU; the result says how it ran.
 
 Each rank writes ``rank{R}.json`` with a hash of its masks and of its final weights, how many
 optimizer steps passed the invariant check, and the tokens its FLOP accounting counted.
@@ -25,7 +27,7 @@ def digest(tensors):
     return h.hexdigest()
 
 
-def main(out, arch):
+def main(out, arch, mode="ddp"):
     rank = int(os.environ.get("RANK", "0"))
     torch.manual_seed(100 + rank)  # ranks differ in global RNG: masks must not depend on it
     model = tiny_model(arch, seed=0)
@@ -40,6 +42,7 @@ def main(out, arch):
         max_grad_norm=1.0,
         save_strategy="steps",
         save_steps=5,
+        **({"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2}} if mode == "fsdp" else {}),
     )
     trainer.train()
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -50,6 +53,8 @@ def main(out, arch):
         "checked_steps": checker.checked,
         "levels": sorted(set(round(v, 6) for v in cb.engine.levels.values())),
         "tokens": cb.flops.tokens,
+        "fsdp_enabled": bool(trainer.is_fsdp_enabled),
+        "distributed_type": str(trainer.accelerator.distributed_type),
     }
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
@@ -59,4 +64,4 @@ def main(out, arch):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "llama")
+    main(*sys.argv[1:])
