@@ -21,8 +21,9 @@ imports it unless a ``PeftModel`` is given.
 
 from __future__ import annotations
 
+import functools
 import logging
-import types
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .checks import LORA_MODES, check_lora_mode
+from .hooks import drop_lora_variant, set_lora_variant
 from .utils import SparsityError
 
 logger = logging.getLogger(__name__)
@@ -146,7 +148,7 @@ def _check_maskable(name: str, layer: nn.Module) -> None:
             f"{type(layer).__module__}.{type(layer).__name__}, whose update is not a (B·A) matrix in the "
             "weight's layout. Leave it out of the adapter's target_modules, or use `lora: merge_then_mask`."
         )
-    variants = [a for a in getattr(layer, "lora_variant", {})]
+    variants = [a for a, v in getattr(layer, "lora_variant", {}).items() if not _is_masked_variant(v)]
     if variants or any(getattr(layer, "use_dora", {}).values()):
         raise SparsityError(
             f"`lora: masked` on {name!r}: the adapter uses a LoRA variant (DoRA or similar, adapters "
@@ -160,26 +162,55 @@ def _check_maskable(name: str, layer: nn.Module) -> None:
         )
 
 
-def _masked_delta(self, adapter: str) -> torch.Tensor:
-    delta = type(self).get_delta_weight(self, adapter)
-    return delta * self._hf_sparsity_mask.to(delta.device, delta.dtype)
+@functools.cache
+def masked_variant_class() -> type:
+    """``MaskedLoraVariant``, a subclass of peft's ``LoraVariant``, built on first use (peft is optional)."""
+    from peft.tuners.lora.layer import LoraVariant
+
+    class MaskedLoraVariant(LoraVariant):
+        """Plain LoRA whose update is ``(B·A) ⊙ M``, ``M`` the base weight's mask, in forward and merge.
+
+        One instance per wrapped layer holds that layer's mask; peft's ``Linear`` calls it for
+        every adapter it is attached to (:func:`hf_sparsity.hooks.set_lora_variant`). peft has
+        already cast the input to the adapter's dtype before :meth:`forward`.
+        """
+
+        def __init__(self, mask: torch.Tensor):
+            self.mask = mask
+
+        def supports_lora_conversion(self) -> bool:
+            return False  # the masked update is not a rank-r B·A
+
+        @staticmethod
+        def init(module: nn.Module, adapter_name: str, **kwargs: Any) -> None:
+            pass  # nothing to build: the mask is given
+
+        def delta(self, module: nn.Module, adapter: str) -> torch.Tensor:
+            """peft's ``B·A·scaling`` in the base weight's layout, masked."""
+            delta = module.get_delta_weight(adapter)
+            return delta * self.mask.to(delta.device, delta.dtype)
+
+        def merge_safe(self, module: nn.Module, active_adapter: str, orig_weight: torch.Tensor):
+            return orig_weight + self.delta(module, active_adapter).to(orig_weight.dtype)
+
+        def merge_unsafe(self, module: nn.Module, active_adapter: str, orig_weight: torch.Tensor) -> None:
+            orig_weight.data += self.delta(module, active_adapter).to(orig_weight.dtype)
+
+        def unmerge(self, module: nn.Module, active_adapter: str, orig_weight: torch.Tensor) -> torch.Tensor:
+            return orig_weight.data - self.delta(module, active_adapter).to(orig_weight.dtype)
+
+        def forward(
+            self, module: nn.Module, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs: Any
+        ) -> torch.Tensor:
+            delta = self.delta(module, active_adapter)
+            weight = delta.t() if module.fan_in_fan_out else delta  # -> (out, in), as F.linear wants
+            return result + F.linear(module.lora_dropout[active_adapter](x), weight)
+
+    return MaskedLoraVariant
 
 
-def _masked_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    if self.disable_adapters or self.merged:
-        return type(self).forward(self, x, *args, **kwargs)
-    if kwargs.get("adapter_names") is not None:
-        raise SparsityError("`lora: masked` does not support mixed-adapter batches (adapter_names=...).")
-    result = self.base_layer(x, *args, **kwargs)
-    out_dtype = result.dtype
-    for adapter in self.active_adapters:
-        if adapter not in self.lora_A:
-            continue
-        delta = self.get_delta_weight(adapter)  # masked, in the base weight's layout
-        weight = delta.t() if self.fan_in_fan_out else delta  # -> (out, in), as F.linear wants
-        xa = self._cast_input_dtype(x, weight.dtype)
-        result = result + F.linear(self.lora_dropout[adapter](xa), weight)
-    return result.to(out_dtype)
+def _is_masked_variant(variant: Any) -> bool:
+    return "peft" in sys.modules and isinstance(variant, masked_variant_class())
 
 
 def apply_masked_mode(view: PeftBaseView, masks: Mapping[str, torch.Tensor]) -> list[str]:
@@ -201,19 +232,28 @@ def apply_masked_mode(view: PeftBaseView, masks: Mapping[str, torch.Tensor]) -> 
         _check_maskable(name, layer)
     for name, layer in covered:
         weight = layer.base_layer.weight
-        layer._hf_sparsity_mask = masks[name].to(weight.device, weight.dtype)
-        layer.get_delta_weight = types.MethodType(_masked_delta, layer)
-        layer.forward = types.MethodType(_masked_forward, layer)
+        variant = masked_variant_class()(masks[name].to(weight.device, weight.dtype))
+        for adapter in layer.lora_A:
+            set_lora_variant(layer, adapter, variant)
     logger.info("lora: masked: %d adapter layers apply (B·A) ⊙ M.", len(covered))
     return [n for n, _ in covered]
 
 
 def remove_masked_mode(peft_model: nn.Module) -> None:
-    """Give every wrapped layer its plain peft forward and merge back."""
+    """Make every adapter in masked mode plain LoRA again (peft's own forward and merge)."""
     for mod in peft_model.modules():
-        if "_hf_sparsity_mask" in mod.__dict__:
-            for attr in ("_hf_sparsity_mask", "get_delta_weight", "forward"):
-                mod.__dict__.pop(attr, None)
+        for adapter, variant in list(getattr(mod, "lora_variant", {}).items()):
+            if _is_masked_variant(variant):
+                drop_lora_variant(mod, adapter)
+
+
+def masked_layers(peft_model: nn.Module) -> list[nn.Module]:
+    """The peft layers whose adapters are in masked mode."""
+    return [
+        m
+        for m in peft_model.modules()
+        if any(_is_masked_variant(v) for v in getattr(m, "lora_variant", {}).values())
+    ]
 
 
 __all__ = ["LORA_MODES", "PeftBaseView", "apply_masked_mode", "check_lora_mode", "peft_view"]
