@@ -112,16 +112,25 @@ def evaluate_wikitext2(
     tokenizer: Any = None,
     progress: bool = False,
 ) -> dict[str, Any]:
-    """Load a model folder (masks applied) and score it with :func:`wikitext2_perplexity`."""
-    from .models import load_model_for_eval
+    """Load a model folder (masks applied) and score it with :func:`wikitext2_perplexity`.
 
-    path = wikitext2_file or (Path(data_dir) / DEFAULT_WIKITEXT2 if data_dir else None)
-    if path is None:
-        raise SparsityError(f"The wikitext2 suite needs --data-dir DIR holding {DEFAULT_WIKITEXT2}.")
-    model, tok, _ = load_model_for_eval(model_dir, device=device, dtype=dtype, tokenizer=tokenizer)
-    result = wikitext2_perplexity(model, tok, path, seqlen, max_windows, batch_size, progress)
-    result.update(model=str(model_dir), data=str(path))
-    return result
+    The same as ``evaluate(model_dir, "wikitext2", ...)["metrics"]["wikitext2"]`` plus the
+    ``model`` and ``data`` it was computed on.
+    """
+    from .runner import evaluate
+
+    if batch_size != 1:
+        raise SparsityError("The wikitext2 protocol scores one window per forward; leave batch_size at 1.")
+    res = evaluate(
+        model_dir, ["wikitext2"], tokenizer=tokenizer, data_dir=data_dir, wikitext2_file=wikitext2_file,
+        seqlen=seqlen, max_windows=max_windows, device=device, dtype=dtype, progress=progress,
+    )  # fmt: skip
+    return wikitext2_result(res)
+
+
+def wikitext2_result(results: dict[str, Any]) -> dict[str, Any]:
+    """The ``wikitext2`` figures of an ``evaluate`` result, with the model and data they were computed on."""
+    return dict(results["metrics"]["wikitext2"], model=results["model"], data=results["data"]["wikitext2"])
 
 
 def format_wikitext2(result: dict[str, Any]) -> str:
