@@ -145,7 +145,7 @@ MUTATIONS = (
         "lora: masked applies the plain B·A in the forward pass",
         (
             (
-                "hf_sparsity/lora.py",
+                "hf_sparsity/lora/masked.py",
                 "            delta = self.delta(module, active_adapter)\n",
                 "            delta = module.get_delta_weight(active_adapter)\n",
             ),
@@ -157,12 +157,12 @@ MUTATIONS = (
         "lora: masked merges the plain B·A (peft's merge_adapter / merge)",
         (
             (
-                "hf_sparsity/lora.py",
+                "hf_sparsity/lora/masked.py",
                 "            return delta * self.mask.to(delta.device, delta.dtype)",
                 "            return delta",
             ),
             (
-                "hf_sparsity/lora.py",
+                "hf_sparsity/lora/masked.py",
                 "            delta = self.delta(module, active_adapter)\n",
                 "            delta = module.get_delta_weight(active_adapter) * self.mask\n",
             ),
@@ -174,7 +174,7 @@ MUTATIONS = (
         "lora: masked skips the adapter's dropout",
         (
             (
-                "hf_sparsity/lora.py",
+                "hf_sparsity/lora/masked.py",
                 "F.linear(module.lora_dropout[active_adapter](x), weight)",
                 "F.linear(x, weight)",
             ),
@@ -184,7 +184,7 @@ MUTATIONS = (
     Mutation(
         "lora-merge-then-mask-no-mask",
         "merge_sparse no longer re-applies the masks after merging",
-        (("hf_sparsity/lora_merge.py", "    apply_masks(merged, mask_dict)\n", "    pass\n"),),
+        (("hf_sparsity/lora/merge.py", "    apply_masks(merged, mask_dict)\n", "    pass\n"),),
         LORA_TESTS,
     ),
 )

@@ -104,7 +104,8 @@ def eval_command(args: argparse.Namespace) -> int:
         progress=not args.no_progress and sys.stderr.isatty(),
     )
     if "wikitext2" in results["suites"]:  # printed on its own line (or as JSON), as the papers report it
-        from ..evaluation.wikitext2 import format_wikitext2, wikitext2_result
+        from ..evaluation.runner import wikitext2_result
+        from ..evaluation.wikitext2 import format_wikitext2
 
         w2 = wikitext2_result(results)
         print(json.dumps(w2, indent=2) if args.json else format_wikitext2(w2))

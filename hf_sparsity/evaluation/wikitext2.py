@@ -100,39 +100,6 @@ def wikitext2_perplexity(
     }
 
 
-def evaluate_wikitext2(
-    model_dir: str | os.PathLike,
-    data_dir: str | os.PathLike | None = None,
-    wikitext2_file: str | os.PathLike | None = None,
-    seqlen: int | None = None,
-    max_windows: int | None = None,
-    batch_size: int = 1,
-    device: str | None = None,
-    dtype: str | None = None,
-    tokenizer: Any = None,
-    progress: bool = False,
-) -> dict[str, Any]:
-    """Load a model folder (masks applied) and score it with :func:`wikitext2_perplexity`.
-
-    The same as ``evaluate(model_dir, "wikitext2", ...)["metrics"]["wikitext2"]`` plus the
-    ``model`` and ``data`` it was computed on.
-    """
-    from .runner import evaluate
-
-    if batch_size != 1:
-        raise SparsityError("The wikitext2 protocol scores one window per forward; leave batch_size at 1.")
-    res = evaluate(
-        model_dir, ["wikitext2"], tokenizer=tokenizer, data_dir=data_dir, wikitext2_file=wikitext2_file,
-        seqlen=seqlen, max_windows=max_windows, device=device, dtype=dtype, progress=progress,
-    )  # fmt: skip
-    return wikitext2_result(res)
-
-
-def wikitext2_result(results: dict[str, Any]) -> dict[str, Any]:
-    """The ``wikitext2`` figures of an ``evaluate`` result, with the model and data they were computed on."""
-    return dict(results["metrics"]["wikitext2"], model=results["model"], data=results["data"]["wikitext2"])
-
-
 def format_wikitext2(result: dict[str, Any]) -> str:
     return (
         f"wikitext2 perplexity {result['perplexity']:.4f} (seqlen {result['seqlen']}, "
