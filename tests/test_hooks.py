@@ -74,3 +74,27 @@ def test_peft_lora_linear_still_routes_forward_and_merge_through_lora_variant():
     assert calls == ["forward", "merge_safe", "unmerge", "merge_unsafe", "unmerge"]
     hooks.drop_lora_variant(layer, "default")
     assert "default" not in layer.lora_variant
+
+
+def test_trainer_still_calls_its_callbacks_from_the_list_hooks_change_in_place():
+    from transformers import ProgressCallback, TrainerCallback, TrainerControl, TrainerState
+    from transformers.trainer_callback import CallbackHandler
+
+    seen = []
+
+    class Probe(TrainerCallback):
+        def on_log(self, args, state, control, **kwargs):
+            seen.append("probe")
+
+    handler = CallbackHandler([ProgressCallback()], None, None, None, None)
+
+    class FakeTrainer:
+        callback_handler = handler
+
+    hooks.trainer_callbacks(FakeTrainer()).insert(0, Probe())  # in place, ahead of the printer
+    handler.on_log(None, TrainerState(), TrainerControl(), logs={})
+    assert seen == ["probe"]
+    old = handler.callbacks[1]
+    assert {"training_bar", "prediction_bar"} <= set(vars(old))  # the printer's state that must carry over
+    new = hooks.carry_callback_state(old, ProgressCallback())
+    assert vars(new) == vars(old)
