@@ -73,6 +73,7 @@ def eval_command_parser(subparsers) -> argparse.ArgumentParser:
 def eval_command(args: argparse.Namespace) -> int:
     """Run ``hf_sparsity eval``; returns the exit status."""
     from ..evaluation import compare, evaluate, format_markdown, write_report
+    from ..evaluation.runner import check_offline_tasks
 
     if args.compare:
         if args.model:
@@ -85,6 +86,7 @@ def eval_command(args: argparse.Namespace) -> int:
         return 0
     if not args.model:
         raise SparsityError("Name the model folder to evaluate: hf_sparsity eval MODEL --suite ...")
+    check_offline_tasks(args.suite, args.data_dir)  # lm-eval data would be downloaded: refuse up front
     results = evaluate(
         args.model,
         args.suite,

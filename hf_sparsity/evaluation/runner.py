@@ -107,7 +107,9 @@ def check_inputs(
 ) -> None:
     """Every input of :func:`evaluate`, checked before anything loads; a one-line :class:`SparsityError`.
 
-    ``model`` is a folder (checked with its tokenizer and context) or ``None`` for an in-memory model.
+    ``model`` is a folder (checked with its tokenizer, context and the suite names) or ``None``
+    for an in-memory model (values and paths only: nothing loads, and ``EvalCallback`` calls
+    this at every evaluation).
     """
     if model is not None:
         check_model_folder(model)
@@ -118,7 +120,8 @@ def check_inputs(
             f"--data-dir {str(data_dir)!r} does not exist. Give a folder laid out like shared/data."
         )
     spec = suites if isinstance(suites, str) else ",".join(suites)
-    _check_suites(spec, data_dir)
+    if model is not None:
+        check_suites(spec, data_dir)
     if not isinstance(limit, dict):
         _check_limit(None if limit is None else str(limit))
     check_device(device)
@@ -134,7 +137,6 @@ def check_inputs(
         check_positive(value, flag)
     if model is not None:
         check_context_fits(str(model), context)
-    _check_offline_tasks(spec, data_dir)
     resolve_dtype(dtype)
 
 
@@ -151,7 +153,7 @@ def _check_limit(spec: str | None) -> None:
             )
 
 
-def _check_suites(spec: str, data_dir: str | None = None) -> None:
+def check_suites(spec: str, data_dir: str | None = None) -> None:
     """Every name in ``--suite`` is a named suite, a harness7 task, or a task the data folder (or lm-eval)
     has."""
     from .harness import HARNESS7, resolve_tasks_dir
@@ -182,8 +184,12 @@ def _check_suites(spec: str, data_dir: str | None = None) -> None:
             ) from None
 
 
-def _check_offline_tasks(spec: str, data_dir: str | None) -> None:
-    """lm-eval tasks without ``--data-dir`` download their data: say so up front when the Hub is off."""
+def check_offline_tasks(spec: str, data_dir: str | None) -> None:
+    """lm-eval tasks without ``--data-dir`` download their data: say so up front when the Hub is off.
+
+    The command line's rule (``hf_sparsity eval`` calls it); from Python, lm-eval may still find
+    the data in the ``datasets`` cache.
+    """
     offline = any(
         os.environ.get(v, "").lower() in ("1", "true", "yes")
         for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
