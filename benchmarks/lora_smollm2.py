@@ -1,11 +1,13 @@
 """LoRA on SmolLM2-135M at 50% (topk masks): cost and quality of `lora: masked` vs `merge_then_mask`.
 
-Produces the figures of docs/peft.md. Each mode trains in its own process (so its peak
+Produces the figures of docs/results/lora_smollm2.md. Each mode trains in its own process (so its peak
 memory is its own); a last phase times both modes' training steps interleaved in one
 process. Everything is CPU and offline::
 
-    python benchmarks/lora_smollm2.py --model /work/models/smollm2/topk50 \
-        --data ../shared/data/corpus/openwebtext-1000.jsonl --out /work/scratch13/lora_run
+    python benchmarks/lora_smollm2.py --model $S/topk50 \
+        --data ../shared/data/corpus/openwebtext-1000.jsonl --out $OUT
+
+``$S/topk50`` is the folder ``eval/prepare_smollm2.py`` writes (SmolLM2-135M with 50% topk masks).
 
 Writes OUT/results.json (and prints it).
 """
@@ -189,9 +191,9 @@ def timing(args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default="/work/models/smollm2/topk50")
+    p.add_argument("--model", required=True, help="sparse model folder, e.g. prepare_smollm2.py's topk50/")
     p.add_argument("--data", default="../shared/data/corpus/openwebtext-1000.jsonl")
-    p.add_argument("--out", default="/tmp/lora_smollm2")
+    p.add_argument("--out", required=True, help="output folder for results.json")
     p.add_argument("--mode", choices=(*MODES, "timing"))
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--batch", type=int, default=4)

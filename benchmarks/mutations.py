@@ -1,4 +1,4 @@
-"""Mutation check: put in, one at a time, six bugs the suite must catch, and run the tests that should.
+"""Mutation check: put in, one at a time, bugs the suite must catch, and run the tests that should.
 
     python benchmarks/mutations.py              # every mutation
     python benchmarks/mutations.py finalize     # the ones whose name contains "finalize"
@@ -30,6 +30,9 @@ class Mutation:
     edits: tuple[tuple[str, str, str], ...]  # (file, old text, new text); old must occur exactly once
     tests: tuple[str, ...]
 
+
+PRUNING_TESTS = ("tests/test_pruning.py", "tests/test_pruning_definitions.py")
+LORA_TESTS = ("tests/test_lora.py",)
 
 MUTATIONS = (
     Mutation(
@@ -78,6 +81,111 @@ MUTATIONS = (
             ),
         ),
         ("tests/test_enforcement.py",),
+    ),
+    Mutation(
+        "wanda-nm-ignores-activations",
+        "Wanda N:M scores by |W| alone, ignoring the activation norms",
+        (
+            (
+                "hf_sparsity/pruning/methods.py",
+                "        return prune_nm(score, *nm)\n    return prune_per_row(score, k)",
+                "        return prune_nm(W.detach().abs().float(), *nm)\n    return prune_per_row(score, k)",
+            ),
+        ),
+        PRUNING_TESTS,
+    ),
+    Mutation(
+        "owl-levels-reversed",
+        "OWL gives blocks with more outliers a higher level instead of a lower one",
+        (
+            (
+                "hf_sparsity/pruning/levels.py",
+                "levels[n] - density_shift[block_of[n]]",
+                "levels[n] + density_shift[block_of[n]]",
+            ),
+        ),
+        PRUNING_TESTS,
+    ),
+    Mutation(
+        "owl-rounding-on-one-tensor",
+        "OWL puts every zero left over from rounding on one tensor, off its block's level",
+        (
+            (
+                "hf_sparsity/pruning/levels.py",
+                "            if 0 <= counts[n] + step < numels[n]:\n"
+                "                counts[n] += step\n"
+                "                missing -= step\n",
+                "            if 0 <= counts[n] + missing < numels[n]:\n"
+                "                counts[n] += missing\n"
+                "                missing = 0\n",
+            ),
+        ),
+        PRUNING_TESTS,
+    ),
+    Mutation(
+        "owl-span-halved",
+        "OWL shifts block levels over lambda instead of 2·lambda",
+        (("hf_sparsity/pruning/levels.py", "/ span * 2 * lam", "/ span * lam"),),
+        PRUNING_TESTS,
+    ),
+    Mutation(
+        "owl-ratios-from-magnitude",
+        "OWL's outlier ratios use |W| without the activation norms",
+        (
+            (
+                "hf_sparsity/pruning/oneshot.py",
+                "M.wanda_score(_linear_view(model.get_parameter(d.name), d), stats[d.name])",
+                "_linear_view(model.get_parameter(d.name), d).abs()",
+            ),
+        ),
+        PRUNING_TESTS,
+    ),
+    Mutation(
+        "lora-masked-forward-unmasked",
+        "lora: masked applies the plain B·A in the forward pass",
+        (
+            (
+                "hf_sparsity/lora/masked.py",
+                "            delta = self.delta(module, active_adapter)\n",
+                "            delta = module.get_delta_weight(active_adapter)\n",
+            ),
+        ),
+        LORA_TESTS,
+    ),
+    Mutation(
+        "lora-masked-merge-unmasked",
+        "lora: masked merges the plain B·A (peft's merge_adapter / merge)",
+        (
+            (
+                "hf_sparsity/lora/masked.py",
+                "            return delta * self.mask.to(delta.device, delta.dtype)",
+                "            return delta",
+            ),
+            (
+                "hf_sparsity/lora/masked.py",
+                "            delta = self.delta(module, active_adapter)\n",
+                "            delta = module.get_delta_weight(active_adapter) * self.mask\n",
+            ),
+        ),
+        LORA_TESTS,
+    ),
+    Mutation(
+        "lora-masked-no-dropout",
+        "lora: masked skips the adapter's dropout",
+        (
+            (
+                "hf_sparsity/lora/masked.py",
+                "F.linear(module.lora_dropout[active_adapter](x), weight)",
+                "F.linear(x, weight)",
+            ),
+        ),
+        LORA_TESTS,
+    ),
+    Mutation(
+        "lora-merge-then-mask-no-mask",
+        "merge_sparse no longer re-applies the masks after merging",
+        (("hf_sparsity/lora/merge.py", "    apply_masks(merged, mask_dict)\n", "    pass\n"),),
+        LORA_TESTS,
     ),
 )
 

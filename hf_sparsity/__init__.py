@@ -49,7 +49,7 @@ def __getattr__(name):
 
         return evaluation.EvalCallback if name == "EvalCallback" else evaluation.evaluate
     if name == "merge_sparse":
-        from .lora_merge import merge_sparse
+        from .lora.merge import merge_sparse
 
         return merge_sparse
     if name == "prune_oneshot":

@@ -1,4 +1,5 @@
-"""Value checks shared by the config and the schedules: sparsity levels and N:M structure strings.
+"""Value checks shared by the config, the schedules and the entry points: sparsity levels, N:M
+structure strings, LoRA modes, positive numbers, paths that must exist.
 
 A leaf module (it imports only :mod:`hf_sparsity.utils`), so ``config`` and ``schedules``
 can both use it without importing each other.
@@ -7,6 +8,7 @@ can both use it without importing each other.
 from __future__ import annotations
 
 import math
+import os
 import re
 from typing import Any
 
@@ -50,3 +52,20 @@ def check_lora_mode(value: Any) -> str | None:
         f"`lora` = {value!r} is not a LoRA mode. Use `masked` (adapter update applied as (B·A) ⊙ M, "
         "merges exactly) or `merge_then_mask` (plain adapter, mask re-applied when merging)."
     )
+
+
+def check_positive(value: int | float | None, flag: str) -> None:
+    """``value`` is ``None`` (default) or above zero."""
+    if value is not None and value <= 0:
+        raise SparsityError(f"{flag} must be a positive number, got {value}.")
+
+
+def check_paths_exist(paths: str | list[str] | None, flag: str) -> None:
+    """Every named file / folder / glob matches something."""
+    import glob
+
+    for p in [paths] if isinstance(paths, str) else paths or []:
+        if not (os.path.exists(p) or glob.glob(p)):
+            raise SparsityError(
+                f"{flag} {p!r} does not exist. Check the path (data files are not downloaded)."
+            )

@@ -33,6 +33,7 @@ from torch import nn
 
 from . import masks as M
 from . import zero
+from .hooks import dtensor_local_shape_and_offset
 from .modeling import is_dtensor, local
 from .utils import SparsityError
 
@@ -46,9 +47,7 @@ def local_slice(mask: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         return zero.local_flat_mask(mask, param)
     if not is_dtensor(param):
         return mask
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    shape, offset = dtensor_local_shape_and_offset(param)
     return mask[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
 
 

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from . import masks as M
+from .hooks import closed_form_lr, set_last_lr
 from .schedules import ScheduledEvent
 from .utils import SparsityError
 
@@ -156,10 +157,9 @@ def rewind_lr(scheduler: Any, step: int) -> None:
     sched = getattr(scheduler, "scheduler", scheduler)
     if hasattr(sched, "lr_lambdas"):
         lrs = [base * fn(step) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]
-    elif hasattr(sched, "_get_closed_form_lr"):
-        sched.last_epoch = step
-        lrs = sched._get_closed_form_lr()
     else:
+        lrs = closed_form_lr(sched, step)
+    if lrs is None:
         raise SparsityError(
             f"Cannot rewind a {type(sched).__name__}: it has no closed form. Use a LambdaLR-based schedule "
             "(every transformers schedule is one) or drop `rewind_to` from the schedule."
@@ -167,4 +167,4 @@ def rewind_lr(scheduler: Any, step: int) -> None:
     sched.last_epoch = step
     for group, lr in zip(sched.optimizer.param_groups, lrs):
         group["lr"] = lr
-    sched._last_lr = list(lrs)
+    set_last_lr(sched, lrs)

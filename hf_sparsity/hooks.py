@@ -1,14 +1,38 @@
-"""The two places hf_sparsity reaches into transformers where there is no public way in.
+"""Every place hf_sparsity reaches into another library where there is no public way in.
 
-Each is one named function;
-``tests/test_checkpoints.py::test_trainer_still_offers_what_the_two_hooks_rely_on`` fails by
-name if a transformers release moves what it relies on.
+Each reach is one named function here, and each has a test that fails by name when a release
+of the library moves what it relies on:
 
-* :func:`carry_masks_in_save_pretrained`: ``Trainer.save_model()`` fires no callback event, so
-  the masks and the config section ride on ``model.save_pretrained``.
-* :func:`resume_dir_from_trainer_frame`: Trainer passes the ``resume_from_checkpoint`` folder
-  to no callback event, so it is read from ``Trainer.train``'s frame; :func:`trainer_from_stack`
-  (the running trainer, for arranging console logging) reads ``self`` from the same frames.
+* transformers (``tests/test_checkpoints.py::test_trainer_still_offers_what_the_two_hooks_rely_on``,
+  ``tests/test_checkpoints.py::test_resume_dir_is_read_from_trainer``, ``tests/test_hooks.py``):
+
+  - :func:`carry_masks_in_save_pretrained`: ``Trainer.save_model()`` fires no callback event, so
+    the masks and the config section ride on ``model.save_pretrained``.
+  - :func:`resume_dir_from_trainer_frame`: Trainer passes the ``resume_from_checkpoint`` folder
+    to no callback event, so it is read from ``Trainer.train``'s frame; :func:`trainer_from_stack`
+    (the running trainer, for arranging console logging) reads ``self`` from the same frames.
+  - :func:`trainer_callbacks` and :func:`carry_callback_state`
+    (``tests/test_hooks.py``): putting the sparsity callback ahead of the reporters and
+    swapping the console printer for one that leaves per-layer values out needs the list
+    Trainer iterates (``trainer.callback_handler.callbacks``, changed in place) and the
+    printer's own state (its progress bars) carried over; Trainer offers only add / remove.
+
+* torch (``tests/test_hooks.py``):
+
+  - :func:`closed_form_lr` and :func:`set_last_lr`: an LR rewind (IMP) restarts a scheduler at
+    a given step; torch schedulers offer no public way to jump to a step or to set the LR that
+    ``get_last_lr()`` reports.
+  - :func:`dtensor_local_shape_and_offset`: which slice of a full mask an FSDP2 (DTensor) shard
+    holds; torch exposes no public function for a DTensor's local shape and global offset.
+
+* peft (``tests/test_hooks.py``):
+
+  - :func:`set_lora_variant` / :func:`drop_lora_variant`: ``lora: masked`` applies the adapter's
+    update as ``(B·A) ⊙ M`` through peft's own :class:`peft.tuners.lora.layer.LoraVariant`
+    interface (forward, merge, unmerge), so no peft method is replaced and no private peft
+    method is called. peft chooses a variant from ``LoraConfig`` fields when a layer is built
+    and has no public call to attach one to an existing layer: the variant is written into the
+    layer's ``lora_variant`` table, which peft's ``Linear`` consults on every forward and merge.
 """
 
 from __future__ import annotations
@@ -88,3 +112,75 @@ def carry_masks_in_save_pretrained(model: nn.Module, engine: Any) -> Callable:
 def release_save_pretrained(model: nn.Module) -> None:
     """Undo :func:`carry_masks_in_save_pretrained`: the class's own ``save_pretrained`` again."""
     getattr(model, "peft_model", model).__dict__.pop("save_pretrained", None)
+
+
+# ---------------------------------------------------------------------------- torch LR schedulers
+def closed_form_lr(scheduler: Any, step: int) -> list[float] | None:
+    """The learning rates a torch scheduler's closed form gives at ``step``; ``None`` if it has none.
+
+    Uses ``LRScheduler._get_closed_form_lr`` (StepLR, ExponentialLR, CosineAnnealingLR, ...),
+    which reads ``last_epoch``: the only way to ask a torch scheduler for the LR of an
+    arbitrary step. Sets ``scheduler.last_epoch = step``.
+    """
+    if not hasattr(scheduler, "_get_closed_form_lr"):
+        return None
+    scheduler.last_epoch = step
+    return list(scheduler._get_closed_form_lr())
+
+
+def set_last_lr(scheduler: Any, lrs: list[float]) -> None:
+    """Make ``scheduler.get_last_lr()`` report ``lrs`` after its LR was set by hand.
+
+    ``get_last_lr()`` returns ``_last_lr``, written only inside ``step()``; Trainer logs it, so
+    after a rewind it must show the rewound LR and not the one before.
+    """
+    scheduler._last_lr = list(lrs)
+
+
+# ---------------------------------------------------------------------------- torch DTensor
+def dtensor_local_shape_and_offset(param: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(local shape, global offset)`` of this rank's shard of the DTensor ``param``.
+
+    From ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``, the
+    function DTensor itself uses to place shards; nothing public gives the offset.
+    """
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return tuple(shape), tuple(offset)
+
+
+# ---------------------------------------------------------------------------- peft LoRA variants
+def set_lora_variant(layer: nn.Module, adapter: str, variant: Any) -> None:
+    """Attach a :class:`peft.tuners.lora.layer.LoraVariant` to ``adapter`` of a peft LoRA layer.
+
+    peft's ``Linear.forward``, ``merge`` and ``unmerge`` call ``layer.lora_variant[adapter]``
+    when present; peft fills that table only from ``LoraConfig`` fields when it builds the
+    layer, so an existing layer is given its variant by writing the table.
+    """
+    layer.lora_variant[adapter] = variant
+
+
+def drop_lora_variant(layer: nn.Module, adapter: str) -> None:
+    """Undo :func:`set_lora_variant`: the adapter is plain LoRA again."""
+    layer.lora_variant.pop(adapter, None)
+
+
+# ---------------------------------------------------------------------------- transformers callbacks
+def trainer_callbacks(trainer: Any) -> list:
+    """The list of callbacks ``trainer`` calls, in order: ``trainer.callback_handler.callbacks``.
+
+    Changed in place by :mod:`hf_sparsity.logging_utils` (also from inside a callback event:
+    the running loop over it then neither skips nor repeats a callback); ``Trainer`` itself
+    only offers ``add_callback`` / ``remove_callback``, which append at the end.
+    """
+    return trainer.callback_handler.callbacks
+
+
+def carry_callback_state(old: Any, new: Any, keep: tuple[str, ...] = ()) -> Any:
+    """``new`` with ``old``'s instance state (e.g. ``ProgressCallback``'s open progress bars) copied over.
+
+    ``keep``: attributes of ``new`` that stay as they are. Returns ``new``.
+    """
+    new.__dict__.update({k: v for k, v in old.__dict__.items() if k not in keep})
+    return new

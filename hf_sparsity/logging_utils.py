@@ -30,7 +30,7 @@ from typing import Any
 
 from transformers import PrinterCallback, ProgressCallback
 
-from .hooks import trainer_from_stack
+from .hooks import carry_callback_state, trainer_callbacks, trainer_from_stack
 
 LAYER_PREFIX = "sparsity/layer/"
 """Prefix of the per-layer sparsity scalars."""
@@ -69,7 +69,7 @@ _CONSOLE = ((ProgressCallback, SparsityProgressCallback), (PrinterCallback, Spar
 
 def move_to_front(trainer, callback) -> None:
     """Run ``callback`` before Trainer's own callbacks (so reporters like TensorBoard log its metrics)."""
-    cbs = trainer.callback_handler.callbacks
+    cbs = trainer_callbacks(trainer)
     if callback in cbs:
         cbs.remove(callback)
     cbs.insert(0, callback)
@@ -82,15 +82,13 @@ def arrange_logging(trainer, callback, console_layers: bool = False) -> None:
     running loop over it neither skips nor repeats a callback).
     """
     callback._logging_arranged = True
-    cbs = trainer.callback_handler.callbacks
+    cbs = trainer_callbacks(trainer)
     if callback in cbs:
         move_to_front(trainer, callback)
     for i, cb in enumerate(cbs):
         for plain, filtered in _CONSOLE:
             if type(cb) is plain:
-                new = filtered(show_layers=console_layers)
-                new.__dict__.update({k: v for k, v in cb.__dict__.items() if k != "show_layers"})
-                cbs[i] = new
+                cbs[i] = carry_callback_state(cb, filtered(show_layers=console_layers), keep=("show_layers",))
             elif type(cb) is filtered:
                 cb.show_layers = console_layers
 
@@ -100,5 +98,5 @@ def arrange_for_callback(callback) -> None:
     if getattr(callback, "_logging_arranged", False):
         return
     trainer = trainer_from_stack()
-    if trainer is not None and callback in trainer.callback_handler.callbacks:
+    if trainer is not None and callback in trainer_callbacks(trainer):
         arrange_logging(trainer, callback)

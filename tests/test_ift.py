@@ -13,8 +13,7 @@ from hf_sparsity.cli import main
 from hf_sparsity.config import SparsityConfig, get_sparsity_config
 from hf_sparsity.engine import SparsityEngine
 from hf_sparsity.flops import count_flops, count_flops_from_config
-from hf_sparsity.ift import TRANSFORMS, sparse_ift, wide_width
-from hf_sparsity.ift_models import DopedLinear, build_ift_model
+from hf_sparsity.ift import TRANSFORMS, DopedLinear, build_ift_model, sparse_ift, wide_width
 from hf_sparsity.targeting import plan_sparsity
 from hf_sparsity.utils import SparsityError
 
@@ -223,3 +222,11 @@ def test_transformed_model_trains_with_the_callback(tmp_path):
         assert (model.get_parameter(name).detach()[mask == 0] == 0).all()
     low_rank = model.model.layers[0].mlp.up_proj.low_rank_b
     assert (low_rank != 0).any()  # the dense low-rank factor trained (it starts at 0)
+
+
+def test_folders_written_before_the_ift_package_still_import_their_code():
+    """``modeling_sparse_ift.py`` files written earlier import ``hf_sparsity.ift_models``."""
+    import hf_sparsity.ift as ift
+    import hf_sparsity.ift_models as old
+
+    assert old.apply_ift_section is ift.apply_ift_section and old.build_ift_model is ift.build_ift_model

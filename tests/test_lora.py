@@ -7,6 +7,7 @@ import torch
 
 from hf_sparsity import SparsityConfig, SparsityEngine, SparsityError, plan_sparsity
 from hf_sparsity.constants import SPARSITY_MASKS_NAME
+from hf_sparsity.lora import masked_layers
 from hf_sparsity.serialization import load_masks
 
 from .conftest import tiny_model
@@ -24,11 +25,10 @@ def lora(model, arch, targets=None, **kw):
     cfg = peft.LoraConfig(
         r=4,
         lora_alpha=8,
-        lora_dropout=0.0,
         target_modules=targets or LORA_TARGETS[arch],
         fan_in_fan_out=arch == "gpt2",  # GPT-2's Conv1D stores weights as (in, out)
         init_lora_weights=False,  # B != 0, so the adapter changes the output from step 0
-        **kw,
+        **{"lora_dropout": 0.0, **kw},
     )
     torch.manual_seed(1)
     return peft.get_peft_model(model, cfg)
@@ -138,7 +138,7 @@ def test_masked_mode_adapter_covering_no_sparse_weight(tmp_path):
     eng = SparsityEngine(model, cfg)
     with pytest.raises(SparsityError, match="cover no sparse weight"):
         eng.build_masks()
-    assert not any("_hf_sparsity_mask" in m.__dict__ for m in model.modules())
+    assert not masked_layers(model)
 
 
 def test_masked_mode_names_a_layer_type_peft_wraps_differently():
@@ -149,7 +149,7 @@ def test_masked_mode_names_a_layer_type_peft_wraps_differently():
     eng = SparsityEngine(model, cfg)
     with pytest.raises(SparsityError, match="Embedding"):
         eng.build_masks()
-    assert not any("_hf_sparsity_mask" in m.__dict__ for m in model.modules())  # nothing half-applied
+    assert not masked_layers(model)  # nothing half-applied
 
 
 def test_merge_without_masks_changes_nothing(tmp_path):
@@ -202,3 +202,38 @@ def test_trainer_checkpoint_of_peft_model_resumes_with_base_name_masks(tmp_path)
     assert cb2.restored_from == str(ckpt)
     assert all(torch.equal(cb2.engine.masks[n], masks[n]) for n in masks)
     assert_masked_zero(cb2.engine.model, masks)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_masked_mode_forward_and_peft_merge_apply_the_masked_update(arch):
+    """Forward (dropout on) is base + dropout(x)·((B·A)⊙M)ᵀ; peft's merge and unmerge add, remove (B·A)⊙M."""
+    import torch.nn.functional as F
+
+    model = lora(tiny_model(arch), arch, lora_dropout=0.3)
+    eng = SparsityEngine(model, SparsityConfig(sparsity=0.5, lora="masked"))
+    eng.build_masks()
+    name = next(n for n in eng.masks if "mlp" in n)
+    layer = model.get_submodule("base_model.model." + name.rsplit(".", 1)[0])
+    mask = eng.masks[name].float()
+    plain = type(layer).get_delta_weight(layer, "default").detach()
+    assert torch.count_nonzero(plain[mask == 0]) > 0  # the unmasked update would touch pruned weights
+    masked = plain * mask
+    x = torch.randn(3, mask.shape[0] if arch == "gpt2" else mask.shape[1])
+    model.train()
+    with torch.no_grad():
+        torch.manual_seed(7)
+        got = layer(x)
+        torch.manual_seed(7)
+        want = layer.base_layer(x) + F.linear(
+            F.dropout(x, 0.3, training=True), masked.t() if arch == "gpt2" else masked
+        )
+        torch.testing.assert_close(got, want)
+        before = layer.base_layer.weight.detach().clone()
+        for safe in (True, False):
+            model.merge_adapter() if not safe else layer.merge(safe_merge=True)
+            torch.testing.assert_close(layer.base_layer.weight, before + masked)
+            assert torch.equal(
+                layer.base_layer.weight[mask == 0], before[mask == 0]
+            )  # pruned stay as they were
+            layer.unmerge()
+            torch.testing.assert_close(layer.base_layer.weight, before)

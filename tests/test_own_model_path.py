@@ -1,4 +1,4 @@
-"""README "On your own model", end to end on a tiny llama, through the same commands as the README.
+"""docs/guide.md "On your own model", end to end on a tiny llama, through the same commands as the guide.
 
 prune (Wanda, 50%, a tiny calibration file) -> eval wikitext2 -> sparse fine-tune of the pruned
 folder (examples/sparse_finetune.py, SparsityCallback) -> interruption after a checkpoint -> resume
@@ -106,7 +106,7 @@ def test_own_model_path(tmp_path, tiny_model_dir, capsys):
     after = load_file(out / "final" / "model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in oneshot)  # it did train
 
-    # 2'. the same with the README's --config (50% everywhere): the pruned masks are kept too
+    # 2'. the same with the guide's --config (50% everywhere): the pruned masks are kept too
     yaml = str(REPO / "examples" / "sparsity_topk50.yaml")
     out2 = tmp_path / "out2"
     ft2 = ["--model", str(pruned), "--config", yaml, "--data", str(data), "--output_dir", str(out2)]

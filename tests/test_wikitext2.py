@@ -62,3 +62,26 @@ def test_windows_drop_the_tail():
     assert w.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
     with pytest.raises(SparsityError, match="fewer than one window"):
         wikitext2_windows(Tok(), ["ab"], 4)
+
+
+class _CharTok:
+    """One token per character (ids 2..127), as ``tokenizer(text, return_tensors="pt")`` returns them."""
+
+    def __call__(self, text, return_tensors=None):
+        return {"input_ids": torch.tensor([[2 + ord(c) % 126 for c in text]])}
+
+
+def test_evaluate_runs_wikitext2_from_python(tmp_path):
+    from hf_sparsity.evaluation import evaluate
+    from hf_sparsity.evaluation.wikitext2 import wikitext2_perplexity
+
+    f = tmp_path / "wiki.test.raw"
+    text = " = Title = \n\n Some text about a thing , with words .\n\n More text here .\n"
+    f.write_text(text, encoding="utf-8")
+    model = tiny_model("gpt2").eval()
+    res = evaluate(model, ["wikitext2"], tokenizer=_CharTok(), wikitext2_file=f, seqlen=8, max_windows=4)
+    got = res["metrics"]["wikitext2"]
+    want = wikitext2_perplexity(model, _CharTok(), f, seqlen=8, max_windows=4)
+    assert got == want and got["windows"] == 4 and res["data"]["wikitext2"] == str(f)
+    with pytest.raises(SparsityError, match="--data-dir"):
+        evaluate(model, "wikitext2", tokenizer=_CharTok())

@@ -14,7 +14,6 @@ import json
 import sys
 
 from ..utils import SparsityError
-from . import _checks
 
 
 def eval_command_parser(subparsers) -> argparse.ArgumentParser:
@@ -74,6 +73,7 @@ def eval_command_parser(subparsers) -> argparse.ArgumentParser:
 def eval_command(args: argparse.Namespace) -> int:
     """Run ``hf_sparsity eval``; returns the exit status."""
     from ..evaluation import compare, evaluate, format_markdown, write_report
+    from ..evaluation.runner import check_offline_tasks
 
     if args.compare:
         if args.model:
@@ -86,21 +86,7 @@ def eval_command(args: argparse.Namespace) -> int:
         return 0
     if not args.model:
         raise SparsityError("Name the model folder to evaluate: hf_sparsity eval MODEL --suite ...")
-    _checks.eval_args(args)  # one-line errors for bad input before anything loads or is written
-    suites = [s.strip() for s in args.suite.split(",") if s.strip()]
-    if "wikitext2" in suites:  # the Wanda/SparseGPT protocol (evaluation/wikitext2.py)
-        from ..evaluation.wikitext2 import evaluate_wikitext2, format_wikitext2
-
-        res = evaluate_wikitext2(
-            args.model, data_dir=args.data_dir, seqlen=args.seqlen, max_windows=args.max_windows,
-            batch_size=1, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
-            progress=not args.no_progress and sys.stderr.isatty(),
-        )  # fmt: skip
-        print(json.dumps(res, indent=2) if args.json else format_wikitext2(res))
-        suites.remove("wikitext2")
-        if not suites:
-            return 0
-        args.suite = ",".join(suites)
+    check_offline_tasks(args.suite, args.data_dir)  # lm-eval data would be downloaded: refuse up front
     results = evaluate(
         args.model,
         args.suite,
@@ -112,11 +98,21 @@ def eval_command(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         context=args.context,
         stride=args.stride,
+        seqlen=args.seqlen,
+        max_windows=args.max_windows,
         device=args.device,
         dtype=args.dtype,
         tasks_out=f"{args.out}/tasks" if args.out and args.data_dir else None,
         progress=not args.no_progress and sys.stderr.isatty(),
     )
+    if "wikitext2" in results["suites"]:  # printed on its own line (or as JSON), as the papers report it
+        from ..evaluation.runner import wikitext2_result
+        from ..evaluation.wikitext2 import format_wikitext2
+
+        w2 = wikitext2_result(results)
+        print(json.dumps(w2, indent=2) if args.json else format_wikitext2(w2))
+        if results["suites"] == ["wikitext2"]:
+            return 0
     if args.out:
         jpath, mpath = write_report(results, args.out)
         print(format_markdown(results))

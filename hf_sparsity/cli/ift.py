@@ -21,7 +21,7 @@ import json
 
 def ift_command_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``ift`` on the ``hf_sparsity`` command line."""
-    from ..ift_models import TRANSFORMS
+    from ..ift import TRANSFORMS
 
     p = subparsers.add_parser(
         "ift",

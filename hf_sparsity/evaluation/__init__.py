@@ -7,10 +7,10 @@
 * :func:`run_harness`: lm-eval tasks, e.g. :data:`HARNESS7` (arc_easy, arc_challenge,
   hellaswag, lambada_openai, openbookqa, piqa, winogrande), zero-shot; online with the
   stock tasks or offline over a local folder with :func:`write_offline_tasks`.
-* :func:`evaluate`: any of the suites ``pile``, ``lambada``, ``wikitext103``,
-  ``harness7`` on a model folder (masks applied) or in-memory model, with the model's
-  per-layer sparsity; :func:`write_report` / :func:`compare` write ``results.json``,
-  Markdown and a bar chart.
+* :func:`evaluate`: any of the suites ``pile``, ``lambada``, ``wikitext103``, ``wikitext2``
+  (the Wanda / SparseGPT perplexity), ``harness7`` on a model folder (masks applied) or
+  in-memory model, with the model's per-layer sparsity; :func:`write_report` /
+  :func:`compare` write ``results.json``, Markdown and a bar chart.
 * :class:`EvalCallback`: the same suites inside ``transformers.Trainer``.
 
 The command line is ``hf_sparsity eval`` (see ``hf_sparsity eval --help``).

@@ -4,43 +4,18 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..constants import SPARSITY_MASKS_NAME
+from ..loading import load_model_folder, load_tokenizer, resolve_device
 from ..modeling import apply_masks, sparsity_table
 from ..serialization import load_masks_for
-from ..utils import SparsityError
 
 __all__ = ["apply_masks", "load_masks_for", "load_model_for_eval", "sparsity_summary", "flops_summary"]
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
-_DTYPES.update({"float16": torch.float16, "fp16": torch.float16})
-
-
-def resolve_device(device: str | torch.device | None = None) -> torch.device:
-    """``None``/``"auto"`` -> CUDA when available, else CPU."""
-    if device is None or str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    if str(dtype) not in _DTYPES:
-        raise SparsityError(f"Unknown dtype {dtype!r}; use one of {', '.join(sorted(_DTYPES))}.")
-    return _DTYPES[str(dtype)]
 
 
 def load_model_for_eval(
@@ -50,40 +25,17 @@ def load_model_for_eval(
     dtype: str | torch.dtype | None = None,
     tokenizer: Any = None,
 ) -> tuple[nn.Module, Any, dict[str, torch.Tensor] | None]:
-    """Load a causal LM folder for evaluation.
+    """A causal LM folder for evaluation: :func:`hf_sparsity.loading.load_model_folder` and its tokenizer.
 
     A sparse folder (``sparsity_masks.safetensors`` next to the weights) gets its masks
     applied (weights multiplied by the mask) before anything is scored; a vanilla or
     finalized folder is used as is. Returns ``(model, tokenizer, masks_or_None)``; the
-    model is in eval mode on ``device``. ``tokenizer`` is a folder, a tokenizer object,
-    or ``None`` for the model folder's own.
+    model is in eval mode on ``device`` (default: CUDA when available). ``tokenizer`` is a
+    folder, a tokenizer object, or ``None`` for the model folder's own.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise SparsityError(
-            f"{str(path)!r} is not a model folder (no config.json). Pass a folder written by "
-            "save_pretrained, "
-            "e.g. a checkpoint-N/ folder or the output of `hf_sparsity convert`."
-        )
-    kwargs = {}
-    if dtype is not None:
-        kwargs["dtype"] = resolve_dtype(dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    masks = load_masks_for(model, path)
-    if masks is not None:
-        apply_masks(model, masks)
-        logger.info("applied %d masks from %s", len(masks), path / SPARSITY_MASKS_NAME)
-    try:
-        is_path = tokenizer is None or isinstance(tokenizer, (str, os.PathLike))
-        tok = AutoTokenizer.from_pretrained(tokenizer or path) if is_path else tokenizer
-    except Exception as e:  # a folder saved without its tokenizer
-        raise SparsityError(
-            f"No tokenizer could be loaded from {str(tokenizer or path)!r} ({type(e).__name__}: {e}). "
-            "Save the tokenizer into the model folder or pass --tokenizer DIR."
-        ) from None
-    model.to(resolve_device(device)).eval()
+    model, masks = load_model_folder(path, dtype=dtype)
+    tok = load_tokenizer(tokenizer, path)
+    model.to(resolve_device(device))
     return model, tok, masks
 
 

@@ -19,6 +19,7 @@ _HEADLINE = [
     ("pile/perplexity", "Pile-style perplexity", False),
     ("wikitext103/adjusted_perplexity", "WikiText-103 adjusted ppl", False),
     ("wikitext103/perplexity", "WikiText-103 token ppl", False),
+    ("wikitext2/perplexity", "WikiText-2 ppl (Wanda/SparseGPT protocol)", False),
     ("lambada/acc", "LAMBADA acc", True),
     ("lambada/perplexity", "LAMBADA ppl", False),
 ]
@@ -28,7 +29,7 @@ def flat_metrics(results: dict[str, Any]) -> dict[str, float]:
     """``{"pile/loss": ..., "arc_easy/acc": ..., "harness7/average_acc": ...}`` (numbers only)."""
     m = results.get("metrics", {})
     out: dict[str, float] = {}
-    for suite in ("pile", "wikitext103", "lambada", "harness7"):
+    for suite in ("pile", "wikitext103", "wikitext2", "lambada", "harness7"):
         for k, v in (m.get(suite) or {}).items():
             if isinstance(v, (int, float)) and not k.endswith("_stderr") and k != "samples":
                 out[f"{suite}/{k}"] = float(v)
@@ -53,7 +54,9 @@ def _rows(flat: dict[str, float]) -> list[tuple[str, str, bool]]:
     rows = [r for r in _HEADLINE if r[0] in flat]
     if any(k.startswith("lambada_openai/") for k in flat):  # the per-task rows below say the same
         rows = [r for r in rows if not r[0].startswith("lambada/")]
-    tasks = sorted({k.split("/")[0] for k in flat} - {"pile", "wikitext103", "lambada", "harness7"})
+    tasks = sorted(
+        {k.split("/")[0] for k in flat} - {"pile", "wikitext103", "wikitext2", "lambada", "harness7"}
+    )
     from .harness import HARNESS7
 
     tasks = [t for t in HARNESS7 if t in tasks] + [t for t in tasks if t not in HARNESS7]

@@ -13,14 +13,23 @@ from typing import Any
 
 from torch import nn
 
+from ..checks import check_paths_exist, check_positive
+from ..loading import (
+    check_context_fits,
+    check_device,
+    check_model_folder,
+    check_tokenizer_source,
+    resolve_dtype,
+)
 from ..utils import SparsityError, library_version
 from .harness import HARNESS7, run_harness
 from .models import load_model_for_eval, sparsity_summary
 from .perplexity import pile_loss, wikitext103_perplexity
+from .wikitext2 import DEFAULT_WIKITEXT2, wikitext2_perplexity
 
 logger = logging.getLogger(__name__)
 
-SUITES = ("pile", "lambada", "wikitext103", "harness7")
+SUITES = ("pile", "lambada", "wikitext103", "wikitext2", "harness7")
 """Named suites; any other name is taken as an lm-eval task name."""
 
 DEFAULT_PILE = "corpus"  # under a data root such as ../shared/data
@@ -79,6 +88,120 @@ def parse_limit(spec: int | str | dict | None) -> dict[str, int | None]:
     return out
 
 
+def check_inputs(
+    model: str | os.PathLike | None,
+    suites: str | Sequence[str],
+    *,
+    tokenizer: Any = None,
+    data_dir: str | os.PathLike | None = None,
+    pile_data: Any = None,
+    wikitext_file: Any = None,
+    limit: int | str | dict | None = None,
+    batch_size: int | None = None,
+    context: int | None = None,
+    stride: int | None = None,
+    seqlen: int | None = None,
+    max_windows: int | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+) -> None:
+    """Every input of :func:`evaluate`, checked before anything loads; a one-line :class:`SparsityError`.
+
+    ``model`` is a folder (checked with its tokenizer, context and the suite names) or ``None``
+    for an in-memory model (values and paths only: nothing loads, and ``EvalCallback`` calls
+    this at every evaluation).
+    """
+    if model is not None:
+        check_model_folder(model)
+        if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
+            check_tokenizer_source(str(model), None if tokenizer is None else str(tokenizer))
+    if data_dir and not os.path.isdir(data_dir):
+        raise SparsityError(
+            f"--data-dir {str(data_dir)!r} does not exist. Give a folder laid out like shared/data."
+        )
+    spec = suites if isinstance(suites, str) else ",".join(suites)
+    if model is not None:
+        check_suites(spec, data_dir)
+    if not isinstance(limit, dict):
+        _check_limit(None if limit is None else str(limit))
+    check_device(device)
+    check_paths_exist(pile_data, "--pile-data")
+    check_paths_exist(wikitext_file, "--wikitext")
+    for flag, value in (
+        ("--batch-size", batch_size),
+        ("--context", context),
+        ("--stride", stride),
+        ("--seqlen", seqlen),
+        ("--max-windows", max_windows),
+    ):
+        check_positive(value, flag)
+    if model is not None:
+        check_context_fits(str(model), context)
+    resolve_dtype(dtype)
+
+
+def _check_limit(spec: str | None) -> None:
+    """``--limit``: a positive number, or positive per-suite numbers."""
+    if spec is None:
+        return
+    for suite, n in parse_limit(spec).items():
+        if n is not None and n <= 0:
+            where = "" if suite == "default" else f" for {suite}"
+            raise SparsityError(
+                f"--limit {spec!r} asks for {n} examples{where}: use a positive number, or leave --limit out "
+                "to score everything."
+            )
+
+
+def check_suites(spec: str, data_dir: str | None = None) -> None:
+    """Every name in ``--suite`` is a named suite, a harness7 task, or a task the data folder (or lm-eval)
+    has."""
+    from .harness import HARNESS7, resolve_tasks_dir
+
+    known = set(SUITES) | set(HARNESS7)
+    unknown = [s for s in parse_suites(spec) if s not in known]
+    if not unknown:
+        return
+    if data_dir:
+        tasks_dir = resolve_tasks_dir(data_dir)
+        local = sorted(d.name for d in tasks_dir.iterdir() if d.is_dir() and not d.name.startswith("."))
+        missing = [s for s in unknown if s not in local]
+        if missing:
+            raise SparsityError(
+                f"Unknown suite or task {', '.join(map(repr, missing))}. Suites: {', '.join(SUITES)}; "
+                f"tasks in {str(tasks_dir)!r}: {', '.join(local) or 'none'}."
+            )
+        return
+    from .harness import find_stock_yaml
+
+    for s in unknown:
+        try:
+            find_stock_yaml(s)
+        except SparsityError:
+            raise SparsityError(
+                f"Unknown suite or task {s!r}. Suites: {', '.join(SUITES)}; harness7 tasks: "
+                f"{', '.join(HARNESS7)}; other lm-eval task names are listed by `lm_eval ls tasks`."
+            ) from None
+
+
+def check_offline_tasks(spec: str, data_dir: str | None) -> None:
+    """lm-eval tasks without ``--data-dir`` download their data: say so up front when the Hub is off.
+
+    The command line's rule (``hf_sparsity eval`` calls it); from Python, lm-eval may still find
+    the data in the ``datasets`` cache.
+    """
+    offline = any(
+        os.environ.get(v, "").lower() in ("1", "true", "yes")
+        for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    )
+    tasks = harness_tasks(parse_suites(spec))
+    if tasks and not data_dir and offline:
+        raise SparsityError(
+            f"{', '.join(tasks)} would download their data, but HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set: "
+            "pass --data-dir DIR with local task data (laid out like shared/data/tasks)."
+        )
+
+
 def _limit_for(limits: dict[str, int | None], *names: str) -> int | None:
     for n in names:
         if n in limits:
@@ -123,10 +246,13 @@ def evaluate(
     data_dir: str | os.PathLike | None = None,
     pile_data: str | os.PathLike | Sequence[str] | None = None,
     wikitext_file: str | os.PathLike | None = None,
+    wikitext2_file: str | os.PathLike | None = None,
     limit: int | str | dict | None = None,
     batch_size: int = 4,
     context: int | None = None,
     stride: int | None = None,
+    seqlen: int | None = None,
+    max_windows: int | None = None,
     device: str | None = None,
     dtype: str | None = None,
     tasks_out: str | os.PathLike | None = None,
@@ -139,18 +265,27 @@ def evaluate(
     Args:
         model: a model folder (its ``sparsity_masks.safetensors`` is applied when present)
             or an in-memory causal LM (scored as is; pass ``tokenizer``).
-        suites: ``pile``, ``lambada``, ``wikitext103``, ``harness7``, or lm-eval task names.
+        suites: ``pile``, ``lambada``, ``wikitext103``, ``wikitext2``, ``harness7``, or lm-eval task names.
         data_dir: a folder laid out like ``../shared/data`` (``tasks/``, ``corpus/``,
             ``text/wikitext-103/``) or a tasks folder alone; makes lm-eval tasks offline.
         pile_data: Pile-format jsonl(.zst) file(s)/folder/glob; default ``DATA_DIR/corpus``.
         wikitext_file: ``wiki.test.tokens``; default under ``DATA_DIR``.
+        wikitext2_file: ``wiki.test.raw`` for ``wikitext2``; default ``DATA_DIR/text/wikitext-2-raw``.
         limit: lm-eval examples per task, Pile documents, WikiText articles: one number
             for all, or per suite (``"harness7=100,pile=50,wikitext103=10"``, see :func:`parse_limit`).
         context: window for Pile loss and WikiText (default: the model's context).
         stride: WikiText tokens scored per window (Megatron's overlapping eval).
+        seqlen, max_windows: ``wikitext2`` (the Wanda / SparseGPT protocol, one window per
+            forward): the window length (default: the model's context) and the windows scored.
         masks: for an in-memory model, the masks it runs under (only for the report).
     """
     # Long by design: one short branch per suite, in the order the results are reported.
+    check_inputs(
+        model if isinstance(model, (str, os.PathLike)) else None, suites, tokenizer=tokenizer,
+        data_dir=data_dir, pile_data=pile_data, wikitext_file=wikitext_file, limit=limit,
+        batch_size=batch_size, context=context, stride=stride, seqlen=seqlen, max_windows=max_windows,
+        device=device, dtype=dtype,
+    )  # fmt: skip
     suites = parse_suites(suites)
     limits = parse_limit(limit)
     t_start = time.time()
@@ -219,6 +354,17 @@ def evaluate(
         results["wall_time_s"]["wikitext103"] = round(time.time() - t0, 2)
         results["data"]["wikitext103"] = str(path) if path else "hf:Salesforce/wikitext wikitext-103-v1 test"
 
+    if "wikitext2" in suites:
+        path = wikitext2_file or (Path(data_dir) / DEFAULT_WIKITEXT2 if data_dir else None)
+        if path is None:
+            raise SparsityError(f"The wikitext2 suite needs --data-dir DIR holding {DEFAULT_WIKITEXT2}.")
+        t0 = time.time()
+        metrics["wikitext2"] = wikitext2_perplexity(
+            model, tok, path, seqlen=seqlen, max_windows=max_windows, batch_size=1, progress=progress
+        )
+        results["wall_time_s"]["wikitext2"] = round(time.time() - t0, 2)
+        results["data"]["wikitext2"] = str(path)
+
     tasks = harness_tasks(suites)
     if tasks:
         t0 = time.time()
@@ -241,6 +387,37 @@ def evaluate(
             metrics["harness7"] = harness_averages(out["tasks"])
     results["wall_time_s"]["total"] = round(time.time() - t_start, 2)
     return results
+
+
+def evaluate_wikitext2(
+    model_dir: str | os.PathLike,
+    data_dir: str | os.PathLike | None = None,
+    wikitext2_file: str | os.PathLike | None = None,
+    seqlen: int | None = None,
+    max_windows: int | None = None,
+    batch_size: int = 1,
+    device: str | None = None,
+    dtype: str | None = None,
+    tokenizer: Any = None,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Load a model folder (masks applied) and score it with :func:`wikitext2_perplexity`.
+
+    The same as ``evaluate(model_dir, "wikitext2", ...)["metrics"]["wikitext2"]`` plus the
+    ``model`` and ``data`` it was computed on.
+    """
+    if batch_size != 1:
+        raise SparsityError("The wikitext2 protocol scores one window per forward; leave batch_size at 1.")
+    res = evaluate(
+        model_dir, ["wikitext2"], tokenizer=tokenizer, data_dir=data_dir, wikitext2_file=wikitext2_file,
+        seqlen=seqlen, max_windows=max_windows, device=device, dtype=dtype, progress=progress,
+    )  # fmt: skip
+    return wikitext2_result(res)
+
+
+def wikitext2_result(results: dict[str, Any]) -> dict[str, Any]:
+    """The ``wikitext2`` figures of an ``evaluate`` result, with the model and data they were computed on."""
+    return dict(results["metrics"]["wikitext2"], model=results["model"], data=results["data"]["wikitext2"])
 
 
 def _as_list(x):

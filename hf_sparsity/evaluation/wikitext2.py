@@ -100,30 +100,6 @@ def wikitext2_perplexity(
     }
 
 
-def evaluate_wikitext2(
-    model_dir: str | os.PathLike,
-    data_dir: str | os.PathLike | None = None,
-    wikitext2_file: str | os.PathLike | None = None,
-    seqlen: int | None = None,
-    max_windows: int | None = None,
-    batch_size: int = 1,
-    device: str | None = None,
-    dtype: str | None = None,
-    tokenizer: Any = None,
-    progress: bool = False,
-) -> dict[str, Any]:
-    """Load a model folder (masks applied) and score it with :func:`wikitext2_perplexity`."""
-    from .models import load_model_for_eval
-
-    path = wikitext2_file or (Path(data_dir) / DEFAULT_WIKITEXT2 if data_dir else None)
-    if path is None:
-        raise SparsityError(f"The wikitext2 suite needs --data-dir DIR holding {DEFAULT_WIKITEXT2}.")
-    model, tok, _ = load_model_for_eval(model_dir, device=device, dtype=dtype, tokenizer=tokenizer)
-    result = wikitext2_perplexity(model, tok, path, seqlen, max_windows, batch_size, progress)
-    result.update(model=str(model_dir), data=str(path))
-    return result
-
-
 def format_wikitext2(result: dict[str, Any]) -> str:
     return (
         f"wikitext2 perplexity {result['perplexity']:.4f} (seqlen {result['seqlen']}, "

@@ -19,7 +19,7 @@ Everything is counted from the model's actual modules, so any architecture
 counts right (GPT-2 Conv1D, Llama's three MLP matrices, GQA, a Sparse-IFT
 model): every ``nn.Linear`` / ``Conv1D`` contributes its own shape, and a module
 with weights in another form declares its matmuls through
-``hf_sparsity_matmuls()`` (see :class:`hf_sparsity.ift_models.DopedLinear`). A
+``hf_sparsity_matmuls()`` (see :class:`hf_sparsity.ift.DopedLinear`). A
 config-only path (:func:`count_flops_from_config`) builds the model on the
 ``meta`` device, which allocates nothing, so a 70B config counts in a second.
 

@@ -61,7 +61,7 @@ def build_meta_model(config: Any) -> nn.Module:
     """
     config = load_config(config)
     if getattr(config, "sparse_ift", None):
-        from ..ift_models import build_ift_model
+        from ..ift import build_ift_model
 
         return meta_causal_lm(config, build_ift_model)
     return meta_causal_lm(config)

@@ -1,6 +1,6 @@
 """``merge_sparse``: merge a LoRA adapter into a sparse base and keep its masks exact.
 
-Kept apart from :mod:`hf_sparsity.lora` (which the engine and the targeting rules import) because
+Kept apart from :mod:`hf_sparsity.lora.view` (which the engine and the targeting rules import) because
 merging sits above them: it builds an engine, reads the config and writes a finalized section.
 """
 
@@ -14,17 +14,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from .lora import PeftBaseView, is_peft_model, remove_masked_mode
-from .utils import SparsityError
+from ..utils import SparsityError
+from .masked import remove_masked_mode
+from .view import PeftBaseView, is_peft_model
 
 logger = logging.getLogger(__name__)
 
 
 def _masks_for(peft_model: nn.Module, view: PeftBaseView, masks: Any):
     """(masks, config or None, where they came from): explicit, from an engine, or the base folder's file."""
-    from .config import get_sparsity_config
-    from .constants import SPARSITY_MASKS_NAME
-    from .serialization import check_mask_names, load_masks_for
+    from ..config import get_sparsity_config
+    from ..constants import SPARSITY_MASKS_NAME
+    from ..serialization import check_mask_names, load_masks_for
 
     if isinstance(masks, (str, os.PathLike)):
         return load_masks_for(view, masks, required=True), get_sparsity_config(view.config), str(masks)
@@ -67,12 +68,12 @@ def merge_sparse(
     there, atomically. Nothing is merged (and nothing written) when the masks are missing
     or do not fit.
     """
-    from .config import SparsityConfig
-    from .engine import SparsityEngine
-    from .finalize import _levels_section
-    from .masks import mask_level
-    from .modeling import apply_masks
-    from .utils import atomic_dir
+    from ..config import SparsityConfig
+    from ..engine import SparsityEngine
+    from ..finalize import _levels_section
+    from ..masks import mask_level
+    from ..modeling import apply_masks
+    from ..utils import atomic_dir
 
     if not is_peft_model(peft_model):
         raise SparsityError(

@@ -22,16 +22,13 @@ imports it unless a ``PeftModel`` is given.
 from __future__ import annotations
 
 import logging
-import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
-import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .checks import LORA_MODES, check_lora_mode
-from .utils import SparsityError
+from ..checks import LORA_MODES, check_lora_mode
+from ..utils import SparsityError
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +124,8 @@ class PeftBaseView:
         """Called by the engine whenever its masks change: (re)install masked mode if the config asks."""
         self.peft_model._hf_sparsity = {"masks": engine.masks, "config": engine.config, "engine": engine}
         if getattr(engine.config, "lora", None) == "masked":
+            from .masked import apply_masked_mode
+
             apply_masked_mode(self, engine.masks)
 
 
@@ -135,85 +134,4 @@ def peft_view(model: Any) -> Any:
     return PeftBaseView(model) if is_peft_model(model) else model
 
 
-# ---------------------------------------------------------------------- masked mode
-def _check_maskable(name: str, layer: nn.Module) -> None:
-    from peft.tuners.lora.layer import Linear as LoraLinear
-
-    base = layer.base_layer
-    if type(layer) is not LoraLinear or type(base).__name__ not in ("Linear", "Conv1D"):
-        raise SparsityError(
-            f"`lora: masked` cannot mask the adapter on {name!r}: peft wraps this {type(base).__name__} as "
-            f"{type(layer).__module__}.{type(layer).__name__}, whose update is not a (B·A) matrix in the "
-            "weight's layout. Leave it out of the adapter's target_modules, or use `lora: merge_then_mask`."
-        )
-    variants = [a for a in getattr(layer, "lora_variant", {})]
-    if variants or any(getattr(layer, "use_dora", {}).values()):
-        raise SparsityError(
-            f"`lora: masked` on {name!r}: the adapter uses a LoRA variant (DoRA or similar, adapters "
-            f"{variants or list(layer.use_dora)}), whose merged weight is not W + B·A. Use plain LoRA or "
-            "`lora: merge_then_mask`."
-        )
-    if any(getattr(layer, "lora_bias", {}).values()):
-        raise SparsityError(
-            f"`lora: masked` on {name!r}: the adapter trains a bias (lora_bias=True); masked mode masks "
-            "weights only. Set lora_bias=False."
-        )
-
-
-def _masked_delta(self, adapter: str) -> torch.Tensor:
-    delta = type(self).get_delta_weight(self, adapter)
-    return delta * self._hf_sparsity_mask.to(delta.device, delta.dtype)
-
-
-def _masked_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    if self.disable_adapters or self.merged:
-        return type(self).forward(self, x, *args, **kwargs)
-    if kwargs.get("adapter_names") is not None:
-        raise SparsityError("`lora: masked` does not support mixed-adapter batches (adapter_names=...).")
-    result = self.base_layer(x, *args, **kwargs)
-    out_dtype = result.dtype
-    for adapter in self.active_adapters:
-        if adapter not in self.lora_A:
-            continue
-        delta = self.get_delta_weight(adapter)  # masked, in the base weight's layout
-        weight = delta.t() if self.fan_in_fan_out else delta  # -> (out, in), as F.linear wants
-        xa = self._cast_input_dtype(x, weight.dtype)
-        result = result + F.linear(self.lora_dropout[adapter](xa), weight)
-    return result.to(out_dtype)
-
-
-def apply_masked_mode(view: PeftBaseView, masks: Mapping[str, torch.Tensor]) -> list[str]:
-    """Make every adapter on a masked weight apply ``(B·A) ⊙ M`` (forward and merge). Returns those names.
-
-    Checks everything before changing anything: an adapter covering no masked weight, or
-    a masked weight wrapped by a layer type whose update is not ``B·A``, is an error.
-    """
-    layers = list(view.lora_layers())
-    covered = [(n, layer) for n, layer in layers if n in masks]
-    if not covered:
-        wrapped = sorted({n.rsplit(".", 2)[-2] for n, _ in layers}) or ["none"]
-        raise SparsityError(
-            f"`lora: masked`: the adapter's target modules ({', '.join(wrapped)}) cover no sparse weight, so "
-            "there is nothing to keep masked. Add the sparse projections to LoraConfig(target_modules=...) "
-            "(e.g. the attention and MLP projections), or drop `lora: masked`."
-        )
-    for name, layer in covered:
-        _check_maskable(name, layer)
-    for name, layer in covered:
-        weight = layer.base_layer.weight
-        layer._hf_sparsity_mask = masks[name].to(weight.device, weight.dtype)
-        layer.get_delta_weight = types.MethodType(_masked_delta, layer)
-        layer.forward = types.MethodType(_masked_forward, layer)
-    logger.info("lora: masked: %d adapter layers apply (B·A) ⊙ M.", len(covered))
-    return [n for n, _ in covered]
-
-
-def remove_masked_mode(peft_model: nn.Module) -> None:
-    """Give every wrapped layer its plain peft forward and merge back."""
-    for mod in peft_model.modules():
-        if "_hf_sparsity_mask" in mod.__dict__:
-            for attr in ("_hf_sparsity_mask", "get_delta_weight", "forward"):
-                mod.__dict__.pop(attr, None)
-
-
-__all__ = ["LORA_MODES", "PeftBaseView", "apply_masked_mode", "check_lora_mode", "peft_view"]
+__all__ = ["LORA_MODES", "PeftBaseView", "base_name", "check_lora_mode", "is_peft_model", "peft_view"]

@@ -10,21 +10,21 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import SparsityConfig, get_sparsity_config
-from .flops import FlopReport
-from .ift_models import (
+from ..config import SparsityConfig, get_sparsity_config
+from ..flops import FlopReport
+from ..utils import atomic_dir
+from .models import (
     MODULE_TRANSFORMS,
     build_ift_model,
     modeling_code,
 )
-from .utils import atomic_dir
 
 MODELING_FILE = "modeling_sparse_ift.py"
 _BLOCK_RE = re.compile(r"\.\d+\.")
 
 
 def _causal_lm_class(config: Any) -> str:
-    from .modeling import meta_causal_lm
+    from ..modeling import meta_causal_lm
 
     return type(meta_causal_lm(config)).__name__
 

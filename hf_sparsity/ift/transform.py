@@ -37,18 +37,18 @@ import os
 import re
 from typing import Any
 
-from .config import SparsityConfig, check_level, get_sparsity_config, set_sparsity_config
-from .constants import CONFIG_NAME
-from .flops import build_meta_model, count_flops, load_config
-from .ift_models import (
+from ..config import SparsityConfig, check_level, get_sparsity_config, set_sparsity_config
+from ..constants import CONFIG_NAME
+from ..flops import build_meta_model, count_flops, load_config
+from ..targeting import plan_sparsity
+from ..utils import SparsityError
+from .models import (
     IFT_SECTION,
     TRANSFORMS,
     build_ift_model,
     linear_dims,
 )
-from .ift_result import IFTLayer, IFTResult
-from .targeting import plan_sparsity
-from .utils import SparsityError
+from .result import IFTLayer, IFTResult
 
 __all__ = ["IFTLayer", "IFTResult", "TRANSFORMS", "build_ift_model", "sparse_ift", "wide_width"]
 
