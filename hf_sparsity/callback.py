@@ -119,6 +119,15 @@ class SparsityCallback(TrainerCallback, ExportableState):
 
     # ------------------------------------------------------------------ events
     def _find_masks(self, args, state, model) -> str | None:
+        """The one resume path: the folder whose mask file the engine starts from (``None``: build masks).
+
+        Resuming a checkpoint (``state.global_step > 0``), the first folder holding a mask file of:
+        ``SparsityCallback(resume_from=...)``; the ``resume_from_checkpoint`` given to ``Trainer.train``
+        (:func:`hf_sparsity.hooks.resume_dir_from_trainer_frame`); ``args.resume_from_checkpoint``;
+        ``output_dir/checkpoint-<step>``. None of them: an error naming where it looked. Starting
+        fresh (step 0): ``resume_from``, then the folder the model was loaded from (an earlier run's
+        sparse output carries its masks); none: masks are built from the config.
+        """
         candidates = []
         if state.global_step > 0:  # resuming a Trainer checkpoint
             candidates += [
