@@ -103,15 +103,16 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
 
     from hf_sparsity import SparsityCallback, resume_checkpoint
-    from hf_sparsity.cli import _checks
+    from hf_sparsity.checks import check_positive
     from hf_sparsity.data import BlockDataset, pack_tokens
+    from hf_sparsity.loading import check_model_folder, check_tokenizer_source
     from hf_sparsity.utils import SparsityError
 
     try:
-        _checks.model_dir(args.model, "--model")
-        _checks.tokenizer_source(args.model)
+        check_model_folder(args.model, "--model")
+        check_tokenizer_source(args.model)
         for flag in ("max_steps", "save_steps", "logging_steps", "block_size", "batch_size", "docs"):
-            _checks.positive(getattr(args, flag), "--" + flag)
+            check_positive(getattr(args, flag), "--" + flag)
         if args.resume and not os.path.isdir(args.output_dir):
             raise SparsityError(f"--resume: {args.output_dir!r} does not exist; run once without --resume.")
         # Not Trainer's resume_from_checkpoint=True: that takes the newest folder, even one a crash
