@@ -202,6 +202,7 @@ def sparsify_for_inference(
         keep_dense = klass.name not in ("auto", "bitmask", "nm24", "native_dense")
     if any(isinstance(m, SparseLinear) for m in model_u.modules()):
         raise SparsityError("The model is already sparsified for inference; call restore_dense(model) first.")
+    _check_values(model_u, klass, backend_options.get("values"))
     found = _resolve_masks(model_u, masks, config)
     targets = _sparse_targets(model_u, found)
     swaps: list[tuple[str, nn.Module]] = []
@@ -224,6 +225,35 @@ def sparsify_for_inference(
             print(auto_report(model_u))
     logger.info("sparsify_for_inference: %d layers now run on %s.", len(swaps), klass.name)
     return model
+
+
+def _check_values(model_u: nn.Module, klass: type[SparseBackend], values: Any) -> None:
+    """``values="int8"``: refuse a backend without int8 values and an already-quantized model."""
+    if values is None:
+        return
+    if values != "int8":
+        raise SparsityError(f"values={values!r}: use 'int8', or leave it unset to keep the weight's dtype.")
+    if not klass.capabilities.int8_values:
+        from .backends import available_backends, get_backend
+
+        have = [n for n in available_backends() if get_backend(n).capabilities.int8_values]
+        raise SparsityError(
+            f"Backend {klass.name!r} has no int8 values; backends that do: {', '.join(have) or 'none'}. "
+            "Or leave values unset to keep the weight's dtype."
+        )
+    config = getattr(model_u, "config", None)
+    quantized = (
+        getattr(model_u, "is_quantized", False)
+        or getattr(model_u, "hf_quantizer", None) is not None
+        or getattr(config, "quantization_config", None) is not None
+    )
+    low = sorted({str(p.dtype)[6:] for p in model_u.parameters() if not p.is_floating_point()})
+    if quantized or low:
+        what = f"its weights are {', '.join(low)}" if low else "it was loaded with a quantization_config"
+        raise SparsityError(
+            f"values='int8' needs a model with float weights, but this one is already quantized ({what}). "
+            "Load the unquantized model (float32 or bfloat16), or leave values unset."
+        )
 
 
 def _auto_swaps(model_u: nn.Module, targets: list, keep_dense: bool, options: dict) -> tuple[list, dict]:

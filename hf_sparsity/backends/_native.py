@@ -317,6 +317,17 @@ def decode_row(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
     )
 
 
+def vtype(values: torch.Tensor) -> int:
+    """The kernels' value type of a values tensor: 0 float32, 1 bfloat16, 2 int8 (a buffer that starts with
+    the rows' float32 scales, see :func:`scale_bytes`)."""
+    return 2 if values.dtype == torch.int8 else int(values.dtype == torch.bfloat16)
+
+
+def scale_bytes(rows: int) -> int:
+    """Bytes of the per-row float32 scales at the start of an int8 values buffer (padded to 64)."""
+    return (rows * 4 + 63) & ~63
+
+
 OPS = {"bitmask": 0, "nm24": 1, "gemv": 2, "bitmask_unpack": 3, "nm24_unpack": 4}
 UNPACK_OPS = ("bitmask_unpack", "nm24_unpack")
 
@@ -343,7 +354,8 @@ def run_op(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x2d @ W^T (+ bias)`` (or, for the ``*_unpack`` ops, the dense ``[rows, in]`` weight) with a packed
-    weight; ``x2d`` float32 ``[B, in]`` contiguous; ``values`` float32 or bfloat16 (read as its bits).
+    weight; ``x2d`` float32 ``[B, in]`` contiguous; ``values`` float32, bfloat16 (read as its bits) or an
+    int8 buffer (per-row float32 scales, then the int8 values; see :func:`scale_bytes`).
     ``out``: for the unpack ops, a contiguous float32 ``[rows, in]`` tensor to write into (a reused
     buffer: no fresh pages to fault in)."""
     lib = load()
@@ -369,7 +381,7 @@ def run_op(
         OPS[op], rows, in_features, chunk, nthreads,
         None if rowptr is None else rowptr.data_ptr(),
         None if meta is None else meta.data_ptr(),
-        values.data_ptr(), int(values.dtype == torch.bfloat16),
+        values.data_ptr(), vtype(values),
         None if x2d is None else x2d.data_ptr(), y.data_ptr(), batch,
         None if bias is None else bias.data_ptr(),
     )  # fmt: skip

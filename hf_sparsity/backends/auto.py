@@ -63,7 +63,9 @@ def _is_24(mask: torch.Tensor) -> bool:
         return False
 
 
-def _build(fmt: str, w: torch.Tensor, m: torch.Tensor, threads: int | None) -> SparseBackend:
+def _build(
+    fmt: str, w: torch.Tensor, m: torch.Tensor, threads: int | None, values: str | None = None
+) -> SparseBackend:
     from . import get_backend
 
     if fmt == "dense":
@@ -74,7 +76,7 @@ def _build(fmt: str, w: torch.Tensor, m: torch.Tensor, threads: int | None) -> S
         b = get_backend("csr").from_dense(w, m, kernel="native", threads=threads)
         _slim_csr(b)
         return b
-    return get_backend(fmt).from_dense(w, m, prefill="native", threads=threads)
+    return get_backend(fmt).from_dense(w, m, prefill="native", threads=threads, values=values)
 
 
 def _slim_csr(b: SparseBackend) -> None:
@@ -97,6 +99,7 @@ class AutoBackend(SparseBackend):
         devices=("cpu",),
         dtypes=(torch.float32, torch.bfloat16),
         training=False,
+        int8_values=True,
         description="per layer the fastest of dense, native_dense, bitmask, nm24, csr (measured); never "
         "slower",
     )
@@ -203,6 +206,7 @@ def plan_layers(
     stream_bytes: int = 64 << 20,
     keep_dense_for_prefill: bool = False,
     threads: int | None = None,
+    values: str | None = None,
 ) -> dict[str, tuple]:
     """Choose a format per layer (``name -> (weight [out, in], mask)``); see the module docstring.
 
@@ -222,12 +226,12 @@ def plan_layers(
     out: dict[str, tuple] = {}
     for key, names in groups.items():
         shape, dtype, _, is24 = key
-        cands = [f for f in formats if f != "nm24" or is24]
+        cands = [f for f in formats if (f != "nm24" or is24) and not (values and f == "csr")]
         step = max(1, len(names) // sample_layers)
         sample = names[::step][:sample_layers]
         timed, copies = _streamed_copies(layers, sample, stream_bytes)
         best, decode_ms, prefill_ms = _measure(
-            timed, list(timed), cands, prefill_batch, rounds, threads, margin
+            timed, list(timed), cands, prefill_batch, rounds, threads, margin, values
         )
         pf_choice = [_prefill_choice(best, ms, keep_dense_for_prefill) for ms in prefill_ms]
         (best_pf, pf_ratio), (large_pf, large_ratio) = pf_choice
@@ -253,10 +257,10 @@ def plan_layers(
             if best == "dense":
                 out[name] = (None, ("dense", "dense"), None, choice)
             elif best == "native_dense":  # batches above SMALL_BATCH run F.linear on its dense weight
-                out[name] = (_build(best, w, m, threads), ("own", "own"), None, choice)
+                out[name] = (_build(best, w, m, threads), ("own", "own"), None, choice)  # dense: no int8
             else:  # the dense weight kept where a prefill regime runs on it (keep_dense_for_prefill)
                 kept = (w * m.to(w.dtype)).contiguous() if "dense" in (best_pf, large_pf) else None
-                out[name] = (_build(best, w, m, threads), (best_pf, large_pf), kept, choice)
+                out[name] = (_build(best, w, m, threads, values), (best_pf, large_pf), kept, choice)
         logger.info(
             "auto: %d layer(s) %s -> decode %s (%.2fx dense), prefill %s (%.2fx dense), %d+ rows %s (%.2fx)",
             len(names),
@@ -298,7 +302,7 @@ def _streamed_copies(layers: dict, sample: list[str], stream_bytes: int) -> tupl
     return timed, copies
 
 
-def _measure(layers, sample, cands, prefill_batch, rounds, threads, margin):
+def _measure(layers, sample, cands, prefill_batch, rounds, threads, margin, values=None):
     """Decode: median ms of one pass over the ``sample`` layers per candidate (batch 1); then prefill
     (``prefill_batch`` rows and four times as many, two layers) of dense and of the decode winner's own
     path and unpack path. Returns ``(best, decode_ms, [prefill_ms, prefill_ms at 4x the rows])``."""
@@ -308,7 +312,7 @@ def _measure(layers, sample, cands, prefill_batch, rounds, threads, margin):
             if f == "dense":
                 built[f] = [(layers[n][0] * layers[n][1].to(layers[n][0].dtype)).contiguous() for n in sample]
             else:
-                built[f] = [_build(f, *layers[n], threads) for n in sample]
+                built[f] = [_build(f, *layers[n], threads, None if f in DENSE else values) for n in sample]
         except SparsityError:
             continue
     in_f = layers[sample[0]][0].shape[1]

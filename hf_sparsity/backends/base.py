@@ -50,6 +50,8 @@ class BackendCapabilities:
     """True when it reads the live weight on every call (usable while the weight trains)."""
     structure: str | None = None
     """Mask structure it requires (``"2:4"``), or None for any unstructured mask."""
+    int8_values: bool = False
+    """True when it can store the kept values as int8 with one scale per output row (``values="int8"``)."""
     description: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -175,6 +177,14 @@ class SparseBackend:
                 f"(model.to(dtype)) or pick a backend that takes it: "
                 f"{_alternatives(weight.device.type, weight.dtype)}."
             )
+        values = options.get("values")
+        if values not in (None, "int8"):
+            raise SparsityError(f"values={values!r}: use None (the weight's dtype) or 'int8'.")
+        if values == "int8" and not caps.int8_values:
+            raise SparsityError(
+                f"Backend {cls.name!r} has no int8 values; backends that do: {_int8_backends()}. Or leave "
+                "values unset to keep the weight's dtype."
+            )
         if mask is None:
             mask = weight.detach() != 0
         if tuple(mask.shape) != tuple(weight.shape):
@@ -288,6 +298,13 @@ def _alternatives(device_type: str, dtype: torch.dtype) -> str:
         if device_type in k.capabilities.devices and dtype in k.capabilities.dtypes and n != "emulator"
     ]
     return ", ".join(names) or "none registered"
+
+
+def _int8_backends() -> str:
+    """Registered backends that store int8 values (for error messages)."""
+    from . import _REGISTRY
+
+    return ", ".join(n for n, k in sorted(_REGISTRY.items()) if k.capabilities.int8_values) or "none"
 
 
 def _shape(t: Any) -> str:

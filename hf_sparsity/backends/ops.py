@@ -55,7 +55,7 @@ def packed_linear(
         nt = _native.threads_for(nnz, nthreads or None)
         prep, addr = _native.prepared_call((  # ``prep`` stays referenced until the kernel call returns
             _native.OPS[op], rows, in_f, nt, None if rowptr is None else rowptr.data_ptr(),
-            None if meta is None else meta.data_ptr(), values.data_ptr(), int(values.dtype == torch.bfloat16),
+            None if meta is None else meta.data_ptr(), values.data_ptr(), _native.vtype(values),
         ))  # fmt: skip
         y = torch.empty(*x.shape[:-1], rows, dtype=torch.float32)
         _native._lib.hfs_run_prepared(

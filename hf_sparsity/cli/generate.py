@@ -4,6 +4,7 @@
     hf_sparsity generate MODEL_DIR --prompt TEXT --backend bitmask --max-new-tokens 64
     hf_sparsity generate MODEL_DIR --prompt TEXT --masks zeros      # a finalized folder: its exact zeros
     hf_sparsity generate MODEL_DIR --prompt TEXT --compile          # torch.compile'd forward, static cache
+    hf_sparsity generate MODEL_DIR --prompt TEXT --values int8      # int8 values, per-row scales
 
 Masks: ``--masks`` (a mask file / folder, or ``zeros``); by default the folder's
 ``sparsity_masks.safetensors``, or, for a finalized folder without one, the exact zeros of
@@ -103,7 +104,8 @@ def generate_command(args) -> int:
         compile_s["dense"] = time.perf_counter() - t
         _, dense_tok_s = _generate(model, ids, args.max_new_tokens, **kw)
     t = time.perf_counter()
-    sparsify_for_inference(model, args.backend, masks=masks)
+    values = {"values": args.values} if args.values else {}
+    sparsify_for_inference(model, args.backend, masks=masks, **values)
     convert_s = time.perf_counter() - t
     if args.backend == "auto" and args.show_choices:
         print(auto_report(model), file=sys.stderr)
@@ -150,6 +152,12 @@ def generate_command_parser(subparsers):
     p.add_argument("--max-new-tokens", type=int, default=64, help="Tokens to generate (default 64)")
     p.add_argument("--masks", default=None, help="A mask file / folder, or 'zeros' (default: see above)")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: as saved)")
+    p.add_argument(
+        "--values",
+        default=None,
+        choices=("int8",),
+        help="Store the kept values as int8 with per-row scales (bitmask, nm24, auto); default: the dtype",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch / native kernel threads")
     p.add_argument("--no-dense", action="store_true", help="Skip the dense comparison run")
     p.add_argument("--show-choices", action="store_true", help="With auto: print the choice per layer")
