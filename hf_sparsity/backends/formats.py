@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from ..utils import SparsityError
 from . import _native, ops
 from .base import BackendCapabilities, SparseBackend
+from .registry import register_backend
 
 SMALL_BATCH = 16
 """Rows of ``x`` up to which the native kernels run; above, a dense GEMM on the unpacked weight."""
@@ -317,6 +318,7 @@ class _PackedBackend(SparseBackend):
     # subclasses: _pack, _tensors, _native_mm, _unpack, _dense_mask
 
 
+@register_backend
 class BitmaskBackend(_PackedBackend):
     """1 bit per weight + packed kept values (fp32 or bf16). Any unstructured mask, CPU."""
 
@@ -326,6 +328,7 @@ class BitmaskBackend(_PackedBackend):
         devices=("cpu",),
         dtypes=(torch.float32, torch.bfloat16),
         training=False,
+        frees_dense=True,
         int8_values=True,
         description="1-bit mask + packed values (fp32 / bf16, or int8 with row scales); native kernels",
     )
@@ -361,6 +364,7 @@ class BitmaskBackend(_PackedBackend):
         return self._scaled(out)
 
 
+@register_backend
 class NM24Backend(_PackedBackend):
     """2:4 along the input dimension on CPU: two values and two 2-bit positions per four weights."""
 
@@ -371,6 +375,7 @@ class NM24Backend(_PackedBackend):
         devices=("cpu",),
         dtypes=(torch.float32, torch.bfloat16),
         training=False,
+        frees_dense=True,
         structure="2:4",
         int8_values=True,
         description="CPU 2:4: packed values + 2-bit positions (fp32 / bf16, or int8 with row scales)",
@@ -431,6 +436,7 @@ class NM24Backend(_PackedBackend):
         return out.view(out_f, in_f)
 
 
+@register_backend
 class NativeDenseBackend(_PackedBackend):
     """The masked weight kept dense; a multi-threaded native GEMV for small batches, ``F.linear`` above."""
 
@@ -441,6 +447,7 @@ class NativeDenseBackend(_PackedBackend):
         devices=("cpu",),
         dtypes=(torch.float32, torch.bfloat16),
         training=False,
+        frees_dense=True,
         description="dense weight, native multi-threaded GEMV for batch <= 16 (LM head, dense layers)",
     )
 

@@ -102,6 +102,8 @@ def generate_args(args) -> None:
     positive(args.threads, "--threads")
     if args.masks and args.masks != "zeros" and not os.path.exists(args.masks):
         raise SparsityError(f"--masks {args.masks!r} does not exist. Give a mask file or folder, or 'zeros'.")
+    if getattr(args, "lean", False) and getattr(args, "compile", False):
+        raise SparsityError("--lean and --compile are two decoding loops; pick one.")
     if getattr(args, "values", None):
         _int8_values(args.backend, args.model_dir)
 
