@@ -333,7 +333,7 @@ def compiled_generate_kwargs(fullgraph: bool = True, backend: str = "inductor") 
     every new prompt length or ``max_new_tokens`` compiles again (the static cache's length is
     part of the graph): compile pays for long or repeated generations of one shape. It also builds
     the C++ variants of the custom ops once (``hf_sparsity.backends.ops.build_cpp_ops``: needs
-    ninja; ~10 s, cached; the Python ops serve otherwise). Figures: docs/backends.md.
+    ninja; ~10 s, cached; the Python ops serve otherwise). Figures: docs/results/backends.md.
     """
     from transformers import CompileConfig
 
