@@ -78,8 +78,8 @@ def test_a_measurement_the_cost_model_cannot_explain_is_rejected(monkeypatch):
     monkeypatch.setattr(auto, "interleaved_ms", disturbed)
     plan = auto.plan_layers(_layers(), plan_cache=False, stream_bytes=0, model_tolerance=3.0)
     c = plan["l0"][3]
-    assert c["rejected"] == ["bitmask", "native_dense"] or "bitmask" in c["rejected"]
-    assert c["decode"] in ("dense", "csr") and c["decode"] != "bitmask"
+    assert c["rejected"] == ["bitmask"]  # csr (8 vs 9 ms) is within its bytes; dense variants never
+    assert c["decode"] == "csr"
     assert c["modeled_ms"]["bitmask"] < c["modeled_ms"]["dense"] and c["read_gbs"] > 0
     decode_passes = [k for k in calls if "bitmask" in k and "bitmask:own" not in k]
     assert len(decode_passes) == 2  # measured twice before rejecting

@@ -356,7 +356,7 @@ def _decide_group(
         )
         rejected = _disagreeing(decode_ms, modeled, tolerance)
         if rejected:
-            kept = [f for f in cands if f not in rejected or f == "dense"]
+            kept = [f for f in cands if f not in rejected]
             best = _choose({f: decode_ms[f] for f in kept}, kept, margin)
             if best != "dense" and best not in DENSE:
                 prefill_ms = [_prefill_ms_for(timed, best, xp_rows, rounds, threads, values)
@@ -387,17 +387,22 @@ def _decide_group(
 
 
 def _disagreeing(decode_ms: dict[str, float], modeled_ms: dict[str, float], tolerance: float) -> set[str]:
-    """Candidates that measured more than ``tolerance`` times faster against dense than the cost model
-    allows: a gain no byte count explains (a disturbed dense timing, not a faster format). Slower than
-    the model is believed: choosing dense then is never wrong. Dense is the reference."""
-    ref = decode_ms.get("dense", float("inf"))
+    """Sparse candidates that measured more than ``tolerance`` times faster against the fastest dense
+    variant than the cost model allows: a gain no byte count explains (a disturbed dense timing, not a
+    faster format). Slower than the model is believed: choosing dense then is never wrong. The dense
+    variants read the same bytes; the faster of them is the reference."""
+    dense = [f for f in DENSE if f in decode_ms and f in modeled_ms]
+    if not dense:
+        return set()
+    ref_f = min(dense, key=decode_ms.__getitem__)
+    ref = decode_ms[ref_f]
     if not 0 < ref < float("inf"):
         return set()
     out = set()
     for f, ms in decode_ms.items():
-        if f == "dense" or f not in modeled_ms or ms == float("inf"):
+        if f in DENSE or f not in modeled_ms or ms == float("inf"):
             continue
-        ratio = (ms / ref) / (modeled_ms[f] / modeled_ms["dense"])
+        ratio = (ms / ref) / (modeled_ms[f] / modeled_ms[ref_f])
         if ratio < 1 / tolerance:
             out.add(f)
     return out

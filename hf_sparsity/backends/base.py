@@ -34,6 +34,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
+from ..checks import check_structure
 from ..utils import SparsityError
 
 PHASES = ("forward", "backward_input", "backward_weight")
@@ -239,8 +240,6 @@ class SparseBackend:
             )
         mask = mask.detach().to(device=weight.device, dtype=torch.uint8)
         if caps.structure is not None:
-            from ..config import check_structure
-
             n, m = check_structure(caps.structure)
             check_nm(mask, n, m, backend=cls.name)
         return cls(weight, mask, **options)
