@@ -4,6 +4,7 @@ values), optionally llama.cpp, side by side in one interleaved run, with the mem
     python benchmarks/decode.py MODEL_DIR --threads 2                       # SmolLM2-135M folder
     python benchmarks/decode.py MODEL_DIR --threads 2 --ppl-windows 8       # + WikiText-2 perplexity
     python benchmarks/decode.py MODEL_DIR --gguf F32=model-f32.gguf,Q8_0=model-q8_0.gguf   # + llama.cpp
+    python benchmarks/decode.py llama1b --threads 2 --levels 0.5 --int8 0.5   # random 1B Llama shape
 
 Rows (every model decodes the same prompt; masks by magnitude on the model's own weights, per tensor):
 
@@ -49,6 +50,15 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+RANDOM = {
+    "llama1b": dict(
+        hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+        num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False, max_position_embeddings=2048,
+    ),
+}  # fmt: skip
+"""Random-weight models by shape (``model_dir`` one of these names): a 1B Llama (TinyLlama's shape)."""
+
+
 def _cell(value, spec: str) -> str:
     width = int(spec.split(".")[0])
     return f"{value:{spec}}" if value is not None else f"{'-':>{width}}"
@@ -89,7 +99,7 @@ def _llama_cpp_runner(path: str, threads: int, prompt_ids: list[int], n: int):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model_dir", help="a dense model folder (e.g. SmolLM2-135M-Instruct, fp32)")
+    p.add_argument("model_dir", help="a dense model folder (e.g. SmolLM2-135M-Instruct, fp32), or 'llama1b'")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tokens", type=int, default=64, help="new tokens per round")
     p.add_argument("--rounds", type=int, default=3)
@@ -112,9 +122,18 @@ def main(argv=None) -> int:
     from hf_sparsity.tools.bench import decode_bytes_per_token, read_bandwidth_gbs
 
     load0 = os.getloadavg()
-    tok = AutoTokenizer.from_pretrained(args.model_dir)
-    dense = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
-    ids = tok(args.prompt, return_tensors="pt").input_ids
+    if args.model_dir in RANDOM:  # a random-weight model of a known shape (no tokenizer, no perplexity)
+        from transformers import LlamaConfig
+
+        torch.manual_seed(0)
+        tok = None
+        dense = AutoModelForCausalLM.from_config(LlamaConfig(**RANDOM[args.model_dir])).eval()
+        ids = torch.randint(2, dense.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+        args.ppl_windows = 0
+    else:
+        tok = AutoTokenizer.from_pretrained(args.model_dir)
+        dense = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
+        ids = tok(args.prompt, return_tensors="pt").input_ids
     rows: dict[str, dict] = {"transformers": {"model": dense, "loop": "generate"}}
     ours = copy.deepcopy(dense)
     t = time.perf_counter()
