@@ -118,6 +118,7 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_sparsity.decoding import greedy_decode
+    from hf_sparsity.evaluation.wikitext2 import wikitext2_perplexity
     from hf_sparsity.inference import sparsify_for_inference
     from hf_sparsity.tools.bench import decode_bytes_per_token, read_bandwidth_gbs
 
@@ -181,21 +182,8 @@ def main(argv=None) -> int:
     runs.update(llama)
     with torch.inference_mode():
         want = greedy_decode(dense, ids, args.tokens, eos_token_id=[])[0, ids.shape[1] :].tolist()
-    bw = read_bandwidth_gbs(threads=args.threads)
-    speeds: dict[str, list[float]] = {k: [] for k in runs}
-    outs: dict[str, list[int] | None] = {}
-    for k, fn in runs.items():  # warm-up
-        outs[k] = fn()[1]
-    for _ in range(args.rounds):
-        for k, fn in runs.items():
-            s, o = fn()
-            speeds[k].append(s)
-            outs[k] = o if o is not None else outs[k]
-    med = {k: statistics.median(v) for k, v in speeds.items()}
     ppl = {}
     if args.ppl_windows:
-        from hf_sparsity.evaluation.wikitext2 import wikitext2_perplexity
-
         data = args.data_dir or os.environ.get("HF_SPARSITY_SHARED_DATA", "shared/data")
         path = os.path.join(data, "text", "wikitext-2-raw", "wiki.test.raw")
         with torch.inference_mode():
@@ -207,6 +195,17 @@ def main(argv=None) -> int:
                 )
                 ppl[k] = res["perplexity"]
         ppl["dense, ours"] = ppl["transformers"]
+    bw = read_bandwidth_gbs(threads=args.threads)
+    speeds: dict[str, list[float]] = {k: [] for k in runs}
+    outs: dict[str, list[int] | None] = {}
+    for k, fn in runs.items():  # warm-up
+        outs[k] = fn()[1]
+    for _ in range(args.rounds):
+        for k, fn in runs.items():
+            s, o = fn()
+            speeds[k].append(s)
+            outs[k] = o if o is not None else outs[k]
+    med = {k: statistics.median(v) for k, v in speeds.items()}
     results = []
     base, ours_dense = med["transformers"], med["dense, ours"]
     print(
