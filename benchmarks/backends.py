@@ -50,6 +50,10 @@ layers, the LM head and the rest, and prints the Amdahl bounds that split allows
 whole-model speedup if the sparse layers were exactly 1/density faster than dense,
 and if they took no time at all.
 
+Every row also reports the bytes of weights one decoding step reads (``MB/tok``), the machine's read
+bandwidth (a STREAM-like read over a buffer larger than the last-level cache), the bound that gives
+(bandwidth / bytes per token) and the fraction of it the row reaches (for ``auto`` in the summary).
+
 Timings on a shared 2-core machine are noisy: rerun, compare ratios, not absolute times.
 ``OMP_WAIT_POLICY`` is left as the environment has it, so ``dense`` is stock transformers
 as a user runs it (libgomp's default: threads spin a while after each parallel region,
@@ -75,8 +79,15 @@ if "--omp-passive" in sys.argv:  # before torch loads libgomp; see the docstring
 import torch  # noqa: E402
 
 from hf_sparsity.backends import _native, get_backend  # noqa: E402
-from hf_sparsity.backends.bench import auto_groups, decode_breakdown, decode_tok_s, interleaved_ms  # noqa: E402
 from hf_sparsity.masks import random_mask  # noqa: E402
+from hf_sparsity.tools.bench import (  # noqa: E402
+    auto_groups,
+    decode_breakdown,
+    decode_bytes_per_token,
+    decode_tok_s,
+    interleaved_ms,
+    read_bandwidth_gbs,
+)
 
 SHAPES = [(768, 768), (3072, 768), (768, 3072)]
 LEVELS = [0.5, 0.75, 0.9, 0.95]
@@ -249,6 +260,9 @@ def model_decode(
         for k, (m, kw) in runs.items():
             tok_s[k].append(decode_tok_s(m, ids, new_tokens, **kw))
     med = {k: statistics.median(v) for k, v in tok_s.items()}
+    bw = read_bandwidth_gbs()
+    per_token = {k: decode_bytes_per_token(m) for k, (m, _) in runs.items()}
+    bound = {k: bw * 1e9 / b for k, b in per_token.items()}
     # per-token split (timing hooks on a plain cached loop), one pass each, interleaved
     layer_names = sorted({n.rpartition(".")[0] for n in masks})
     split = {k: decode_breakdown(m, ids, new_tokens, layer_names) for k, m in variants.items()}
@@ -272,6 +286,10 @@ def model_decode(
         "auto_vs_dense": med["auto"] / med["dense"],
         "auto_vs_dense_plus": med["auto"] / med["dense+"],
         "dense_plus_vs_dense": med["dense+"] / med["dense"],
+        "read_gbs": bw,
+        "bytes_per_token": per_token,
+        "bound_tok_s": bound,
+        "fraction_of_bound": {k: med[k] / bound[k] for k in runs},
         "split_ms": split,
         "prefill_ms": pf_med,
         "prefill_auto_vs_dense": pf_med["dense"] / pf_med["auto"],
@@ -295,7 +313,9 @@ def model_decode(
     for k in runs:
         rs = ", ".join(f"{t:.1f}" for t in tok_s[k])
         extra = f"   (compile + first call {compile_s[k]:.1f} s)" if k in compile_s else ""
-        print(f"{k:>7}: {med[k]:7.2f} tok/s  ({med[k] / med['dense']:.2f}x dense)   rounds: {rs}{extra}")
+        print(f"{k:>7}: {med[k]:7.2f} tok/s  ({med[k] / med['dense']:.2f}x dense)   rounds: {rs}{extra}   "
+              f"{per_token[k] / 1e6:.0f} MB/token, bound {bound[k]:.0f} tok/s at {bw:.1f} GB/s, "
+              f"{med[k] / bound[k]:.0%} of it")  # fmt: skip
     print(f"auto vs dense+ (what sparsity itself buys): {res['auto_vs_dense_plus']:.2f}x")
     if compile_:
         res["auto_c_vs_dense_c"] = med["auto-c"] / med["dense-c"]
@@ -404,7 +424,7 @@ def main(argv=None) -> int:
     )
     print(f"{'model':>8} {'level':>5} | {'dense':>7} {'dense+':>7} {'auto':>7} | {'auto/dense':>10} "
           f"{'auto/dense+':>11} | {'prefill':>7} {'kd':>5} {'pf512':>5} | "
-          f"{'bytes':>6} {'kd':>6} {'layers':>6}"
+          f"{'bytes':>6} {'kd':>6} {'layers':>6} | {'MB/tok':>6} {'bound':>6} {'of bound':>8}"
           f"{cols}")  # fmt: skip
     for r in out["models"]:
         m = r["median_tok_s"]
@@ -413,7 +433,9 @@ def main(argv=None) -> int:
                 f"{r['prefill_auto_vs_dense']:7.2f} {r['prefill_auto_keep_dense_vs_dense']:5.2f} "
                 f"{r['prefill_512_auto_vs_dense']:5.2f} | "
                 f"{r['resident_ratio']:6.3f} "
-                f"{r['resident_ratio_keep_dense']:6.3f} {r['sparse_layer_bytes']['ratio']:6.3f}")  # fmt: skip
+                f"{r['resident_ratio_keep_dense']:6.3f} {r['sparse_layer_bytes']['ratio']:6.3f} | "
+                f"{r['bytes_per_token']['auto'] / 1e6:6.0f} {r['bound_tok_s']['auto']:6.0f} "
+                f"{r['fraction_of_bound']['auto']:8.0%}")  # fmt: skip
         if args.compile:
             line += (f" | {m['dense-c']:7.2f} {m['auto-c']:7.2f} {r['auto_c_vs_dense_c']:14.2f} "
                      f"{r['auto_c_vs_dense']:12.2f}")  # fmt: skip

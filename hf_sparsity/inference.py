@@ -30,19 +30,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .backends import SparseBackend, get_backend
+from .backends import LayerTarget, SparseBackend, get_backend
 from .modeling import is_conv1d as _is_conv1d
 from .modeling import replace_module
 from .targeting import unwrap_model
 from .utils import SparsityError
 
 logger = logging.getLogger(__name__)
-
-PLAN_KEYS = (
-    "decode", "decode_vs_dense", "prefill", "prefill_vs_dense", "prefill_large", "prefill_large_vs_dense",
-)  # fmt: skip
-"""What ``auto`` decided for a layer, in each choice dict: decode format, prefill mode up to twice
-``prefill_batch`` rows and above, each with its speed against dense."""
 
 
 class SparseLinear(nn.Module):
@@ -184,148 +178,71 @@ def sparsify_for_inference(
         config: a :class:`~hf_sparsity.SparsityConfig` choosing the targets for ``masks="zeros"``.
         keep_dense: keep the original modules so :func:`restore_dense` puts them back
             unchanged. ``False`` frees the dense weights; restoring then rebuilds them from
-            the sparse ones (masked positions exactly 0). Default: ``False`` for ``auto``,
-            ``bitmask``, ``nm24`` and ``native_dense`` (the point is memory), ``True`` otherwise.
+            the sparse ones (masked positions exactly 0). Default: ``False`` for backends whose
+            ``capabilities.frees_dense`` is set (``auto``, ``bitmask``, ``nm24``, ``native_dense``:
+            the point is memory), ``True`` otherwise.
         verbose: print the per-layer choice of ``auto``.
-        **backend_options: passed to the backend's ``from_dense`` (e.g. ``kernel="torch"``), or to
-            :func:`hf_sparsity.backends.auto.plan_layers` for ``auto``.
+        **backend_options: passed to the backend's :meth:`~hf_sparsity.backends.SparseBackend.plan_model`,
+            which by default passes them to ``from_dense`` (e.g. ``kernel="torch"``,
+            ``values="int8"`` for int8 values with per-row scales in ``bitmask`` / ``nm24`` / ``auto``);
+            for ``auto`` see :func:`hf_sparsity.backends.auto.plan_layers`.
 
     Nothing is changed unless every layer converts: a bad mask file, dtype, device or
     structure raises a :class:`~hf_sparsity.utils.SparsityError` with the model untouched.
     Returns the same model, modified in place. ``model.generate`` works as before.
     """
-    from .backends.auto import AutoBackend
-
     model_u = unwrap_model(model)
     klass = get_backend(backend)
     if keep_dense is None:
-        keep_dense = klass.name not in ("auto", "bitmask", "nm24", "native_dense")
+        keep_dense = not klass.capabilities.frees_dense
     if any(isinstance(m, SparseLinear) for m in model_u.modules()):
         raise SparsityError("The model is already sparsified for inference; call restore_dense(model) first.")
+    _check_values(model_u, klass, backend_options.get("values"))
     found = _resolve_masks(model_u, masks, config)
-    targets = _sparse_targets(model_u, found)
-    swaps: list[tuple[str, nn.Module]] = []
-    choices: dict[str, dict] = {}
-    check = False
-    if klass is AutoBackend:
-        check = backend_options.pop("check", True)
-        swaps, choices = _auto_swaps(model_u, targets, keep_dense, backend_options)
-    else:
-        for _name, module_name, owner, w2, m2 in targets:
-            prepared = klass.from_dense(w2, m2, **backend_options)
-            swaps.append((module_name, SparseLinear(owner, prepared, keep_dense=keep_dense)))
-    if check and swaps:
-        swaps = _check_whole_model(model_u, swaps, choices)
+    targets = [LayerTarget(*t) for t in _sparse_targets(model_u, found)]
+
+    def wrap(module: nn.Module, prepared: SparseBackend, keep_dense: bool = keep_dense) -> SparseLinear:
+        return SparseLinear(module, prepared, keep_dense=keep_dense)
+
+    plan = klass.plan_model(model_u, targets, wrap, **backend_options)
+    swaps = plan.swaps
     for module_name, new in swaps:  # every layer prepared: now swap them all
         replace_module(model_u, module_name, new)
-    if klass is AutoBackend:
-        model_u._hf_sparsity_auto = choices
+    if plan.choices:
+        model_u._hf_sparsity_auto = plan.choices
         if verbose:
             print(auto_report(model_u))
     logger.info("sparsify_for_inference: %d layers now run on %s.", len(swaps), klass.name)
     return model
 
 
-def _auto_swaps(model_u: nn.Module, targets: list, keep_dense: bool, options: dict) -> tuple[list, dict]:
-    """``auto``: plan every target layer (and the LM head), build the swaps; nothing swapped yet."""
-    from .backends.auto import AutoBackend, plan_layers
+def _check_values(model_u: nn.Module, klass: type[SparseBackend], values: Any) -> None:
+    """``values="int8"``: refuse a backend without int8 values and an already-quantized model."""
+    if values is None:
+        return
+    if values != "int8":
+        raise SparsityError(f"values={values!r}: use 'int8', or leave it unset to keep the weight's dtype.")
+    if not klass.capabilities.int8_values:
+        from .backends import available_backends, get_backend
 
-    lm_head = options.pop("lm_head", True)
-    plan = plan_layers({t[0]: (t[3], t[4]) for t in targets}, **options)
-    swaps: list[tuple[str, nn.Module]] = []
-    choices: dict[str, dict] = {}
-    for name, module_name, owner, _, _ in targets:
-        b, prefill, keep, choice = plan[name]
-        choices[module_name] = choice
-        if b is not None:
-            wrapped = AutoBackend._wrap(b, prefill, keep, choice)
-            swaps.append((module_name, SparseLinear(owner, wrapped, keep_dense)))
-    head = _plan_lm_head(model_u, {t[1] for t in targets}, options) if lm_head else None
-    if head is not None:
-        choices[head[0]] = head[2]
-        if head[1] is not None:
-            swaps.append((head[0], head[1]))
-    return swaps, choices
-
-
-def _check_whole_model(
-    model_u: nn.Module, swaps: list, choices: dict, rounds: int = 3, tokens: int = 8
-) -> list:
-    """``auto``'s per-layer choices checked on the whole model: greedy decoding of ``tokens`` tokens with
-    and without the swaps, interleaved ``rounds`` times (medians). If the converted model is slower, no
-    layer is converted (recorded as ``whole_model_check`` in every choice). Layer timings in isolation
-    can mislead (caches, thread hand-offs between torch and the native pool); this is the guard."""
-    import statistics
-
-    from .backends import timing  # looked up at call time (tests substitute decode_tok_s)
-
-    if not hasattr(model_u, "generate") or not getattr(getattr(model_u, "config", None), "vocab_size", None):
-        return swaps
-    originals = {name: model_u.get_submodule(name) for name, _ in swaps}
-    ids = torch.randint(2, int(model_u.config.vocab_size), (1, 8), generator=torch.Generator().manual_seed(0))
-    speeds: dict[str, list[float]] = {"dense": [], "auto": []}
-    was_training = model_u.training
-    model_u.eval()
-    try:
-        timing.decode_tok_s(model_u, ids, 2)
-        for name, new in swaps:
-            replace_module(model_u, name, new)
-        timing.decode_tok_s(model_u, ids, 2)
-        for _ in range(rounds):
-            for name, old in originals.items():
-                replace_module(model_u, name, old)
-            speeds["dense"].append(timing.decode_tok_s(model_u, ids, tokens))
-            for name, new in swaps:
-                replace_module(model_u, name, new)
-            speeds["auto"].append(timing.decode_tok_s(model_u, ids, tokens))
-    finally:
-        for name, old in originals.items():
-            replace_module(model_u, name, old)
-        model_u.train(was_training)
-    ratio = statistics.median(speeds["auto"]) / statistics.median(speeds["dense"])
-    kept = ratio >= 1.0
-    for c in choices.values():
-        c["whole_model_check"] = {
-            "auto_vs_dense": round(ratio, 3),
-            "kept": kept,
-            "tokens": tokens,
-            "rounds": rounds,
-        }
-    if kept:
-        return swaps
-    logger.warning(
-        "auto: the converted model decoded at %.2fx dense in the whole-model check; keeping every layer "
-        "dense.",
-        ratio,
+        have = [n for n in available_backends() if get_backend(n).capabilities.int8_values]
+        raise SparsityError(
+            f"Backend {klass.name!r} has no int8 values; backends that do: {', '.join(have) or 'none'}. "
+            "Or leave values unset to keep the weight's dtype."
+        )
+    config = getattr(model_u, "config", None)
+    quantized = (
+        getattr(model_u, "is_quantized", False)
+        or getattr(model_u, "hf_quantizer", None) is not None
+        or getattr(config, "quantization_config", None) is not None
     )
-    for c in choices.values():
-        c["planned"] = {k: c[k] for k in PLAN_KEYS}
-        c.update(zip(PLAN_KEYS, ("dense", 1.0) * 3))
-    return []
-
-
-def _plan_lm_head(model_u: nn.Module, taken: set[str], options: dict) -> tuple | None:
-    """``(module name, SparseLinear or None, choice)`` for the output embedding: dense vs native GEMV."""
-    from .backends.auto import AutoBackend, plan_layers
-
-    head = model_u.get_output_embeddings() if hasattr(model_u, "get_output_embeddings") else None
-    if not isinstance(head, nn.Linear) or head.weight.device.type != "cpu":
-        return None
-    if head.weight.dtype not in AutoBackend.capabilities.dtypes:
-        return None
-    name = next((n for n, m in model_u.named_modules() if m is head), None)
-    if name is None or name in taken:
-        return None
-    opts = {k: v for k, v in options.items() if k in ("rounds", "margin", "threads", "prefill_batch")}
-    w = head.weight.detach()
-    plan = plan_layers(
-        {name: (w, torch.ones((), dtype=torch.uint8).expand(w.shape))}, formats=("native_dense",), **opts
-    )
-    b, prefill, keep, choice = plan[name]
-    choice = dict(choice, lm_head=True)
-    if b is None:
-        return name, None, choice
-    return name, SparseLinear(head, AutoBackend._wrap(b, prefill, keep, choice), keep_dense=True), choice
+    low = sorted({str(p.dtype)[6:] for p in model_u.parameters() if not p.is_floating_point()})
+    if quantized or low:
+        what = f"its weights are {', '.join(low)}" if low else "it was loaded with a quantization_config"
+        raise SparsityError(
+            f"values='int8' needs a model with float weights, but this one is already quantized ({what}). "
+            "Load the unquantized model (float32 or bfloat16), or leave values unset."
+        )
 
 
 def auto_choices(model: nn.Module) -> dict[str, dict]:
@@ -416,7 +333,7 @@ def compiled_generate_kwargs(fullgraph: bool = True, backend: str = "inductor") 
     every new prompt length or ``max_new_tokens`` compiles again (the static cache's length is
     part of the graph): compile pays for long or repeated generations of one shape. It also builds
     the C++ variants of the custom ops once (``hf_sparsity.backends.ops.build_cpp_ops``: needs
-    ninja; ~10 s, cached; the Python ops serve otherwise). Figures: docs/backends.md.
+    ninja; ~10 s, cached; the Python ops serve otherwise). Figures: docs/results/backends.md.
     """
     from transformers import CompileConfig
 

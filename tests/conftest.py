@@ -73,3 +73,9 @@ def tiny_model(arch: str, seed: int = 0, **kw):
 
 
 ARCHS = ["gpt2", "llama", "gpt_neox", "opt"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plan_cache(tmp_path_factory, monkeypatch):
+    """Each test starts with an empty ``auto`` plan cache of its own (never the user's)."""
+    monkeypatch.setenv("HF_SPARSITY_PLAN_CACHE", str(tmp_path_factory.mktemp("plans") / "plans.json"))

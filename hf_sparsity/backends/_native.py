@@ -1,19 +1,16 @@
-"""A small native CSR kernel for batch-1 decoding on CPU, compiled on first use.
+"""The native CPU kernels (CSR, bitmask, 2:4, dense GEMV), compiled on first use and called via ctypes.
 
-Why: torch.sparse CSR reaches only ~1.2x dense at 90% sparsity for a batch-1
-matvec on CPU. Decoding is memory-bound, so the format must read few bytes per
-nonzero and the kernel must use every core: float32 values with 16-bit column
-indices (6 bytes per nonzero, against 4 per dense weight or 8-12 for torch's CSR),
-rows handed to threads in contiguous chunks.
+Decoding is memory-bound, so each format reads few bytes per weight and the kernels use every core:
+CSR with float32 values and 16-bit column indices, the bitmask and 2:4 formats with fp32, bf16 or int8
+values (:mod:`hf_sparsity.backends.formats`), rows handed to threads in contiguous chunks, the value
+stream prefetched ahead in software (see the C source).
 
 Threads: built with ``-fopenmp`` (the first flag set tried), the kernels run their row chunks on
 OpenMP's team, and since this library is loaded after torch, its ``libgomp.so.1`` resolves to the copy
-torch already loaded: the team is torch's own intra-op pool. The threads that just ran a torch op, and
-still spin waiting for the next one (libgomp's default), take the sparse layer's chunks. A pool of the
-kernel's own (still built, for compilers without OpenMP or ``HF_SPARSITY_NATIVE_POOL=pthread``)
-fights those spinning threads for the same cores: measured on 2 cores, the SmolLM2-135M shape at 50%
-decoded at 0.69x dense with its own pool and 1.10x with torch's (before the prefetch below). The
-kernels also prefetch their value stream 4 KB ahead in software (see the C source).
+torch already loaded: the team is torch's own intra-op pool, whose threads (still spinning after the
+last torch op) take the sparse layer's chunks instead of a second pool fighting them for the same
+cores. A pool of the kernel's own is still built, for compilers without OpenMP or
+``HF_SPARSITY_NATIVE_POOL=pthread``.
 
 The source (``csrc/hfs_kernels.c``, package data) is plain C11 + pthreads + OpenMP (no torch headers),
 so it builds with the system C compiler in a few seconds (``cc -O3 -march=native -shared -fopenmp``)
@@ -22,7 +19,7 @@ source, flags, compiler and CPU, then loaded with ``ctypes`` (which releases the
 GIL during calls; callers on other Python threads get OpenMP teams of their own, or, with the
 pthread pool, run serially rather than share it).
 Anything failing (no compiler, read-only cache, non-Linux platform) makes
-:func:`load` return ``None`` and callers fall back to torch.sparse;
+:func:`load` return ``None`` and callers fall back to torch;
 ``HF_SPARSITY_NO_NATIVE=1`` forces that fallback.
 """
 
@@ -67,9 +64,7 @@ MIN_WORK_PER_THREAD = 16384  # multiply-adds; below this, waking a helper costs 
 def chunk_rows(rows: int, nthreads: int) -> int:
     """Rows per chunk: one contiguous chunk per thread (still claimed dynamically, so a late thread's
     chunk is taken by the other). Long contiguous streams keep the hardware prefetcher going and cost
-    one claim each: measured on 2 cores, out of cache, bitmask at 50% per layer, 1536x576: 81 us in two
-    chunks against 89 / 94 / 108 / 142 us in 32 / 48 / 96 / 384 chunks; 192x576: 15.7 against 19.6 us
-    in 16 chunks; three uneven chunks were slower than two."""
+    one claim each; many small chunks were slower."""
     return max(1, -(-rows // max(1, nthreads)))
 
 
@@ -317,6 +312,17 @@ def decode_row(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
     )
 
 
+def vtype(values: torch.Tensor) -> int:
+    """The kernels' value type of a values tensor: 0 float32, 1 bfloat16, 2 int8 (a buffer that starts with
+    the rows' float32 scales, see :func:`scale_bytes`)."""
+    return 2 if values.dtype == torch.int8 else int(values.dtype == torch.bfloat16)
+
+
+def scale_bytes(rows: int) -> int:
+    """Bytes of the per-row float32 scales at the start of an int8 values buffer (padded to 64)."""
+    return (rows * 4 + 63) & ~63
+
+
 OPS = {"bitmask": 0, "nm24": 1, "gemv": 2, "bitmask_unpack": 3, "nm24_unpack": 4}
 UNPACK_OPS = ("bitmask_unpack", "nm24_unpack")
 
@@ -343,7 +349,8 @@ def run_op(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x2d @ W^T (+ bias)`` (or, for the ``*_unpack`` ops, the dense ``[rows, in]`` weight) with a packed
-    weight; ``x2d`` float32 ``[B, in]`` contiguous; ``values`` float32 or bfloat16 (read as its bits).
+    weight; ``x2d`` float32 ``[B, in]`` contiguous; ``values`` float32, bfloat16 (read as its bits) or an
+    int8 buffer (per-row float32 scales, then the int8 values; see :func:`scale_bytes`).
     ``out``: for the unpack ops, a contiguous float32 ``[rows, in]`` tensor to write into (a reused
     buffer: no fresh pages to fault in)."""
     lib = load()
@@ -369,7 +376,7 @@ def run_op(
         OPS[op], rows, in_features, chunk, nthreads,
         None if rowptr is None else rowptr.data_ptr(),
         None if meta is None else meta.data_ptr(),
-        values.data_ptr(), int(values.dtype == torch.bfloat16),
+        values.data_ptr(), vtype(values),
         None if x2d is None else x2d.data_ptr(), y.data_ptr(), batch,
         None if bias is None else bias.data_ptr(),
     )  # fmt: skip

@@ -28,11 +28,13 @@ Conventions shared by every backend:
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
+from ..checks import check_structure
 from ..utils import SparsityError
 
 PHASES = ("forward", "backward_input", "backward_weight")
@@ -50,6 +52,11 @@ class BackendCapabilities:
     """True when it reads the live weight on every call (usable while the weight trains)."""
     structure: str | None = None
     """Mask structure it requires (``"2:4"``), or None for any unstructured mask."""
+    int8_values: bool = False
+    """True when it can store the kept values as int8 with one scale per output row (``values="int8"``)."""
+    frees_dense: bool = False
+    """True when it keeps no dense copy of the weight (the point is memory): a converted model then drops
+    the dense modules by default (``sparsify_for_inference(keep_dense=None)``)."""
     description: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -83,6 +90,31 @@ class WorkCounters:
 
     def to_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
+
+
+class LayerTarget(NamedTuple):
+    """One layer a model-level plan converts: parameter and module names, the module, and its weight and
+    mask as ``[out, in]`` (GPT-2 ``Conv1D`` transposed)."""
+
+    name: str
+    module_name: str
+    module: Any
+    weight: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass
+class ModelPlan:
+    """What :meth:`SparseBackend.plan_model` decided for a model: the module swaps (module name ->
+    replacement module; layers absent stay as they are) and, per module, a JSON-simple record of the
+    decision (empty for backends that decide nothing)."""
+
+    swaps: list[tuple[str, Any]] = field(default_factory=list)
+    choices: dict[str, dict] = field(default_factory=dict)
+
+
+Wrap = Callable[..., Any]
+"""``wrap(module, backend, keep_dense=None) -> module``: the caller's layer wrapper (a ``SparseLinear``)."""
 
 
 def _new_counters() -> dict[str, WorkCounters]:
@@ -132,6 +164,20 @@ class SparseBackend:
         """True when the backend can run here (see :meth:`unavailable_reason`)."""
         return cls.unavailable_reason() is None
 
+    # ------------------------------------------------------------------ model-level planning
+    @classmethod
+    def plan_model(cls, model: Any, targets: list[LayerTarget], wrap: Wrap, **options: Any) -> ModelPlan:
+        """Prepare every target layer of ``model``; nothing is swapped yet (the caller swaps them all once
+        every layer converted, so a failure leaves the model untouched).
+
+        The default converts each layer with :meth:`from_dense` (``options`` passed through). A backend
+        that decides per layer or looks at the whole model (``auto``) overrides this: it may leave layers
+        out, convert modules that are not targets (an LM head) and record its choices.
+        """
+        return ModelPlan(
+            [(t.module_name, wrap(t.module, cls.from_dense(t.weight, t.mask, **options))) for t in targets]
+        )
+
     # ------------------------------------------------------------------ construction
     def __init__(self, weight: torch.Tensor, mask: torch.Tensor, **options: Any):
         self.weight = weight
@@ -156,6 +202,8 @@ class SparseBackend:
         Raises :class:`~hf_sparsity.utils.SparsityError` when the backend is unavailable
         here, or the weight's device / dtype / mask structure is not supported.
         """
+        from . import registry  # the registry module imports this one
+
         reason = cls.unavailable_reason()
         if reason is not None:
             raise SparsityError(f"Backend {cls.name!r} is not available: {reason}")
@@ -166,14 +214,22 @@ class SparseBackend:
             raise SparsityError(
                 f"Backend {cls.name!r} runs on {', '.join(caps.devices)}, but the weight is on "
                 f"{weight.device}. Move the model (model.to(...)) or pick a backend that runs there: "
-                f"{_alternatives(weight.device.type, weight.dtype)}."
+                f"{registry.alternatives(weight.device.type, weight.dtype)}."
             )
         if weight.dtype not in caps.dtypes:
             names = ", ".join(str(t).replace("torch.", "") for t in caps.dtypes)
             raise SparsityError(
                 f"Backend {cls.name!r} supports dtypes {names}, not {weight.dtype}. Cast the model "
                 f"(model.to(dtype)) or pick a backend that takes it: "
-                f"{_alternatives(weight.device.type, weight.dtype)}."
+                f"{registry.alternatives(weight.device.type, weight.dtype)}."
+            )
+        values = options.get("values")
+        if values not in (None, "int8"):
+            raise SparsityError(f"values={values!r}: use None (the weight's dtype) or 'int8'.")
+        if values == "int8" and not caps.int8_values:
+            raise SparsityError(
+                f"Backend {cls.name!r} has no int8 values; backends that do: {registry.int8_backends()}. Or "
+                "leave values unset to keep the weight's dtype."
             )
         if mask is None:
             mask = weight.detach() != 0
@@ -184,8 +240,6 @@ class SparseBackend:
             )
         mask = mask.detach().to(device=weight.device, dtype=torch.uint8)
         if caps.structure is not None:
-            from ..config import check_structure
-
             n, m = check_structure(caps.structure)
             check_nm(mask, n, m, backend=cls.name)
         return cls(weight, mask, **options)
@@ -278,20 +332,16 @@ def check_nm(mask: torch.Tensor, n: int, m: int, dim: int = 1, backend: str = ""
         )
 
 
-def _alternatives(device_type: str, dtype: torch.dtype) -> str:
-    """Registered backends that run on ``device_type`` with ``dtype`` (for error messages)."""
-    from . import _REGISTRY
-
-    names = [
-        n
-        for n, k in sorted(_REGISTRY.items())
-        if device_type in k.capabilities.devices and dtype in k.capabilities.dtypes and n != "emulator"
-    ]
-    return ", ".join(names) or "none registered"
-
-
 def _shape(t: Any) -> str:
     return str(list(t.shape)) if torch.is_tensor(t) else type(t).__name__
 
 
-__all__ = ["PHASES", "BackendCapabilities", "SparseBackend", "WorkCounters", "check_nm"]
+__all__ = [
+    "PHASES",
+    "BackendCapabilities",
+    "LayerTarget",
+    "ModelPlan",
+    "SparseBackend",
+    "WorkCounters",
+    "check_nm",
+]

@@ -23,13 +23,13 @@ import torch
 from ..utils import SparsityError
 from . import _native, ops
 from .base import BackendCapabilities, SparseBackend
+from .registry import register_backend
 
 KERNELS = ("auto", "native", "torch")
 NATIVE_MAX_BATCH = 16
 """Above this many rows of ``x`` (prefill, batched scoring), where the native kernel was built without SIMD,
 ``kernel="auto"`` hands the product to torch.sparse CSR (built lazily, int32 indices). With AVX2 / AVX-512
-the native blocked kernel takes every batch: measured on 2 cores, 128 rows, it ran 1.2-2.1x faster than
-torch.sparse (MKL) on GPT-2-small shapes at 50-90% (and 2.4x faster than dense at 90%)."""
+the native blocked kernel takes every batch (it is faster than torch.sparse's MKL path)."""
 
 
 def _csr_parts(weight: torch.Tensor, mask: torch.Tensor):
@@ -42,6 +42,7 @@ def _csr_parts(weight: torch.Tensor, mask: torch.Tensor):
     return rowptr, cols, weight.detach()[rows, cols]
 
 
+@register_backend
 class CSRBackend(SparseBackend):
     """CSR storage; native batch-1 kernel on CPU, torch.sparse CSR elsewhere.
 
@@ -90,6 +91,14 @@ class CSRBackend(SparseBackend):
                     rowptr.to(torch.int32), cols.to(torch.int32), values, size=tuple(w.shape)
                 )
         self._dense_cache = None
+
+    def release_dense(self) -> None:
+        """Drop the dense weight and mask this backend keeps (for ``refresh`` and training) once it is
+        known to serve inference only; the native CSR arrays stay. Only with the native kernel."""
+        if self._native is None:
+            raise SparsityError("csr: release_dense needs the native kernel (torch.sparse reads the weight).")
+        self.weight = torch.empty(0, dtype=self.weight.dtype)
+        self.mask = torch.ones((), dtype=torch.uint8).expand(self.out_features, self.in_features)
 
     @property
     def index_bytes(self) -> int:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import BackendCapabilities, SparseBackend, WorkCounters
+from .registry import register_backend
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class _Ell:
         self.prefix = (n_owner - at_most).tolist()
 
 
+@register_backend
 class EmulatorBackend(SparseBackend):
     """Exact reference: one AXPY per nonzero in a fixed order, with work counters and a cycle model.
 

@@ -14,7 +14,10 @@ close to the bound:
   GEMV for small batches (torch's fp32 GEMV may use one core). Used by ``auto`` for layers
   where dense wins and for the LM head; it is "dense with the same improvements".
 
-Values are fp32 or bf16 (the weight's dtype); the kernels compute in fp32. The native
+Values are fp32 or bf16 (the weight's dtype), or, for ``bitmask`` and ``nm24`` with
+``values="int8"``, int8 with one symmetric float32 scale per output row (round to nearest, computed at
+conversion: ``scale = max|w_row| / 127``): 0.625 bytes per weight at 50% with a bitmask. The kernels
+compute in fp32 (``sum(q * x) * scale``); ``to_dense()`` returns the dequantized weight. The native
 AVX2/FMA kernels (:mod:`hf_sparsity.backends._native`, ``csrc/hfs_kernels.c``) run batch 1
 and small batches; larger batches (prefill) go through a dense GEMM on the weight rebuilt
 on the fly (``prefill="unpack"``, default: no dense copy kept) or, from 17 rows, the native
@@ -37,6 +40,7 @@ import torch.nn.functional as F
 from ..utils import SparsityError
 from . import _native, ops
 from .base import BackendCapabilities, SparseBackend
+from .registry import register_backend
 
 SMALL_BATCH = 16
 """Rows of ``x`` up to which the native kernels run; above, a dense GEMM on the unpacked weight."""
@@ -59,6 +63,16 @@ def scratch_buffer(rows: int, cols: int) -> torch.Tensor:
         ):  # a normal tensor: usable (and writable) in and out of inference mode
             buf = bufs[(rows, cols)] = torch.empty(rows, cols, dtype=torch.float32)
     return buf
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: ``(scales float32 [rows], codes int8 [rows, in])`` with ``w ~ scales[:, None] *
+    codes``, ``scale = max|w_row| / 127`` (1 for an all-zero row), codes rounded to nearest."""
+    wf = w.float()
+    amax = wf.abs().amax(1) if wf.shape[1] else wf.new_zeros(wf.shape[0])
+    scales = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    codes = torch.round(wf / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    return scales.contiguous(), codes
 
 
 def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
@@ -118,7 +132,14 @@ class _PackedBackend(SparseBackend):
         self.kernel = "native" if kernel != "torch" and _native.load() is not None else "torch"
         self.threads = self.options.get("threads")
         w, m = self._tmp
-        self._pack(w.detach(), m.bool())
+        w, m = w.detach(), m.bool()
+        self.int8 = self.options.get("values") == "int8"
+        if self.int8:  # pack the int8 codes; the kernels apply the row scales
+            self.scales, w = quantize_rows(w * m)
+        self._pack(w, m)
+        if self.int8:  # a view of the scales inside the values buffer (no second copy)
+            sb = _native.scale_bytes(self.out_features)
+            self.scales = self.values[:sb].view(torch.float32)[: self.out_features]
         self._batch1 = None  # the batch-1 call's fixed arguments, built on first use (see linear)
 
     def __getstate__(self):  # copies and pickles rebuild the batch-1 call (it holds raw pointers)
@@ -132,6 +153,36 @@ class _PackedBackend(SparseBackend):
             "mask)."
         )
 
+    def _store(self, vals: torch.Tensor, pad: int) -> torch.Tensor:
+        """The kernels' values tensor from the kept values in order, with ``pad`` zeros after (the kernels
+        read whole vectors): in the values' dtype, or, with int8 values, one int8 buffer holding the rows'
+        float32 scales (padded to 64 bytes) and then the codes."""
+        n = vals.numel()
+        if not self.int8:
+            out = torch.zeros(n + pad, dtype=self.dtype)
+            out[:n] = vals.reshape(-1)
+            return out
+        sb = _native.scale_bytes(self.out_features)
+        out = torch.zeros(sb + n + pad, dtype=torch.int8)
+        out[:sb].view(torch.float32)[: self.out_features] = self.scales
+        out[sb : sb + n] = vals.reshape(-1)
+        return out
+
+    def _codes(self) -> torch.Tensor:
+        """The stored values (int8 codes without their scales) as float32, padding included."""
+        if not self.int8:
+            return self.values.float()
+        return self.values[_native.scale_bytes(self.out_features) :].float()
+
+    def _scaled(self, out: torch.Tensor) -> torch.Tensor:
+        """``out`` ``[rows, in]`` built from :meth:`_codes`, times the row scales (int8 values)."""
+        return out.mul_(self.scales[:, None]) if self.int8 else out
+
+    @property
+    def values_bytes(self) -> int:
+        """Bytes of the stored values (with int8 values: the codes and their row scales)."""
+        return self.values.numel() * self.values.element_size()
+
     @property
     def storage_bytes(self) -> int:
         """Bytes of every tensor the packed weight holds (values, bitmask / positions, row offsets)."""
@@ -142,7 +193,7 @@ class _PackedBackend(SparseBackend):
 
     @property
     def index_bytes(self) -> int:
-        return self.storage_bytes - self.values.numel() * self.values.element_size()
+        return self.storage_bytes - self.values_bytes
 
     # ------------------------------------------------------------------ compute
     def _batch1_call(self):
@@ -154,7 +205,7 @@ class _PackedBackend(SparseBackend):
         prep, addr = _native.prepared_call((
             _native.OPS[self.op], self.out_features, self.in_features, nt,
             None if rowptr is None else rowptr.data_ptr(), None if meta is None else meta.data_ptr(),
-            self.values.data_ptr(), int(self.values.dtype == torch.bfloat16),
+            self.values.data_ptr(), _native.vtype(self.values),
         ))  # fmt: skip
         return prep, addr, torch.get_num_threads()
 
@@ -267,6 +318,7 @@ class _PackedBackend(SparseBackend):
     # subclasses: _pack, _tensors, _native_mm, _unpack, _dense_mask
 
 
+@register_backend
 class BitmaskBackend(_PackedBackend):
     """1 bit per weight + packed kept values (fp32 or bf16). Any unstructured mask, CPU."""
 
@@ -276,7 +328,9 @@ class BitmaskBackend(_PackedBackend):
         devices=("cpu",),
         dtypes=(torch.float32, torch.bfloat16),
         training=False,
-        description="1-bit mask + packed values (2.125 B/weight at 50% fp32); native AVX2 kernel",
+        frees_dense=True,
+        int8_values=True,
+        description="1-bit mask + packed values (fp32 / bf16, or int8 with row scales); native kernels",
     )
 
     def _pack(self, w: torch.Tensor, m: torch.Tensor) -> None:
@@ -284,8 +338,7 @@ class BitmaskBackend(_PackedBackend):
         counts = m.sum(1, dtype=torch.int64)
         self.rowptr = torch.zeros(self.out_features + 1, dtype=torch.int64)
         torch.cumsum(counts, 0, out=self.rowptr[1:])
-        vals = w[m].to(self.dtype)
-        self.values = torch.cat([vals, vals.new_zeros(16)]).contiguous()  # the kernel reads 16 at a time
+        self.values = self._store(w[m], 16)  # the kernel reads 16 at a time
 
     def _tensors(self):
         return (self.bits, self.rowptr, self.values)
@@ -307,10 +360,11 @@ class BitmaskBackend(_PackedBackend):
                 self.rowptr, None, threads,
             )  # fmt: skip
         out = torch.zeros(self.out_features, self.in_features, dtype=torch.float32)
-        out[_unpack_bits(self.bits, self.in_features)] = self.values[: self.nnz].float()
-        return out
+        out[_unpack_bits(self.bits, self.in_features)] = self._codes()[: self.nnz]
+        return self._scaled(out)
 
 
+@register_backend
 class NM24Backend(_PackedBackend):
     """2:4 along the input dimension on CPU: two values and two 2-bit positions per four weights."""
 
@@ -321,8 +375,10 @@ class NM24Backend(_PackedBackend):
         devices=("cpu",),
         dtypes=(torch.float32, torch.bfloat16),
         training=False,
+        frees_dense=True,
         structure="2:4",
-        description="CPU 2:4: packed values + 2-bit positions (2.125 B/weight fp32); native AVX2 kernel",
+        int8_values=True,
+        description="CPU 2:4: packed values + 2-bit positions (fp32 / bf16, or int8 with row scales)",
     )
 
     def _pack(self, w: torch.Tensor, m: torch.Tensor) -> None:
@@ -332,7 +388,7 @@ class NM24Backend(_PackedBackend):
         key = (~g).to(torch.int8) * 4 + torch.arange(4, dtype=torch.int8)
         pos = key.argsort(dim=-1, stable=True)[..., :2].sort(-1).values  # [out, groups, 2], ascending
         vals = torch.gather((w * m).view(out_f, in_f // 4, 4), 2, pos)
-        self.values = torch.cat([vals.reshape(-1).to(self.dtype), vals.new_zeros(8, dtype=self.dtype)])
+        self.values = self._store(vals, 8)
         nib = (pos[..., 0] | (pos[..., 1] << 2)).to(torch.uint8)  # [out, groups]
         if nib.shape[1] % 2:
             nib = F.pad(nib, (0, 1))
@@ -361,9 +417,9 @@ class NM24Backend(_PackedBackend):
                 "nm24_unpack", out_f, in_f, None, self.values, self.meta, None, None, threads
             )
         out = torch.zeros(out_f, in_f // 4, 4, dtype=torch.float32)
-        vals = self.values[: out_f * in_f // 2].float().view(out_f, in_f // 4, 2)
+        vals = self._codes()[: out_f * in_f // 2].view(out_f, in_f // 4, 2)
         out.scatter_(2, self._positions(), vals)
-        return out.view(out_f, in_f)
+        return self._scaled(out.view(out_f, in_f))
 
     def _dense_mask(self) -> torch.Tensor:
         # the kept positions with a stored value; a padded slot (group keeping fewer than 2) holds 0
@@ -380,6 +436,7 @@ class NM24Backend(_PackedBackend):
         return out.view(out_f, in_f)
 
 
+@register_backend
 class NativeDenseBackend(_PackedBackend):
     """The masked weight kept dense; a multi-threaded native GEMV for small batches, ``F.linear`` above."""
 
@@ -390,6 +447,7 @@ class NativeDenseBackend(_PackedBackend):
         devices=("cpu",),
         dtypes=(torch.float32, torch.bfloat16),
         training=False,
+        frees_dense=True,
         description="dense weight, native multi-threaded GEMV for batch <= 16 (LM head, dense layers)",
     )
 

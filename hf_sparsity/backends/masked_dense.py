@@ -6,8 +6,10 @@ import torch
 import torch.nn.functional as F
 
 from .base import BackendCapabilities, SparseBackend
+from .registry import register_backend
 
 
+@register_backend
 class MaskedDenseBackend(SparseBackend):
     """Dense compute on the masked weight, read live on every call.
 

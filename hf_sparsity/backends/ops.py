@@ -4,8 +4,8 @@ So that a compiled model traces through a sparse layer instead of breaking its g
 ctypes call. Eager code calls the kernels directly (a custom op's dispatch costs a few
 microseconds per call, which adds up over ~200 layers per token); compiled code calls these.
 They are defined with torch.library.Library (a schema, a CPU kernel, a fake kernel) rather than
-torch.library.custom_op, whose Python autograd wrapper costs ~9 us more per call under no_grad
-(12.6 against 3.9 us measured; ~1.6 ms per token over 180 layers). They have no autograd formula:
+torch.library.custom_op, whose Python autograd wrapper costs several microseconds more per call under
+no_grad, paid at every sparse layer of every token. They have no autograd formula:
 the inference backends call them only without gradients. Imported by ``hf_sparsity.backends``.
 """
 
@@ -55,7 +55,7 @@ def packed_linear(
         nt = _native.threads_for(nnz, nthreads or None)
         prep, addr = _native.prepared_call((  # ``prep`` stays referenced until the kernel call returns
             _native.OPS[op], rows, in_f, nt, None if rowptr is None else rowptr.data_ptr(),
-            None if meta is None else meta.data_ptr(), values.data_ptr(), int(values.dtype == torch.bfloat16),
+            None if meta is None else meta.data_ptr(), values.data_ptr(), _native.vtype(values),
         ))  # fmt: skip
         y = torch.empty(*x.shape[:-1], rows, dtype=torch.float32)
         _native._lib.hfs_run_prepared(

@@ -23,12 +23,14 @@ import torch.nn.functional as F
 
 from ..import_utils import semi_structured_unavailable_reason
 from .base import BackendCapabilities, SparseBackend
+from .registry import register_backend
 
 logger = logging.getLogger(__name__)
 
 _PAD_ROWS = 64  # conservative multiple for the dense operand's row count (CUTLASS needs 8/16/32/64 by dtype)
 
 
+@register_backend
 class SemiStructuredBackend(SparseBackend):
     """2:4 semi-structured sparse weight on a CUDA GPU (``torch.sparse.to_sparse_semi_structured``)."""
 

@@ -102,6 +102,32 @@ def generate_args(args) -> None:
     positive(args.threads, "--threads")
     if args.masks and args.masks != "zeros" and not os.path.exists(args.masks):
         raise SparsityError(f"--masks {args.masks!r} does not exist. Give a mask file or folder, or 'zeros'.")
+    if getattr(args, "lean", False) and getattr(args, "compile", False):
+        raise SparsityError("--lean and --compile are two decoding loops; pick one.")
+    if getattr(args, "values", None):
+        _int8_values(args.backend, args.model_dir)
+
+
+def _int8_values(backend: str, folder: str) -> None:
+    """``--values int8``: a backend that stores int8 values, and a folder whose weights are not quantized."""
+    import json
+
+    from ..backends import available_backends, get_backend
+
+    if not get_backend(backend, check_available=False).capabilities.int8_values:
+        have = " / ".join(n for n in available_backends() if get_backend(n).capabilities.int8_values)
+        raise SparsityError(f"--values int8: backend {backend!r} has no int8 values; use --backend {have}.")
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            quant = json.load(f).get("quantization_config")
+    except (OSError, ValueError):
+        quant = None
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise SparsityError(
+            f"--values int8: {folder} is already quantized ({method}); int8 values need float weights. "
+            "Use the unquantized checkpoint, or drop --values."
+        )
 
 
 def generate_fits(model_dir: str, ids, max_new_tokens: int) -> None:

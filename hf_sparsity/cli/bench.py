@@ -11,7 +11,7 @@ Whole-model decoding (tokens/s, dense vs backend, interleaved rounds, medians)::
     hf_sparsity bench --model DIR --backend emulator       # + the modeled speedup of the dataflow machine
 
 ``ratio`` is ``dense_ms / backend_ms`` (above 1: the backend is faster). The library code is in
-:mod:`hf_sparsity.backends.bench`.
+:mod:`hf_sparsity.tools.bench` (imported when the command runs).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from ..backends.bench import DTYPES, bench_layer, bench_model, parse_shape
 from ..utils import SparsityError
 
 
@@ -33,6 +32,7 @@ def _print_human(res: dict[str, Any]) -> None:
 
 def bench_command(args) -> int:
     """Entry point of ``hf_sparsity bench``."""
+    from ..tools.bench import DTYPES, bench_layer, bench_model, parse_shape
     from . import _checks
 
     _checks.bench_args(args)  # one-line errors for bad input

@@ -4,6 +4,8 @@
     hf_sparsity generate MODEL_DIR --prompt TEXT --backend bitmask --max-new-tokens 64
     hf_sparsity generate MODEL_DIR --prompt TEXT --masks zeros      # a finalized folder: its exact zeros
     hf_sparsity generate MODEL_DIR --prompt TEXT --compile          # torch.compile'd forward, static cache
+    hf_sparsity generate MODEL_DIR --prompt TEXT --values int8      # int8 values, per-row scales
+    hf_sparsity generate MODEL_DIR --prompt TEXT --lean             # the lean greedy loop (same tokens)
 
 Masks: ``--masks`` (a mask file / folder, or ``zeros``); by default the folder's
 ``sparsity_masks.safetensors``, or, for a finalized folder without one, the exact zeros of
@@ -45,9 +47,21 @@ def _load(model_dir: str, dtype: str | None, prompt: str, max_new_tokens: int):
     return model, tok, ids
 
 
-def _generate(model, ids, n: int, streamer=None, **kw) -> tuple[object, float]:
+def _generate(model, ids, n: int, streamer=None, lean: bool = False, **kw) -> tuple[object, float]:
     import torch
 
+    if lean:  # the lean loop: forward + argmax per token (the same tokens as generate's greedy)
+        from ..decoding import greedy_decode
+
+        t = time.perf_counter()
+        if streamer is not None:
+            streamer.put(ids)  # the prompt (skipped by the streamer)
+        put = (lambda tok: streamer.put(torch.tensor([tok]))) if streamer is not None else None
+        out = greedy_decode(model, ids, n, on_token=put)
+        dt = time.perf_counter() - t
+        if streamer is not None:
+            streamer.end()
+        return out, (out.shape[1] - ids.shape[1]) / max(dt, 1e-9)
     t = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
@@ -99,11 +113,12 @@ def generate_command(args) -> int:
     warm = args.max_new_tokens if args.compile else 2
     if not args.no_dense:
         t = time.perf_counter()
-        _generate(model, ids, warm, **kw)
+        _generate(model, ids, warm, lean=args.lean, **kw)
         compile_s["dense"] = time.perf_counter() - t
-        _, dense_tok_s = _generate(model, ids, args.max_new_tokens, **kw)
+        _, dense_tok_s = _generate(model, ids, args.max_new_tokens, lean=args.lean, **kw)
     t = time.perf_counter()
-    sparsify_for_inference(model, args.backend, masks=masks)
+    values = {"values": args.values} if args.values else {}
+    sparsify_for_inference(model, args.backend, masks=masks, **values)
     convert_s = time.perf_counter() - t
     if args.backend == "auto" and args.show_choices:
         print(auto_report(model), file=sys.stderr)
@@ -113,11 +128,11 @@ def generate_command(args) -> int:
         torch._dynamo.reset()  # the converted model is another graph
         model.__dict__.pop("_compiled_call", None)
     t = time.perf_counter()
-    _generate(model, ids, warm, **kw)
+    _generate(model, ids, warm, lean=args.lean, **kw)
     compile_s[args.backend] = time.perf_counter() - t
     print(args.prompt, end="", flush=True)
     streamer = TextStreamer(tok, skip_prompt=True)
-    _, tok_s = _generate(model, ids, args.max_new_tokens, streamer, **kw)
+    _, tok_s = _generate(model, ids, args.max_new_tokens, streamer, lean=args.lean, **kw)
     line = f"\n[{args.backend}: {tok_s:.2f} tok/s"
     if dense_tok_s:
         line += f", dense {dense_tok_s:.2f} tok/s ({tok_s / dense_tok_s:.2f}x)"
@@ -127,6 +142,8 @@ def generate_command(args) -> int:
         f"; weights {resident_weight_bytes(model) / 2**20:.1f} MiB vs dense {dense_bytes / 2**20:.1f} MiB; "
         f"conversion {convert_s:.1f} s; {torch.get_num_threads()} threads"
     )
+    if args.lean:
+        line += "; lean decoding loop"
     if args.compile:
         line += "; compiled, compile + first run " + ", ".join(f"{k} {v:.0f} s" for k, v in compile_s.items())
     line += "]"
@@ -150,6 +167,12 @@ def generate_command_parser(subparsers):
     p.add_argument("--max-new-tokens", type=int, default=64, help="Tokens to generate (default 64)")
     p.add_argument("--masks", default=None, help="A mask file / folder, or 'zeros' (default: see above)")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: as saved)")
+    p.add_argument(
+        "--values",
+        default=None,
+        choices=("int8",),
+        help="Store the kept values as int8 with per-row scales (bitmask, nm24, auto); default: the dtype",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch / native kernel threads")
     p.add_argument("--no-dense", action="store_true", help="Skip the dense comparison run")
     p.add_argument("--show-choices", action="store_true", help="With auto: print the choice per layer")
@@ -157,6 +180,11 @@ def generate_command_parser(subparsers):
         "--compile",
         action="store_true",
         help="Compile the forward (static KV cache, inductor) for both runs; the first run of each compiles",
+    )
+    p.add_argument(
+        "--lean",
+        action="store_true",
+        help="Both runs decode with the lean greedy loop (forward + argmax per token; hf_sparsity.decoding)",
     )
     p.set_defaults(func=generate_command)
     return p

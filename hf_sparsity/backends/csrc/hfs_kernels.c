@@ -179,7 +179,8 @@ struct job {
   const int64_t* rowptr; const void* idx; const float* v; const float* x; float* y;
   const float* bias;
   /* formats other than CSR: fn(job, r0, r1) computes rows [r0, r1); `in` = input features;
-     vbf16: values are bfloat16 bit patterns (uint16) instead of float32 */
+     vbf16: the value type, 0 float32, 1 bfloat16 bit patterns (uint16), 2 int8 with per-row scales
+     (see VSCALE_BYTES) */
   void (*fn)(const job_t*, int64_t, int64_t);
   int64_t in;
   int vbf16;
@@ -210,11 +211,24 @@ static inline float bf16f(uint16_t h) {
   memcpy(&f, &u, 4);
   return f;
 }
-#define VALB(v, bf, k) ((bf) ? bf16f(((const uint16_t*)(v))[k]) : ((const float*)(v))[k])
-#define VAL(j, k) ((j)->vbf16 ? bf16f(((const uint16_t*)(j)->v)[k]) : ((const float*)(j)->v)[k])
+#define VALB(v, bf, k)                                                                                  \
+  ((bf) == 2 ? (float)((const int8_t*)(v))[k] : (bf) ? bf16f(((const uint16_t*)(v))[k]) : ((const float*)(v))[k])
+
+/* int8 values (value type 2): symmetric per output row, w = scale[r] * q. The values buffer starts with
+   the rows' float32 scales, padded to 64 bytes (VSCALE_BYTES), then the int8 values in the format's
+   order. Products accumulate q * x in float32 and multiply by the row's scale once, at the store. */
+#define VSCALE_BYTES(rows) ((((int64_t)(rows)) * 4 + 63) & ~(int64_t)63)
+static inline __attribute__((always_inline)) const void* vbase(const void* v, const int vt, int64_t rows) {
+  return vt == 2 ? (const void*)((const char*)v + VSCALE_BYTES(rows)) : v;
+}
+static inline __attribute__((always_inline)) float vscale(const void* v, const int vt, int64_t r) {
+  return vt == 2 ? ((const float*)v)[r] : 1.f;
+}
 
 #if HFS_SIMD
 static inline __attribute__((always_inline)) __m256 loadv8_(const void* v, int bf, int64_t k) {
+  if (bf == 2)
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)((const int8_t*)v + k))));
   if (bf)
     return _mm256_castsi256_ps(_mm256_slli_epi32(
         _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)((const uint16_t*)v + k))), 16));
@@ -222,18 +236,14 @@ static inline __attribute__((always_inline)) __m256 loadv8_(const void* v, int b
 }
 #if defined(__AVX512F__)
 static inline __attribute__((always_inline)) __m512 loadv16_(const void* v, int bf, int64_t k) {
+  if (bf == 2)
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)((const int8_t*)v + k))));
   if (bf)
     return _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)v + k))), 16));
   return _mm512_loadu_ps((const float*)v + k);
 }
 #endif
-static inline __m256 loadv8(const job_t* j, int64_t k) {
-  if (j->vbf16)
-    return _mm256_castsi256_ps(_mm256_slli_epi32(
-        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)((const uint16_t*)j->v + k))), 16));
-  return _mm256_loadu_ps((const float*)j->v + k);
-}
 /* lane i of entry b: the rank of bit i among b's set bits, or -1 (sign bit: lane zeroed) when bit i
    is clear. 8 KB, built at load. */
 static int32_t g_bm_lanes[256][8] __attribute__((aligned(32)));
@@ -250,7 +260,7 @@ __attribute__((constructor)) static void init_lanes(void) {
 #endif
 
 static inline __attribute__((always_inline)) void bm_rows_(const job_t* j, int64_t r0, int64_t r1, const int BF) {
-  const void* const V = j->v;
+  const void* const V = vbase(j->v, BF, j->rows);
   const int64_t in = j->in, mb = (in + 7) >> 3, B = j->B, rows = j->rows;
   const uint8_t* M = (const uint8_t*)j->idx;
   const float* x = j->x;
@@ -275,7 +285,7 @@ static inline __attribute__((always_inline)) void bm_rows_(const job_t* j, int64
             uint16_t k0, k1;
             memcpy(&k0, m + g, 2);
             memcpy(&k1, m + g + 2, 2);
-            PREFETCH((const char*)V + (o << (BF ? 1 : 2)));
+            PREFETCH((const char*)V + ((o) << (BF == 2 ? 0 : BF ? 1 : 2)));
             z0 = _mm512_fmadd_ps(_mm512_maskz_expand_ps(k0, loadv16_(V, BF, o)), _mm512_loadu_ps(xb + 8 * g), z0);
             o += __builtin_popcount(k0);
             z1 = _mm512_fmadd_ps(_mm512_maskz_expand_ps(k1, loadv16_(V, BF, o)), _mm512_loadu_ps(xb + 8 * g + 16), z1);
@@ -286,7 +296,7 @@ static inline __attribute__((always_inline)) void bm_rows_(const job_t* j, int64
 #endif
         for (; g + 2 <= ng; g += 2) {
           uint32_t m0 = m[g], m1 = m[g + 1];
-          PREFETCH((const char*)V + (o << (BF ? 1 : 2)));
+          PREFETCH((const char*)V + ((o) << (BF == 2 ? 0 : BF ? 1 : 2)));
           __m256 w0 = bm_expand(m0, loadv8_(V, BF, o));
           o += __builtin_popcount(m0);
           __m256 w1 = bm_expand(m1, loadv8_(V, BF, o));
@@ -326,20 +336,23 @@ static inline __attribute__((always_inline)) void bm_rows_(const job_t* j, int64
         o++;
         for (int64_t k = 0; k < nb; k++) s[k] += w * x[(b0 + k) * in + c];
       }
+      const float sc = vscale(j->v, BF, r);
       for (int64_t k = 0; k < nb; k++)
-        j->y[(b0 + k) * rows + r] = j->bias ? s[k] + j->bias[r] : s[k];
+        j->y[(b0 + k) * rows + r] = j->bias ? s[k] * sc + j->bias[r] : s[k] * sc;
     }
   }
 }
 static void bm_rows(const job_t* j, int64_t r0, int64_t r1) {
-  if (j->vbf16)
+  if (j->vbf16 == 2)
+    bm_rows_(j, r0, r1, 2);
+  else if (j->vbf16)
     bm_rows_(j, r0, r1, 1);
   else
     bm_rows_(j, r0, r1, 0);
 }
 
 static inline __attribute__((always_inline)) void nm24_rows_(const job_t* j, int64_t r0, int64_t r1, const int BF) {
-  const void* const V = j->v;
+  const void* const V = vbase(j->v, BF, j->rows);
   const int64_t in = j->in, B = j->B, rows = j->rows, mb = in >> 3, half = in >> 1;
   (void)mb;
   const uint8_t* M = (const uint8_t*)j->idx;
@@ -358,7 +371,7 @@ static inline __attribute__((always_inline)) void nm24_rows_(const job_t* j, int
       if (nb == 1) {
         const float* xb = x + b0 * in;
         for (; q + 4 <= mb; q += 4, c += 32) {
-          PREFETCH((const char*)V + ((vo + c / 2) << (BF ? 1 : 2)));
+          PREFETCH((const char*)V + ((vo + c / 2) << (BF == 2 ? 0 : BF ? 1 : 2)));
           uint64_t l0 = (uint64_t)g_nm_lane[m[q]] | (uint64_t)g_nm_lane[m[q + 1]] << 32;
           uint64_t l1 = (uint64_t)g_nm_lane[m[q + 2]] | (uint64_t)g_nm_lane[m[q + 3]] << 32;
           __m256i i0 = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)l0));
@@ -392,12 +405,15 @@ static inline __attribute__((always_inline)) void nm24_rows_(const job_t* j, int
         const int64_t c0 = c + (bits & 3), c1 = c + (bits >> 2);
         for (int64_t k = 0; k < nb; k++) s[k] += w0 * x[(b0 + k) * in + c0] + w1 * x[(b0 + k) * in + c1];
       }
-      for (int64_t k = 0; k < nb; k++) j->y[(b0 + k) * rows + r] = j->bias ? s[k] + j->bias[r] : s[k];
+      const float sc = vscale(j->v, BF, r);
+      for (int64_t k = 0; k < nb; k++) j->y[(b0 + k) * rows + r] = j->bias ? s[k] * sc + j->bias[r] : s[k] * sc;
     }
   }
 }
 static void nm24_rows(const job_t* j, int64_t r0, int64_t r1) {
-  if (j->vbf16)
+  if (j->vbf16 == 2)
+    nm24_rows_(j, r0, r1, 2);
+  else if (j->vbf16)
     nm24_rows_(j, r0, r1, 1);
   else
     nm24_rows_(j, r0, r1, 0);
@@ -406,7 +422,7 @@ static void nm24_rows(const job_t* j, int64_t r0, int64_t r1) {
 /* Dense y = x W^T: W [rows, in] float32 (or bf16 bits). For the LM head: torch's fp32 GEMV may run on
    one thread; this one splits rows over the pool. */
 static inline __attribute__((always_inline)) void gemv_rows_(const job_t* j, int64_t r0, int64_t r1, const int BF) {
-  const void* const V = j->v;
+  const void* const V = vbase(j->v, BF, j->rows);
   const int64_t in = j->in, B = j->B, rows = j->rows;
   const float* x = j->x;
   for (int64_t r = r0; r < r1; r++) {
@@ -427,12 +443,15 @@ static inline __attribute__((always_inline)) void gemv_rows_(const job_t* j, int
       s = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
 #endif
       for (; c < in; c++) s += VALB(V, BF, o + c) * xb[c];
+      s *= vscale(j->v, BF, r);
       j->y[b * rows + r] = j->bias ? s + j->bias[r] : s;
     }
   }
 }
 static void gemv_rows(const job_t* j, int64_t r0, int64_t r1) {
-  if (j->vbf16)
+  if (j->vbf16 == 2)
+    gemv_rows_(j, r0, r1, 2);
+  else if (j->vbf16)
     gemv_rows_(j, r0, r1, 1);
   else
     gemv_rows_(j, r0, r1, 0);
@@ -443,31 +462,34 @@ static void gemv_rows(const job_t* j, int64_t r0, int64_t r1) {
    batch-1 kernel, and stored; the row's scalar tail after. */
 static inline __attribute__((always_inline)) void bm_unpack_rows_(const job_t* j, int64_t r0, int64_t r1,
                                                                   const int BF) {
-  const void* const V = j->v;
+  const void* const V = vbase(j->v, BF, j->rows);
   const int64_t in = j->in, mb = (in + 7) >> 3;
   const uint8_t* M = (const uint8_t*)j->idx;
   for (int64_t r = r0; r < r1; r++) {
     const uint8_t* m = M + r * mb;
     float* out = j->y + r * in;
     int64_t o = j->rowptr[r], c = 0;
+    const float sc = vscale(j->v, BF, r);
 #if HFS_SIMD
 #if defined(__AVX512F__)
     for (; c + 16 <= in; c += 16) {
       uint16_t k;
       memcpy(&k, m + (c >> 3), 2);
-      _mm512_storeu_ps(out + c, _mm512_maskz_expand_ps(k, loadv16_(V, BF, o)));
+      __m512 w = _mm512_maskz_expand_ps(k, loadv16_(V, BF, o));
+      _mm512_storeu_ps(out + c, BF == 2 ? _mm512_mul_ps(w, _mm512_set1_ps(sc)) : w);
       o += __builtin_popcount(k);
     }
 #endif
     for (; c + 8 <= in; c += 8) {
       const uint32_t b = m[c >> 3];
-      _mm256_storeu_ps(out + c, bm_expand(b, loadv8_(V, BF, o)));
+      __m256 w = bm_expand(b, loadv8_(V, BF, o));
+      _mm256_storeu_ps(out + c, BF == 2 ? _mm256_mul_ps(w, _mm256_set1_ps(sc)) : w);
       o += __builtin_popcount(b);
     }
 #endif
     for (; c < in; c++) {
       if (m[c >> 3] >> (c & 7) & 1) {
-        out[c] = VALB(V, BF, o);
+        out[c] = VALB(V, BF, o) * sc;
         o++;
       } else {
         out[c] = 0.f;
@@ -476,7 +498,9 @@ static inline __attribute__((always_inline)) void bm_unpack_rows_(const job_t* j
   }
 }
 static void bm_unpack_rows(const job_t* j, int64_t r0, int64_t r1) {
-  if (j->vbf16)
+  if (j->vbf16 == 2)
+    bm_unpack_rows_(j, r0, r1, 2);
+  else if (j->vbf16)
     bm_unpack_rows_(j, r0, r1, 1);
   else
     bm_unpack_rows_(j, r0, r1, 0);
@@ -500,28 +524,33 @@ static inline __attribute__((always_inline)) void nm24_unpack_rows_(const job_t*
                                                                     const int BF) {
   const int64_t in = j->in, half = in >> 1;
   const uint8_t* M = (const uint8_t*)j->idx;
+  const void* const V = vbase(j->v, BF, j->rows);
   for (int64_t r = r0; r < r1; r++) {
     const uint8_t* m = M + r * ((in + 7) >> 3);
     float* out = j->y + r * in;
     const int64_t vo = r * half;
+    const float sc = vscale(j->v, BF, r);
     int64_t c = 0;
 #if HFS_SIMD
     for (; c + 8 <= in; c += 8) {
-      const __m256 vals = loadv8_(j->v, BF, vo + c / 2); /* lanes 0-3 used; the values array is padded */
-      _mm256_storeu_ps(out + c, expand_lanes(g_nm_inv[m[c >> 3]], vals));
+      const __m256 vals = loadv8_(V, BF, vo + c / 2); /* lanes 0-3 used; the values array is padded */
+      const __m256 w = expand_lanes(g_nm_inv[m[c >> 3]], vals);
+      _mm256_storeu_ps(out + c, BF == 2 ? _mm256_mul_ps(w, _mm256_set1_ps(sc)) : w);
     }
 #endif
     for (; c < in; c += 4) {
       const uint32_t bits = (uint32_t)(m[c >> 3] >> ((c & 4) ? 4 : 0)) & 15u;
       float g[4] = {0.f, 0.f, 0.f, 0.f};
-      g[bits & 3] = VALB(j->v, BF, vo + c / 2);
-      g[bits >> 2] = VALB(j->v, BF, vo + c / 2 + 1); /* the two positions differ (padding included) */
+      g[bits & 3] = VALB(V, BF, vo + c / 2) * sc;
+      g[bits >> 2] = VALB(V, BF, vo + c / 2 + 1) * sc; /* the two positions differ (padding included) */
       memcpy(out + c, g, sizeof g);
     }
   }
 }
 static void nm24_unpack_rows(const job_t* j, int64_t r0, int64_t r1) {
-  if (j->vbf16)
+  if (j->vbf16 == 2)
+    nm24_unpack_rows_(j, r0, r1, 2);
+  else if (j->vbf16)
     nm24_unpack_rows_(j, r0, r1, 1);
   else
     nm24_unpack_rows_(j, r0, r1, 0);
@@ -640,7 +669,7 @@ static inline __attribute__((always_inline)) void spmm_block_(const job_t* j, in
                                                               const int BF) {
   const int64_t in = j->in, B = j->B, rows = j->rows, mb = (in + 7) >> 3, wp = NV * VW;
   const int64_t CB = STILE / wp / 16 * 16 < SCBMAX ? STILE / wp / 16 * 16 : SCBMAX;
-  const void* const V = j->v;
+  const void* const V = vbase(j->v, BF, rows);
   const uint8_t* M = (const uint8_t*)j->idx;
   for (int64_t r = rb; r < re; r++) {
     pos[r - rb] = F == 3 ? r * (in >> 1) : j->rowptr[r];
@@ -727,7 +756,10 @@ static inline __attribute__((always_inline)) void spmm_block_(const job_t* j, in
   const int64_t bw = B - b0 < wp ? B - b0 : wp;
   for (int64_t b = 0; b < bw; b++) {
     float* yb = j->y + (b0 + b) * rows;
-    for (int64_t r = rb; r < re; r++) yb[r] = j->bias ? acc[(r - rb) * wp + b] + j->bias[r] : acc[(r - rb) * wp + b];
+    for (int64_t r = rb; r < re; r++) {
+      const float s = acc[(r - rb) * wp + b] * vscale(j->v, BF, r);
+      yb[r] = j->bias ? s + j->bias[r] : s;
+    }
   }
 }
 
@@ -764,13 +796,17 @@ static inline __attribute__((always_inline)) void spmm_rows_(const job_t* j, int
 static void spmm_csr16_rows(const job_t* j, int64_t r0, int64_t r1) { spmm_rows_(j, r0, r1, 0, 0); }
 static void spmm_csr32_rows(const job_t* j, int64_t r0, int64_t r1) { spmm_rows_(j, r0, r1, 1, 0); }
 static void spmm_bm_rows(const job_t* j, int64_t r0, int64_t r1) {
-  if (j->vbf16)
+  if (j->vbf16 == 2)
+    spmm_rows_(j, r0, r1, 2, 2);
+  else if (j->vbf16)
     spmm_rows_(j, r0, r1, 2, 1);
   else
     spmm_rows_(j, r0, r1, 2, 0);
 }
 static void spmm_nm24_rows(const job_t* j, int64_t r0, int64_t r1) {
-  if (j->vbf16)
+  if (j->vbf16 == 2)
+    spmm_rows_(j, r0, r1, 3, 2);
+  else if (j->vbf16)
     spmm_rows_(j, r0, r1, 3, 1);
   else
     spmm_rows_(j, r0, r1, 3, 0);
@@ -1003,7 +1039,7 @@ int hfs_set_openmp(int on) {
 #endif
   return g_use_omp;
 }
-int hfs_version(void) { return 7; }
+int hfs_version(void) { return 8; }
 int hfs_simd(void) { return HFS_SIMD; }
 /* 0 scalar, 1 AVX2 + FMA, 2 AVX-512 (the bitmask expand and CSR gather paths) */
 int hfs_isa(void) {

@@ -60,7 +60,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& values, const st
   if (batch > 0 && rows > 0) {
     g_run(code, rows, in_f, (rows + nt - 1) / nt, static_cast<int>(nt),
           static_cast<const int64_t*>(ptr(rowptr)), ptr(meta), values.data_ptr(),
-          values.scalar_type() == at::kBFloat16 ? 1 : 0, x2d.data_ptr<float>(), y.data_ptr<float>(), batch,
+          values.scalar_type() == at::kChar ? 2 : values.scalar_type() == at::kBFloat16 ? 1 : 0, x2d.data_ptr<float>(), y.data_ptr<float>(), batch,
           b.defined() ? b.data_ptr<float>() : nullptr);
   } else if (b.defined()) {
     y.copy_(b.expand_as(y));

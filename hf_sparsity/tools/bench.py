@@ -1,7 +1,7 @@
 """Timing sparse backends against dense: one layer, or a whole model's greedy decoding.
 
-The library side of ``hf_sparsity bench`` (the CLI in :mod:`hf_sparsity.cli.bench` only
-parses arguments) and of ``benchmarks/backends.py``:
+The harness behind ``hf_sparsity bench`` (the CLI in :mod:`hf_sparsity.cli.bench` only parses
+arguments) and ``benchmarks/backends.py``; the library never imports it:
 
 * :func:`bench_layer`: one ``[out, in]`` layer, interleaved dense / backend timings, error vs the emulator;
 * :func:`bench_model`: whole-model greedy decoding, dense vs a backend, interleaved rounds;
@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
+from ..backends.measure import decode_tok_s, interleaved_ms, read_bandwidth_gbs  # noqa: F401
 from ..modeling import apply_masks, linear_dims
 from ..utils import SparsityError
-from .timing import decode_tok_s, interleaved_ms
 
 DTYPES = {
     "float32": torch.float32,
@@ -80,7 +80,7 @@ def bench_layer(
     **options: Any,
 ) -> dict[str, Any]:
     """Time one ``[out, in]`` layer on ``backend`` against dense ``F.linear``; error vs the emulator."""
-    from . import get_backend
+    from ..backends import get_backend
 
     klass = get_backend(backend)
     if klass.capabilities.structure and not structure:
@@ -218,8 +218,8 @@ def modeled_model_speedup(model, machine=None) -> dict[str, Any]:
     """
     import math
 
+    from ..backends import EmulatorBackend, MachineSpec
     from ..inference import SparseLinear
-    from . import EmulatorBackend, MachineSpec
 
     machine = machine or MachineSpec()
     sparse_c = sparse_d = other = 0
@@ -264,7 +264,8 @@ def modeled_model_speedup(model, machine=None) -> dict[str, Any]:
 
 def auto_groups(model) -> tuple[dict[str, dict[str, Any]], dict | None]:
     """``auto``'s choices per group of like layers (the LM head apart), and its whole-model check."""
-    from ..inference import PLAN_KEYS, auto_choices
+    from ..backends.auto import PLAN_KEYS
+    from ..inference import auto_choices
 
     groups: dict[str, dict[str, Any]] = {}
     check = None
@@ -292,8 +293,8 @@ def bench_model(
     """Whole-model greedy decoding, dense vs ``backend``, interleaved rounds; medians and ratio."""
     from transformers import AutoModelForCausalLM
 
+    from ..backends import get_backend
     from ..inference import restore_dense, sparse_layers
-    from . import get_backend
 
     klass = get_backend(backend)
     if model is None:
@@ -386,3 +387,39 @@ def _split_backend_vs_dense(model, ids, new_tokens: int, layers: list[str], dens
     }
     out.update({k: round(v, 3) for k, v in speedup_bounds(dense_b, density).items()})
     return out
+
+
+def decode_bytes_per_token(model) -> int:
+    """Bytes of weights one greedy decoding step reads: every linear layer's weight (a converted layer's
+    packed storage, without a dense copy kept for prefill or restore) and the LM head; the input
+    embedding contributes one row. The memory-bandwidth bound of decoding is the read bandwidth over
+    this."""
+    from torch import nn
+
+    from ..inference import SparseLinear
+    from ..modeling import is_conv1d
+
+    model = getattr(model, "module", model)
+    seen: set[int] = set()
+    total = 0
+
+    def add(t: torch.Tensor, nbytes: int | None = None) -> None:
+        nonlocal total
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size() if nbytes is None else nbytes
+
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    for m in model.modules():
+        if isinstance(m, SparseLinear):
+            b = m.backend
+            tensors = b.decode.storage_tensors() if hasattr(b, "decode") else b.storage_tensors()
+            for t in tensors:
+                add(t)
+        elif isinstance(m, nn.Linear) or is_conv1d(m):
+            add(m.weight)
+    if emb is not None and emb.weight.untyped_storage().data_ptr() not in seen:
+        w = emb.weight
+        total += w.shape[1] * w.element_size()  # one row
+    return total

@@ -1,0 +1,82 @@
+"""The measurements ``auto`` makes while converting a model: round-robin timings of calls (its per-layer
+choice), greedy decoding speed (its whole-model check) and the machine's memory read bandwidth (its cost
+model). The benchmark tools use them too; this module imports nothing of theirs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+
+def decode_tok_s(model, ids: torch.Tensor, new_tokens: int, **generate_kwargs: Any) -> float:
+    """Tokens/s of greedy ``generate`` producing exactly ``new_tokens`` tokens after the prompt
+    (``generate_kwargs``: e.g. :func:`hf_sparsity.inference.compiled_generate_kwargs`)."""
+    t = time.perf_counter()
+    with torch.inference_mode():  # as inference should run; dense and backend alike
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=getattr(model.generation_config, "pad_token_id", None) or 0,
+            **generate_kwargs,
+        )
+    return new_tokens / (time.perf_counter() - t)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def interleaved_ms(
+    fns: dict[str, Any], repeats: int, inner: int = 1, device=None, stat: str = "median"
+) -> dict[str, float]:
+    """Milliseconds per call of each function, timed round-robin (A, B, A, B, ...) to share the noise,
+    after one warm-up call each (lazy init, caches, kernel build): the median over ``repeats`` rounds, or
+    with ``stat="min"`` the fastest round (noise from other work only ever adds time)."""
+    device = torch.device(device or "cpu")
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            _sync(device)
+            t = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            _sync(device)
+            times[k].append((time.perf_counter() - t) * 1e3 / inner)
+    pick = min if stat == "min" else statistics.median
+    return {k: pick(v) for k, v in times.items()}
+
+
+_BANDWIDTH: dict[int, float] = {}
+
+
+def read_bandwidth_gbs(nbytes: int = 256 << 20, repeats: int = 5, threads: int | None = None) -> float:
+    """The memory read bandwidth in GB/s with ``threads`` (default ``torch.get_num_threads()``): a
+    STREAM-like sum over a float32 buffer of ``nbytes`` (larger than the last-level cache), the fastest of
+    ``repeats`` passes. Measured once per process and thread count."""
+    nt = threads or torch.get_num_threads()
+    if nt in _BANDWIDTH:
+        return _BANDWIDTH[nt]
+    old = torch.get_num_threads()
+    torch.set_num_threads(nt)
+    try:
+        buf = torch.ones(nbytes // 4, dtype=torch.float32)
+        buf.sum()  # fault the pages in
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            buf.sum()
+            best = min(best, time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(old)
+    _BANDWIDTH[nt] = nbytes / best / 1e9
+    return _BANDWIDTH[nt]

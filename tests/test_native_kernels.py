@@ -1,0 +1,119 @@
+"""Every native kernel against the emulator over every input width 1..130 and odd output widths.
+
+One sweep per (format, value type, batch path): the batch-1 decode path, the small-batch row kernels
+(2-16 rows) and the blocked batched kernel (17+ rows), for fp32, bf16 and int8 values. A SIMD loop
+bound off by one shows at the widths where a vector tail starts (8, 16, 24, 32, ..., 120, 128). The
+int8 formats are checked against the emulator on their dequantized weight. The same sweep runs on the
+AVX2 build of an AVX-512 machine (a subprocess), so both vector paths are covered.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf_sparsity.backends import _native, get_backend
+
+NATIVE = _native.load() is not None
+pytestmark = pytest.mark.skipif(not NATIVE, reason="native kernel did not build (no C compiler)")
+
+WIDTHS = range(1, 131)
+OUT_WIDTHS = (1, 7, 13)
+BATCHES = {"decode": 1, "rows": 5, "blocked": 19}
+
+# (format, value type): every combination a native kernel serves
+KERNELS = [
+    ("csr", "fp32"),
+    ("bitmask", "fp32"),
+    ("bitmask", "bf16"),
+    ("bitmask", "int8"),
+    ("nm24", "fp32"),
+    ("nm24", "bf16"),
+    ("nm24", "int8"),
+    ("native_dense", "fp32"),
+    ("native_dense", "bf16"),
+]
+
+
+def _mask(name: str, out_f: int, in_f: int, g: torch.Generator) -> torch.Tensor:
+    if name == "nm24":  # 2:4 with some groups keeping fewer (padded slots)
+        keep = torch.rand(out_f, in_f // 4, 4, generator=g).argsort(-1).argsort(-1) < 2
+        drop = torch.rand(out_f, in_f // 4, 4, generator=g) < 0.2
+        return (keep & ~drop).reshape(out_f, in_f).to(torch.uint8)
+    if name == "native_dense":
+        return torch.ones(out_f, in_f, dtype=torch.uint8)
+    return (torch.rand(out_f, in_f, generator=g) < 0.5).to(torch.uint8)
+
+
+def sweep(name: str, vtype: str) -> int:
+    """Compare one kernel with the emulator over every width and every batch path (one backend with
+    ``prefill="native"`` serves all three); returns the number of shapes checked."""
+    g = torch.Generator().manual_seed(len(name) * 131 + len(vtype))
+    dtype = torch.bfloat16 if vtype == "bf16" else torch.float32
+    opts = {"kernel": "native", "threads": 1}  # one thread: no team wake-up per call (the sweep stays fast)
+    if vtype == "int8":
+        opts["values"] = "int8"
+    if name != "csr":
+        opts["prefill"] = "native"  # batches above 16 rows on the blocked kernel, not a dense GEMM
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=3e-2)
+    splits = [BATCHES[p] for p in BATCHES]
+    checked = 0
+    for in_f in WIDTHS:
+        if name == "nm24" and in_f % 4:
+            continue
+        for out_f in OUT_WIDTHS:
+            w = (torch.randn(out_f, in_f, generator=g) / math.sqrt(in_f)).to(dtype)
+            mask = _mask(name, out_f, in_f, g)
+            b = get_backend(name).from_dense(w, mask, **opts)
+            wd = b._unpack().float() if vtype == "int8" else (w.float() * mask)  # the weight it computes with
+            emu = get_backend("emulator").from_dense(wd, mask, float64_accumulator=True)
+            x = torch.randn(sum(splits), in_f, generator=g).to(dtype)
+            bias = torch.randn(out_f, generator=g).to(dtype)
+            wants = emu.linear(x.float(), bias.float()).split(splits)
+            for path, xb, want in zip(BATCHES, x.split(splits), wants):
+                got = b.linear(xb, bias).float()
+                if not torch.allclose(got, want, **tol):  # assert_close is slow; it explains a failure
+                    where = f"{name} {vtype} {path} {out_f}x{in_f}"
+                    torch.testing.assert_close(got, want, **tol, msg=lambda m, where=where: f"{where}: {m}")
+            checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("name,vtype", KERNELS, ids=[f"{n}-{v}" for n, v in KERNELS])
+def test_native_kernel_matches_emulator_at_every_width(name, vtype):
+    assert sweep(name, vtype) > 0
+
+
+def test_int8_dequantized_weight_is_close_and_compact():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 256, generator=g)
+    mask = (torch.rand(64, 256, generator=g) < 0.5).to(torch.uint8)
+    b = get_backend("bitmask").from_dense(w, mask, values="int8")
+    wd = b.to_dense()
+    assert torch.equal(wd != 0, (w * mask) != 0) or bool(((wd != 0) <= mask.bool()).all())
+    step = (w * mask).abs().amax(1, keepdim=True) / 127
+    assert bool(((wd - w * mask).abs() <= step / 2 + 1e-7).all())  # round to nearest
+    assert b.storage_bytes / w.numel() < 0.5 * 1 + 0.125 + 0.05  # 0.625 B/weight + offsets and scales
+
+
+@pytest.mark.skipif(_native.isa() != "avx512", reason="only an AVX-512 machine has a second vector path")
+def test_avx2_build_matches_emulator_at_every_width():
+    # the AVX2 kernels of an AVX-512 machine, built into a separate cache
+    env = {**os.environ, "HF_SPARSITY_NATIVE_NO_AVX512": "1"}  # cached apart: the flags key the build
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = (
+        f"import sys; sys.path.insert(0, {root!r})\n"
+        "from tests.test_native_kernels import KERNELS, sweep\n"
+        "from hf_sparsity.backends import _native\n"
+        "assert _native.isa() == 'avx2', _native.isa()\n"
+        "for n, v in KERNELS:\n"
+        "    sweep(n, v)\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
