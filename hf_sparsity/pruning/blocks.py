@@ -83,6 +83,25 @@ def to_device(obj: Any, device: torch.device | str) -> Any:
     return obj
 
 
+def slice_inputs(chunk: BlockInputs, lo: int, hi: int, batch: int) -> BlockInputs:
+    """Windows ``lo:hi`` of a chunk of ``batch``: every tensor argument whose first dimension is the
+    batch is sliced (masks, position ids); those shared by the batch (first dimension 1) are kept."""
+
+    def cut(obj):
+        if isinstance(obj, torch.Tensor):
+            return obj[lo:hi] if obj.dim() and obj.shape[0] == batch and batch > 1 else obj
+        if isinstance(obj, tuple):
+            return tuple(cut(o) for o in obj)
+        if isinstance(obj, list):
+            return [cut(o) for o in obj]
+        if isinstance(obj, dict):
+            return {k: cut(v) for k, v in obj.items()}
+        return obj
+
+    hidden = None if chunk.hidden is None else chunk.hidden[lo:hi]
+    return replace(chunk, hidden=hidden, args=cut(chunk.args), kwargs=cut(chunk.kwargs))
+
+
 @torch.no_grad()
 def capture_block_inputs(
     model: nn.Module, first_block: nn.Module, input_ids: torch.Tensor, batch_size: int

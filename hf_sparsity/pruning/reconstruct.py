@@ -9,8 +9,8 @@ regional gradients of Wanda++). Everything else in the block (norms, biases) sta
 
 Pruned weights stay exactly zero: their gradients are masked before each step, so Adam's moments
 there are zero and its update is zero; the mask is multiplied in again after each step. One
-step is one calibration chunk (``batch_size`` windows), in order, cycling: no randomness, so
-the result is deterministic for a calibration set.
+step takes the next ``windows`` calibration windows, in order, cycling: no randomness, so the
+result is deterministic for a calibration set.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ import torch
 from torch import nn
 
 from ..utils import SparsityError
-from .blocks import BlockInputs, call_block
+from .blocks import BlockInputs, call_block, slice_inputs
 
-DEFAULT_STEPS = 8
-DEFAULT_LR = 3e-5
+DEFAULT_STEPS = 16
+DEFAULT_LR = 1e-4
+DEFAULT_WINDOWS = 2  # calibration windows per step: 16 steps x 2 = one pass over 32 windows
 
 
 def check_steps(steps: int | None) -> None:
@@ -45,6 +46,7 @@ def reconstruct_block(
     weights: dict[str, tuple[nn.Parameter, torch.Tensor]],
     steps: int = DEFAULT_STEPS,
     lr: float = DEFAULT_LR,
+    windows: int = DEFAULT_WINDOWS,
 ) -> tuple[float, float]:
     """Train ``weights`` (name -> (parameter, uint8 keep mask in its layout)) for ``steps`` Adam steps.
 
@@ -52,6 +54,9 @@ def reconstruct_block(
     Returns the relative error of the first and the last step's chunk (before the update).
     """
     check_steps(steps)
+    order = [
+        (j, lo, min(lo + windows, len(h))) for j, h in enumerate(inputs) for lo in range(0, len(h), windows)
+    ]
     params = dict(block.named_parameters())
     trainable = {id(p) for p, _ in weights.values()}
     before = {n: p.requires_grad for n, p in params.items()}
@@ -63,8 +68,9 @@ def reconstruct_block(
         opt = torch.optim.Adam([p for p, _ in keeps], lr=lr)
         with torch.enable_grad():
             for step in range(steps):
-                j = step % len(chunks)
-                loss = _relative_mse(call_block(block, chunks[j], inputs[j]), targets[j])
+                j, lo, hi = order[step % len(order)]
+                chunk = slice_inputs(chunks[j], lo, hi, len(inputs[j]))
+                loss = _relative_mse(call_block(block, chunk, inputs[j][lo:hi]), targets[j][lo:hi])
                 loss.backward()
                 with torch.no_grad():
                     for p, keep in keeps:

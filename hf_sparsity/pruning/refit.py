@@ -30,8 +30,14 @@ from ..utils import SparsityError
 logger = logging.getLogger(__name__)
 
 
-def _cg(W0, start, Hd, keep, tol, max_iter):
-    """Masked CG towards ``W0``'s outputs from ``start * keep``; returns (W, converged)."""
+def _cg(W0, start, Hd, keep, tol, max_iter, energy_tol=1e-5):
+    """Masked CG towards ``W0``'s outputs from ``start * keep``; returns (W, converged).
+
+    Converged: every row's residual is below ``tol`` relative to its right-hand side, or the
+    objective stopped moving (the last iteration lowered it by less than ``energy_tol`` of the
+    total decrease so far: on SmolLM2's attention projections the objective is then within about
+    0.01% of its minimum while the float32 residual still creeps down).
+    """
     B = (W0 @ Hd) * keep
     W = start * keep
     R = B - (W @ Hd) * keep
@@ -40,6 +46,7 @@ def _cg(W0, start, Hd, keep, tol, max_iter):
     P = Z.clone()
     rz = (R * Z).sum(1, keepdim=True)
     bnorm = B.norm(dim=1).clamp_min(torch.finfo(B.dtype).tiny)
+    total = 0.0
     for _ in range(max_iter):
         if bool((R.norm(dim=1) <= tol * bnorm).all()):
             return W, True
@@ -48,13 +55,16 @@ def _cg(W0, start, Hd, keep, tol, max_iter):
         active = rz > 0
         if bool(((pap <= 0) & active).any()) or not bool(torch.isfinite(pap).all()):
             return W, False  # a direction of non-positive curvature: the system is not positive definite
-        alpha = torch.where(
-            active, rz / torch.where(active, pap, torch.ones_like(pap)), torch.zeros_like(pap)
-        )
+        safe_pap = torch.where(active, pap, torch.ones_like(pap))
+        alpha = torch.where(active, rz / safe_pap, torch.zeros_like(pap))
         W = W + alpha * P
         R = R - alpha * AP
         Z = R * dinv
         rz_new = (R * Z).sum(1, keepdim=True)
+        drop = float((alpha * rz).sum()) / 2  # the objective's decrease in this iteration
+        total += drop
+        if drop <= energy_tol * total:
+            return W, True
         beta = torch.where(
             active, rz_new / torch.where(active, rz, torch.ones_like(rz)), torch.zeros_like(rz)
         )
@@ -71,7 +81,7 @@ def refit_weights(
     percdamp: float = 0.01,
     name: str = "weight",
     tol: float = 1e-3,
-    max_iter: int = 200,
+    max_iter: int = 150,
     max_tries: int = 4,
     start: torch.Tensor | None = None,
 ) -> torch.Tensor:
