@@ -31,8 +31,8 @@ VARIANTS = ("magnitude", "wanda", "sparsegpt")
 
 def build_llama(path: str, layers: int = 8, hidden: int = 256, ffn: int = 768, vocab: int = 4096) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
@@ -86,7 +86,8 @@ def memory(a: argparse.Namespace) -> None:
     """Peak RSS of the whole `hf_sparsity prune` command for random Llama models of several depths."""
     code = (
         "import json, resource, sys; from hf_sparsity.cli import main; rc = main(sys.argv[1:]); "
-        "print(json.dumps({'rc': rc, 'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))"
+        "rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024; "
+        "print(json.dumps({'rc': rc, 'peak_rss_mb': rss}))"
     )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -97,9 +98,9 @@ def memory(a: argparse.Namespace) -> None:
             build_llama(model, layers=depth, hidden=1024, ffn=2816)
             size = sum(os.path.getsize(os.path.join(model, f)) for f in os.listdir(model)) / 2**20
             cmd = [
-                sys.executable, "-c", code, "prune", model, os.path.join(tmp, f"out{depth}"), "--method",
-                a.memory_method, "--calib-data", calib, "--nsamples", str(a.nsamples), "--seqlen", str(a.seqlen),
-                "--no-progress", *(["--refit"] if a.memory_refit else []),
+                sys.executable, "-c", code, "prune", model, os.path.join(tmp, f"out{depth}"),
+                "--method", a.memory_method, "--calib-data", calib, "--nsamples", str(a.nsamples),
+                "--seqlen", str(a.seqlen), "--no-progress", *(["--refit"] if a.memory_refit else []),
             ]  # fmt: skip
             out = subprocess.run(cmd, check=True, capture_output=True, text=True)
             row = json.loads(out.stdout.strip().splitlines()[-1])
@@ -149,10 +150,12 @@ def main(argv=None) -> None:
     runs: dict[str, list[dict]] = {v: [] for v in a.variants.split(",")}
     for _ in range(a.repeats):
         for v in runs:  # interleaved, so drifting machine load hits every variant alike
-            cmd = [sys.executable, __file__, "--worker", v, "--model", a.model, "--calib-data", a.calib_data,
-                   "--nsamples", str(a.nsamples), "--seqlen", str(a.seqlen), "--batch-size", str(a.batch_size),
-                   "--sparsity", str(a.sparsity), "--structure", a.structure,
-                   "--reconstruct-steps", str(a.reconstruct_steps), "--max-windows", str(a.max_windows)]  # fmt: skip
+            cmd = [
+                sys.executable, __file__, "--worker", v, "--model", a.model, "--calib-data", a.calib_data,
+                "--nsamples", str(a.nsamples), "--seqlen", str(a.seqlen), "--batch-size", str(a.batch_size),
+                "--sparsity", str(a.sparsity), "--structure", a.structure,
+                "--reconstruct-steps", str(a.reconstruct_steps), "--max-windows", str(a.max_windows),
+            ]  # fmt: skip
             if a.wikitext2:
                 cmd += ["--wikitext2", a.wikitext2]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=dict(os.environ))

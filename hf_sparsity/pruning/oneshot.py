@@ -261,7 +261,11 @@ def mask_targets(
 
 
 class InMemoryBlocks:
-    """The blocks of a model already in memory: nothing to load or write (see ``streaming``)."""
+    """The blocks of a model already in memory: nothing to load or write; the masks stay as they
+    are (a streaming source, :class:`~.streaming.StreamingModel`, writes each block and packs its masks)."""
+
+    def __init__(self):
+        self.masks: dict[str, torch.Tensor] = {}
 
     def begin(self, prefix: str, blocks: nn.ModuleList) -> None:
         pass
@@ -270,7 +274,7 @@ class InMemoryBlocks:
         pass
 
     def release(self, i: int, masks: dict[str, torch.Tensor] | None = None) -> None:
-        pass
+        self.masks.update(masks or {})
 
 
 @torch.no_grad()
@@ -394,7 +398,7 @@ def _prune(model, targets, calibration, o: _Options):
     else:
         counts = _zero_counts(model, blocks, prefix, targets, chunks, o.owl, dev, o.stream)
     in_blocks = set()
-    masks, block_seconds, info = {}, [], {"blocks": prefix}
+    block_seconds, info = [], {"blocks": prefix}
     hidden = [c.hidden for c in chunks]
     for c in chunks:  # hold the activations once: as this block's inputs, then its outputs
         c.hidden = None
@@ -418,18 +422,19 @@ def _prune(model, targets, calibration, o: _Options):
             if not o.steps:
                 dense_out = None
         block_masks = _prune_block(model, ds, stats, groups, counts, o)
-        masks.update(block_masks)
         if o.steps:
             weights = {d.name: (model.get_parameter(d.name), block_masks[d.name]) for d in ds}
             recon.append(reconstruct_block(block, chunks, hidden, dense_out, weights, o.steps, o.lr))
-            dense_out = None
+            dense_out = weights = None
         if calibrated and i + 1 < len(blocks):
             hidden = _run_all(block, chunks, hidden)
         block.to(home)
         o.stream.release(i, block_masks)
+        block_masks = None
         block_seconds.append(time.perf_counter() - tb)
         bar.update(1)
     bar.close()
+    masks = o.stream.masks  # every block's masks (packed, when streaming)
     outside = [d for d in targets if d.name not in in_blocks]
     if outside:
         logger.warning(
@@ -438,7 +443,8 @@ def _prune(model, targets, calibration, o: _Options):
             outside[0].name,
             "masked as given" if o.masks is not None else "pruned by magnitude",
         )
-        masks.update(_prune_outside(model, outside, counts, o.masks))
+        for name, m in _prune_outside(model, outside, counts, o.masks).items():
+            masks[name] = m
     if calibrated:
         info.update(nsamples=int(calibration.shape[0]), seqlen=int(calibration.shape[1]))
     if o.refit:
@@ -448,7 +454,6 @@ def _prune(model, targets, calibration, o: _Options):
             "steps": o.steps, "lr": o.lr,
             "relative_error_first_last": [[round(a, 6), round(b, 6)] for a, b in recon],
         }  # fmt: skip
-    masks = getattr(o.stream, "masks", None) or masks
     return OneShotResult(masks, o.method, time.perf_counter() - t0, counts, block_seconds, info)
 
 

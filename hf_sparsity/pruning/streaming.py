@@ -39,7 +39,7 @@ class PackedMasks(Mapping):
     def __init__(self):
         self._packed: dict[str, tuple[torch.Tensor, tuple[int, ...]]] = {}
 
-    def add(self, name: str, mask: torch.Tensor) -> None:
+    def __setitem__(self, name: str, mask: torch.Tensor) -> None:
         self._packed[name] = (pack_mask(mask), tuple(mask.shape))
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -166,7 +166,7 @@ class StreamingModel:
             head = f"{self.prefix}.{i}."
             self._write(f"block{i}", {head + n: p for n, p in block.state_dict().items()})
             for name, m in masks.items():
-                self.masks.add(name, m)
+                self.masks[name] = m
         block.to("meta")
 
     # -- writing ------------------------------------------------------------------------------
