@@ -16,7 +16,6 @@ from pathlib import Path
 
 from ..checks import check_positive as positive
 from ..loading import TOKENIZER_FILES
-from ..loading import check_context_fits as _context_fits
 from ..loading import check_device as device
 from ..loading import check_model_folder as model_dir
 from ..utils import SparsityError
