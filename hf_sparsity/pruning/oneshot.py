@@ -423,10 +423,10 @@ def _prune(model, targets, calibration, o: _Options):
                 dense_out = None
         block_masks = _prune_block(model, ds, stats, groups, counts, o)
         if o.steps:
-            weights = {d.name: (model.get_parameter(d.name), block_masks[d.name]) for d in ds}
-            recon.append(reconstruct_block(block, chunks, hidden, dense_out, weights, o.steps, o.lr))
-            dense_out = weights = None
-        if calibrated and i + 1 < len(blocks):
+            hidden, errors = _reconstruct(model, block, ds, block_masks, chunks, hidden, dense_out, o)
+            recon.append(errors)
+            dense_out = None
+        elif calibrated and i + 1 < len(blocks):
             hidden = _run_all(block, chunks, hidden)
         block.to(home)
         o.stream.release(i, block_masks)
@@ -452,9 +452,39 @@ def _prune(model, targets, calibration, o: _Options):
     if o.steps:
         info["reconstruct"] = {
             "steps": o.steps, "lr": o.lr,
-            "relative_error_first_last": [[round(a, 6), round(b, 6)] for a, b in recon],
+            "block_error_before_after": [[round(a, 6), round(b, 6)] for a, b in recon],
         }  # fmt: skip
     return OneShotResult(masks, o.method, time.perf_counter() - t0, counts, block_seconds, info)
+
+
+def _block_error(outs: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
+    """``Σ‖out − target‖² / Σ‖target‖²`` over the calibration chunks."""
+    num = sum(float((o.float() - t.float()).pow(2).sum()) for o, t in zip(outs, targets))
+    return num / max(sum(float(t.float().pow(2).sum()) for t in targets), 1e-30)
+
+
+def _reconstruct(model, block, ds, block_masks, chunks, hidden, dense_out, o: _Options):
+    """Reconstruct a pruned block; keep the result only if it lowers the block's calibration error.
+
+    Returns the block's outputs (the next block's inputs) and the error before and after.
+    """
+    before = _run_all(block, chunks, hidden)
+    err_before = _block_error(before, dense_out)
+    weights = {d.name: (model.get_parameter(d.name), block_masks[d.name]) for d in ds}
+    saved = {n: p.detach().clone() for n, (p, _) in weights.items()}
+    reconstruct_block(block, chunks, hidden, dense_out, weights, o.steps, o.lr)
+    after = _run_all(block, chunks, hidden)
+    err_after = _block_error(after, dense_out)
+    if err_after >= err_before:  # a learning rate too high for this block: the refit weights stand
+        where = ds[0].name.rsplit(".", 2)[0] if ds else "a block"
+        logger.warning(
+            "block reconstruction raised %s's calibration error (%.4g -> %.4g); kept the weights before "
+            "it (lower --reconstruct-lr).", where, err_before, err_after,
+        )  # fmt: skip
+        for n, (p, _) in weights.items():
+            p.copy_(saved[n])
+        return before, (err_before, err_before)
+    return after, (err_before, err_after)
 
 
 def _given_counts(masks: dict[str, torch.Tensor]) -> dict[str, int]:
