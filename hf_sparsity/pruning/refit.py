@@ -84,12 +84,14 @@ def refit_weights(
     max_iter: int = 150,
     max_tries: int = 4,
     start: torch.Tensor | None = None,
+    energy_tol: float = 1e-5,
 ) -> torch.Tensor:
     """The least-squares weights on the kept positions ``keep`` (bool, ``W0``'s shape), zero elsewhere.
 
     ``W0``: the dense weights in the linear view, whose outputs ``W0 X`` are matched. ``start``:
     where CG starts (SparseGPT's updated weights; default ``W0`` masked). The residual of each
-    row is driven below ``tol`` relative to its right-hand side (float32 is enough for that).
+    row is driven below ``tol`` relative to its right-hand side, or CG stops when an iteration
+    lowers the objective by less than ``energy_tol`` of its total decrease (0: residual only).
     """
     W0 = W0.detach().float()
     start = W0 if start is None else start.detach().float()
@@ -106,7 +108,7 @@ def refit_weights(
         # (H + λI) positive definite <=> every row's (H + λI)_KK is: one Cholesky per weight decides
         ok = int(torch.linalg.cholesky_ex(Hd.double() if Hd.device.type == "cpu" else Hd)[1]) == 0
         if ok:
-            W, ok = _cg(W0, start, Hd, keepf, tol, max_iter)
+            W, ok = _cg(W0, start, Hd, keepf, tol, max_iter, energy_tol)
         if ok and bool(torch.isfinite(W).all()):
             if attempt:
                 logger.warning("%s: the refit needed damping %.3g of the mean Hessian diagonal.", name, damp)
