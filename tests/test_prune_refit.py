@@ -80,7 +80,7 @@ def test_every_layer_refit_error_is_never_worse_than_sparsegpts_for_the_same_mas
     assert r2.info["refit"] == {"percdamp": 0.01}
 
 
-@pytest.mark.parametrize("method", M.METHODS)
+@pytest.mark.parametrize("method", ["wanda", "sparsegpt"])
 def test_refit_and_reconstruct_keep_exact_levels_and_nm(method):
     for config in (SparsityConfig(sparsity=0.6), SparsityConfig(sparsity=0.5, structure="2:4")):
         model = tiny_model("llama", seed=1)
