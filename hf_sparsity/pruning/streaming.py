@@ -124,7 +124,9 @@ class StreamingModel:
                 t = f.get_tensor(file_name)
         except Exception as e:
             raise _unreadable(shard, e) from None
-        return t.float() if t.dtype in _FLOATS else t
+        # An owned copy: a tensor viewing the shard's memory map would keep the map, and with it
+        # every page of the file read so far, resident for as long as the tensor lives.
+        return t.to(torch.float32, copy=True) if t.dtype in _FLOATS else t.clone()
 
     def _dtype_on_disk(self, file_name: str) -> torch.dtype:
         from safetensors import safe_open
@@ -168,6 +170,7 @@ class StreamingModel:
             for name, m in masks.items():
                 self.masks[name] = m
         block.to("meta")
+        _return_freed_memory()
 
     # -- writing ------------------------------------------------------------------------------
     def _write(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
@@ -209,6 +212,25 @@ class StreamingModel:
         for side in ("generation_config.json",):
             if (self.model_dir / side).is_file():
                 shutil.copy2(self.model_dir / side, self.out / side)
+
+
+def _return_freed_memory() -> None:
+    """Hand the freed block back to the OS (glibc keeps freed heap memory, so peak RSS would creep up
+    with every block: each one's tensors rarely fit exactly where the last one's were)."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to do
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None
 
 
 def _part_order(part: str) -> tuple[int, int]:
