@@ -16,7 +16,6 @@ from pathlib import Path
 
 from ..checks import check_positive as positive
 from ..loading import TOKENIZER_FILES
-from ..loading import check_context_fits as _context_fits
 from ..loading import check_device as device
 from ..loading import check_model_folder as model_dir
 from ..utils import SparsityError
@@ -66,30 +65,6 @@ def _has_tokenizer(model: str, flag: str) -> None:
             f"No tokenizer in {flag} {model!r} (none of {', '.join(TOKENIZER_FILES)}): save it there with "
             "tokenizer.save_pretrained(DIR)."
         )
-
-
-def prune_args(args) -> None:
-    """``hf_sparsity prune MODEL_DIR OUT_DIR ...``."""
-    model_dir(args.model_dir, "MODEL_DIR")
-    device(args.device)
-    for flag in ("batch_size", "blocksize"):  # --nsamples / --seqlen: checked by prune_folder
-        positive(getattr(args, flag, None), "--" + flag.replace("_", "-"))
-    for flag in ("percdamp", "owl_lambda"):
-        value = getattr(args, flag, None)
-        if value is not None and value < 0:
-            raise SparsityError(f"--{flag.replace('_', '-')} must not be negative, got {value}.")
-    calib = args.calib_data
-    if (
-        calib
-        and not Path(calib).is_file()
-        and (Path(calib).suffix in (".jsonl", ".json", ".txt") or os.sep in calib)
-    ):
-        raise SparsityError(
-            f"--calib-data {calib!r} does not exist. Give a .jsonl (one document per row) or .txt file."
-        )
-    if args.method != "magnitude":  # calibration: tokenize text, run windows through the model
-        _has_tokenizer(args.model_dir, "MODEL_DIR")
-        _context_fits(args.model_dir, args.seqlen, "--seqlen")
 
 
 def generate_args(args) -> None:

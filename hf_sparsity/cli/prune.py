@@ -4,7 +4,10 @@ Examples::
 
     hf_sparsity prune models/dense out/wanda50 --method wanda --sparsity 0.5 \\
         --calib-data ../shared/data/corpus/openwebtext-1000.jsonl --nsamples 32 --seqlen 512
-    hf_sparsity prune models/dense out/sgpt24 --method sparsegpt --structure 2:4 --calib-data c4.jsonl
+    hf_sparsity prune models/dense out/sgpt24 --method sparsegpt --structure 2:4 --calib-data c4.jsonl \\
+        --refit --reconstruct
+
+Every input is checked by the library (``prune_folder``); this module only parses.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+
+from ..pruning.reconstruct import DEFAULT_LR, DEFAULT_STEPS
 
 
 def prune_command_parser(subparsers) -> argparse.ArgumentParser:
@@ -43,6 +48,24 @@ def prune_command_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--percdamp", type=float, default=0.01, help="SparseGPT damping (default 0.01)")
     p.add_argument("--owl", action="store_true", help="OWL non-uniform block levels (global level exact)")
     p.add_argument("--owl-lambda", type=float, default=0.08, help="OWL's largest level shift (default 0.08)")
+    p.add_argument(
+        "--refit", action="store_true", help="after the mask is chosen, solve for the kept weights exactly"
+    )
+    p.add_argument(
+        "--reconstruct",
+        action="store_true",
+        help="train each pruned block's kept weights to match the dense one",
+    )
+    p.add_argument(
+        "--reconstruct-steps",
+        type=int,
+        help=f"Adam steps per block for --reconstruct (default {DEFAULT_STEPS})",
+    )
+    p.add_argument("--reconstruct-lr", type=float, default=DEFAULT_LR, help=f"default {DEFAULT_LR}")
+    p.add_argument("--masks", help="use this mask file (or model folder's masks) instead of choosing masks")
+    p.add_argument(
+        "--no-streaming", action="store_true", help="load the whole model instead of one block at a time"
+    )
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=prune_command)
@@ -52,9 +75,7 @@ def prune_command_parser(subparsers) -> argparse.ArgumentParser:
 def prune_command(args: argparse.Namespace) -> int:
     """Run ``hf_sparsity prune``; returns the exit status."""
     from ..pruning.pipeline import prune_folder
-    from . import _checks
 
-    _checks.prune_args(args)  # one-line errors for bad input before anything loads or is written
     if args.no_progress:
         from transformers.utils import logging as hf_logging
 
@@ -79,7 +100,19 @@ def prune_command(args: argparse.Namespace) -> int:
         owl_lambda=args.owl_lambda if args.owl else None,
         overwrite=args.overwrite,
         progress=not args.no_progress and sys.stderr.isatty(),
+        refit=args.refit,
+        reconstruct_steps=_steps(args),
+        reconstruct_lr=args.reconstruct_lr,
+        masks=args.masks,
+        streaming=not args.no_streaming,
     )
     print(result.summary())
     print(f"wrote {args.out_dir} in {time.perf_counter() - t0:.1f} s (prune {result.seconds:.1f} s)")
     return 0
+
+
+def _steps(args: argparse.Namespace) -> int | None:
+    """``--reconstruct-steps N`` alone also turns reconstruction on; the library checks N."""
+    if args.reconstruct_steps is not None:
+        return args.reconstruct_steps
+    return DEFAULT_STEPS if args.reconstruct else None

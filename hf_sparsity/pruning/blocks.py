@@ -42,6 +42,11 @@ def find_blocks(model: nn.Module, target_names: list[str]) -> tuple[str, nn.Modu
     return best, model.get_submodule(best)
 
 
+def home_device(model: nn.Module) -> torch.device:
+    """Where the model's (loaded) parameters are: the first that is not on the meta device."""
+    return next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+
+
 class _Captured(Exception):
     """Raised by the pre-hook to stop the forward once the first block's inputs are known."""
 
@@ -78,6 +83,25 @@ def to_device(obj: Any, device: torch.device | str) -> Any:
     return obj
 
 
+def slice_inputs(chunk: BlockInputs, lo: int, hi: int, batch: int) -> BlockInputs:
+    """Windows ``lo:hi`` of a chunk of ``batch``: every tensor argument whose first dimension is the
+    batch is sliced (masks, position ids); those shared by the batch (first dimension 1) are kept."""
+
+    def cut(obj):
+        if isinstance(obj, torch.Tensor):
+            return obj[lo:hi] if obj.dim() and obj.shape[0] == batch and batch > 1 else obj
+        if isinstance(obj, tuple):
+            return tuple(cut(o) for o in obj)
+        if isinstance(obj, list):
+            return [cut(o) for o in obj]
+        if isinstance(obj, dict):
+            return {k: cut(v) for k, v in obj.items()}
+        return obj
+
+    hidden = None if chunk.hidden is None else chunk.hidden[lo:hi]
+    return replace(chunk, hidden=hidden, args=cut(chunk.args), kwargs=cut(chunk.kwargs))
+
+
 @torch.no_grad()
 def capture_block_inputs(
     model: nn.Module, first_block: nn.Module, input_ids: torch.Tensor, batch_size: int
@@ -89,7 +113,7 @@ def capture_block_inputs(
         raise _Captured(args, kwargs)
 
     handle = first_block.register_forward_pre_hook(hook, with_kwargs=True)
-    device = next(model.parameters()).device
+    device = home_device(model)
     try:
         for chunk in input_ids.split(batch_size):
             try:
@@ -116,12 +140,17 @@ def capture_block_inputs(
     return captured
 
 
-@torch.no_grad()
-def run_block(block: nn.Module, chunk: BlockInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
-    """Call ``block`` on one chunk (optionally with other hidden states) and return its output states."""
+def call_block(block: nn.Module, chunk: BlockInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    """Call ``block`` on one chunk (optionally with other hidden states); its output states, with grad."""
     h = chunk.hidden if hidden is None else hidden
     if chunk.hidden_in_kwargs:
         out = block(*chunk.args, hidden_states=h, **chunk.kwargs)
     else:
         out = block(h, *chunk.args, **chunk.kwargs)
     return out[0] if isinstance(out, (tuple, list)) else out
+
+
+@torch.no_grad()
+def run_block(block: nn.Module, chunk: BlockInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`call_block` without autograd."""
+    return call_block(block, chunk, hidden)

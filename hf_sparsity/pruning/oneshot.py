@@ -29,8 +29,10 @@ from ..modeling import linear_kind
 from ..targeting import TargetDecision, plan_sparsity, unwrap_model
 from ..utils import SparsityError
 from . import methods as M
-from .blocks import capture_block_inputs, find_blocks, run_block, to_device
+from .blocks import capture_block_inputs, find_blocks, home_device, run_block, to_device
 from .levels import OWLSettings, outlier_ratio, owl_counts, uniform_counts
+from .reconstruct import DEFAULT_LR, check_steps, reconstruct_block
+from .refit import refit_weights
 
 logger = logging.getLogger(__name__)
 
@@ -159,10 +161,11 @@ def _block_targets(model, prefix, i, targets):
     return [d for d in targets if d.name.startswith(head) and _is_linear_weight(model, d)]
 
 
-def _owl_ratios(model, blocks, prefix, targets, chunks, hidden, settings, dev) -> dict[int, float]:
+def _owl_ratios(model, blocks, prefix, targets, chunks, hidden, settings, dev, stream) -> dict[int, float]:
     """One dense pass over the blocks: each block's share of outlier Wanda scores."""
     ratios = {}
     for i, block in enumerate(blocks):
+        stream.load(i)
         home = next(block.parameters()).device
         block.to(dev)
         ds = _block_targets(model, prefix, i, targets)
@@ -173,10 +176,11 @@ def _owl_ratios(model, blocks, prefix, targets, chunks, hidden, settings, dev) -
         scores = [M.wanda_score(_linear_view(model.get_parameter(d.name), d), stats[d.name]) for d in ds]
         ratios[i] = outlier_ratio(scores, settings.outlier_m) if scores else 0.0
         block.to(home)
+        stream.release(i)
     return ratios
 
 
-def _zero_counts(model, blocks, prefix, targets, chunks, owl, dev=None) -> dict[str, int]:
+def _zero_counts(model, blocks, prefix, targets, chunks, owl, dev=None, stream=None) -> dict[str, int]:
     levels = {d.name: float(d.sparsity) for d in targets}
     numels = {d.name: d.numel for d in targets}
     if owl is None:
@@ -190,7 +194,7 @@ def _zero_counts(model, blocks, prefix, targets, chunks, owl, dev=None) -> dict[
     outside = [d.name for d in targets if d.name not in block_of]
     for j, n in enumerate(outside):  # each weight outside the blocks is its own "block" at the target level
         block_of[n] = len(blocks) + j
-    ratios = _owl_ratios(model, blocks, prefix, targets, chunks, [c.hidden for c in chunks], owl, dev)
+    ratios = _owl_ratios(model, blocks, prefix, targets, chunks, [c.hidden for c in chunks], owl, dev, stream)
     mean_ratio = sum(ratios.values()) / max(len(ratios), 1)
     ratios.update({block_of[n]: mean_ratio for n in outside})
     return owl_counts(levels, numels, block_of, ratios, owl.lam)
@@ -204,20 +208,73 @@ def _prune_one(method, W, stat, k, nm, blocksize, percdamp, name, hinv=None):
     return M.sparsegpt_prune(W, stat, k, nm, blocksize=blocksize, percdamp=percdamp, name=name, hinv=hinv)
 
 
-def _check_args(method, calibration, targets, model) -> None:
+def _needs_calibration(method: str, refit: bool, reconstruct_steps: int, masks) -> bool:
+    return (masks is None and method != "magnitude") or refit or bool(reconstruct_steps)
+
+
+def _check_args(method, calibration, targets, model, refit=False, reconstruct_steps=0, masks=None) -> None:
     if method not in M.METHODS:
         raise SparsityError(f"Unknown pruning method {method!r}; use one of {', '.join(M.METHODS)}.")
+    check_steps(reconstruct_steps or None)
     if not targets:
         raise SparsityError(
             f"The sparsity config selects no weight of {type(model).__name__}; nothing to prune. "
             "Check `param_name_patterns` (`hf_sparsity validate` lists the parameter names)."
         )
-    if method != "magnitude":
+    if _needs_calibration(method, refit, reconstruct_steps, masks):
         if calibration is None or calibration.dim() != 2 or calibration.shape[0] == 0:
+            what = method if masks is None and method != "magnitude" else "--refit / --reconstruct"
             raise SparsityError(
-                f"{method} needs calibration token ids of shape (nsamples, seqlen) with nsamples >= 1; "
+                f"{what} needs calibration token ids of shape (nsamples, seqlen) with nsamples >= 1; "
                 "build them with hf_sparsity.pruning.sample_calibration (--nsamples 128 is the reference)."
             )
+
+
+def mask_targets(
+    model: nn.Module, masks: dict[str, torch.Tensor], source: str = "--masks"
+) -> list[TargetDecision]:
+    """The targets a given mask set defines; refuses names the model lacks, wrong shapes, non-0/1 values."""
+    params = dict(model.named_parameters())
+    missing = sorted(set(masks) - set(params))
+    if missing:
+        raise SparsityError(
+            f"{source}: masks for {len(missing)} parameter(s) the model does not have (e.g. {missing[0]!r}): "
+            "the mask file belongs to another model. Give the mask file made for this model."
+        )
+    out = []
+    for name in sorted(masks, key=list(params).index):
+        p, m = params[name], masks[name]
+        if tuple(m.shape) != tuple(p.shape):
+            raise SparsityError(
+                f"{source}: mask {name!r} has shape {list(m.shape)} but the weight has {list(p.shape)}: the "
+                "mask file belongs to another model size. Give the mask file made for this model."
+            )
+        owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        zeros = int((m == 0).sum())
+        out.append(
+            TargetDecision(
+                name, tuple(p.shape), True, source, sparsity=zeros / max(m.numel(), 1),
+                input_dim=0 if linear_kind(owner) == "Conv1D" else 1,
+            )
+        )  # fmt: skip
+    return out
+
+
+class InMemoryBlocks:
+    """The blocks of a model already in memory: nothing to load or write; the masks stay as they
+    are (a streaming source, :class:`~.streaming.StreamingModel`, writes each block and packs its masks)."""
+
+    def __init__(self):
+        self.masks: dict[str, torch.Tensor] = {}
+
+    def begin(self, prefix: str, blocks: nn.ModuleList) -> None:
+        pass
+
+    def load(self, i: int) -> None:
+        pass
+
+    def release(self, i: int, masks: dict[str, torch.Tensor] | None = None) -> None:
+        self.masks.update(masks or {})
 
 
 @torch.no_grad()
@@ -233,6 +290,11 @@ def prune_oneshot(
     device: str | torch.device | None = None,
     batch_size: int = 8,
     progress: bool = False,
+    refit: bool = False,
+    reconstruct_steps: int = 0,
+    reconstruct_lr: float = DEFAULT_LR,
+    masks: dict[str, torch.Tensor] | None = None,
+    stream=None,
 ) -> OneShotResult:
     """Prune ``model`` in place, block by block, and return its masks.
 
@@ -240,100 +302,237 @@ def prune_oneshot(
         model: a causal LM whose decoder blocks are an ``nn.ModuleList`` (every transformers LM).
         config: a :class:`SparsityConfig` (targets, per-pattern levels, ``structure: "2:4"``) or a level.
         calibration: token ids ``(nsamples, seqlen)``, e.g. from :func:`sample_calibration`;
-            not needed for ``magnitude``.
+            not needed for ``magnitude`` (nor for given ``masks``) without refit / reconstruction.
         method: ``magnitude``, ``wanda`` or ``sparsegpt``.
-        blocksize, percdamp: SparseGPT's lazy-batch width and damping (fraction of the mean Hessian diagonal).
+        blocksize, percdamp: SparseGPT's lazy-batch width and damping (fraction of the mean Hessian
+            diagonal); ``percdamp`` also damps the refit.
         owl: non-uniform per-block levels (:class:`OWLSettings`), holding the total number of zeros exact.
         device: where each block runs (e.g. ``"cuda"``); the model itself stays where it is.
-        batch_size: calibration sequences per block forward.
+        batch_size: calibration sequences per block forward (and per reconstruction step).
         progress: show a progress bar over blocks.
+        refit: after the mask is chosen, solve for the kept weights of each row exactly, in least
+            squares against the layer's calibration inputs (:func:`~.refit.refit_weights`).
+        reconstruct_steps: after each block is pruned (and re-fit), train its kept weights for this
+            many Adam steps (learning rate ``reconstruct_lr``) to match the dense block's outputs
+            (:func:`~.reconstruct.reconstruct_block`); 0 = off.
+        masks: name -> mask (1 = kept) to use instead of choosing masks: they define the targets
+            (``config`` and ``method`` are then ignored); refit / reconstruction apply to them.
+        stream: where blocks come from and go to (default: the model in memory); see
+            :func:`hf_sparsity.pruning.streaming.prune_streaming`.
 
     Every targeted tensor ends with exactly ``round(level · numel)`` zeros (or the OWL count),
-    or exactly N of every M kept along its input dimension.
+    or exactly N of every M kept along its input dimension, or exactly the given masks.
     """
     if not isinstance(config, SparsityConfig):
         config = SparsityConfig(sparsity=float(config))
     model = unwrap_model(model)
-    targets = [d for d in plan_sparsity(model, config) if d.sparsify]
-    _check_args(method, calibration, targets, model)
+    if masks is not None:
+        targets = mask_targets(model, masks)
+        method = "masks"
+    else:
+        targets = [d for d in plan_sparsity(model, config) if d.sparsify]
+    _check_args(
+        "magnitude" if method == "masks" else method,
+        calibration,
+        targets,
+        model,
+        refit,
+        reconstruct_steps,
+        masks,
+    )
     _check_nm(model, targets)
+    if owl is not None and masks is not None:
+        raise SparsityError("OWL chooses levels, --masks gives them: use one or the other.")
     was_training = model.training
     model.eval()  # dropout off: statistics must be those of the deployed model
+    opts = _Options(method, blocksize, percdamp, owl, device, batch_size, progress, refit, reconstruct_steps,
+                    reconstruct_lr, masks, stream or InMemoryBlocks())  # fmt: skip
     try:
-        return _prune(
-            model, targets, calibration, method, blocksize, percdamp, owl, device, batch_size, progress
-        )
+        return _prune(model, targets, calibration, opts)
     finally:
         model.train(was_training)
 
 
-def _prune(model, targets, calibration, method, blocksize, percdamp, owl, device, batch_size, progress):
+@dataclass
+class _Options:
+    method: str
+    blocksize: int
+    percdamp: float
+    owl: OWLSettings | None
+    device: Any
+    batch_size: int
+    progress: bool
+    refit: bool
+    steps: int
+    lr: float
+    masks: dict[str, torch.Tensor] | None
+    stream: Any
+
+
+def _stats_kind(o: _Options) -> str | None:
+    if o.refit or o.method == "sparsegpt":
+        return "sparsegpt"  # the Hessian; Wanda's norms are its diagonal
+    return "wanda" if o.method == "wanda" else None
+
+
+def _prune(model, targets, calibration, o: _Options):
     t0 = time.perf_counter()
-    if method == "magnitude":
-        counts = _zero_counts(model, [], "", targets, [], None) if owl is None else None
-        if counts is None:
-            raise SparsityError("OWL needs calibration activations; use it with --method wanda or sparsegpt.")
-        masks = _prune_outside(model, targets, counts, "magnitude")
-        return OneShotResult(masks, method, time.perf_counter() - t0, counts)
+    calibrated = _needs_calibration(o.method, o.refit, o.steps, o.masks)
+    if o.owl is not None and not calibrated:
+        raise SparsityError("OWL needs calibration activations; use it with --method wanda or sparsegpt.")
+    if not calibrated and isinstance(o.stream, InMemoryBlocks):  # the whole model at once, no blocks needed
+        counts = (
+            _given_counts(o.masks) if o.masks is not None else _zero_counts(model, [], "", targets, [], None)
+        )
+        masks = _prune_outside(model, targets, counts, o.masks)
+        return OneShotResult(masks, o.method, time.perf_counter() - t0, counts)
     prefix, blocks = find_blocks(model, [d.name for d in targets])
-    chunks = capture_block_inputs(model, blocks[0], calibration, batch_size)
-    dev = torch.device(device) if device else next(model.parameters()).device
-    chunks = to_device(chunks, dev) if dev != chunks[0].hidden.device else chunks
+    o.stream.begin(prefix, blocks)
+    dev = torch.device(o.device) if o.device else home_device(model)
+    chunks = []
+    if calibrated:
+        chunks = capture_block_inputs(model, blocks[0], calibration, o.batch_size)
+        chunks = to_device(chunks, dev) if dev != chunks[0].hidden.device else chunks
+    if o.masks is not None:
+        counts = _given_counts(o.masks)
+    else:
+        counts = _zero_counts(model, blocks, prefix, targets, chunks, o.owl, dev, o.stream)
     in_blocks = set()
-    counts = _zero_counts(model, blocks, prefix, targets, chunks, owl, dev)
-    masks, block_seconds = {}, []
+    block_seconds, info = [], {"blocks": prefix}
     hidden = [c.hidden for c in chunks]
     for c in chunks:  # hold the activations once: as this block's inputs, then its outputs
         c.hidden = None
-    bar = _progress(len(blocks), method, progress)
+    kind = _stats_kind(o) if calibrated else None
+    bar = _progress(len(blocks), o.method, o.progress)
+    recon = []
     for i, block in enumerate(blocks):
         tb = time.perf_counter()
+        o.stream.load(i)
         home = next(block.parameters()).device
         block.to(dev)
         ds = _block_targets(model, prefix, i, targets)
         in_blocks.update(d.name for d in ds)
         mods = {d.name: model.get_submodule(d.name.rsplit(".", 1)[0]) for d in ds}
-        hooks = _StatsHooks(mods, method)
-        _run_all(block, chunks, hidden)
-        stats = hooks.result()
-        inverses = {}  # SparseGPT: one inverse per shared Hessian (Q/K/V, gate/up)
-        for d in ds:
-            param = model.get_parameter(d.name)
-            stat, hinv = stats.pop(d.name, None), None
-            if method == "sparsegpt" and stat is not None:
-                group = hooks.group[d.name]
-                if group not in inverses:
-                    inverses[group] = M.sparsegpt_inverse(stat, percdamp, d.name)
-                hinv = inverses[group]
-            W, pruned = _prune_one(
-                method, _linear_view(param, d), stat, counts[d.name], _nm(d),
-                blocksize, percdamp, d.name, hinv,
-            )  # fmt: skip
-            masks[d.name] = _store(param, d, W, pruned)
-        if i + 1 < len(blocks):
+        stats, groups, dense_out = {}, {}, None
+        if calibrated:
+            hooks = _StatsHooks(mods, kind) if kind else None
+            dense_out = _run_all(block, chunks, hidden)  # the dense block's outputs: reconstruction's target
+            if hooks is not None:
+                stats, groups = hooks.result(), hooks.group
+            if not o.steps:
+                dense_out = None
+        block_masks = _prune_block(model, ds, stats, groups, counts, o)
+        if o.steps:
+            hidden, errors = _reconstruct(model, block, ds, block_masks, chunks, hidden, dense_out, o)
+            recon.append(errors)
+            dense_out = None
+        elif calibrated and i + 1 < len(blocks):
             hidden = _run_all(block, chunks, hidden)
         block.to(home)
+        o.stream.release(i, block_masks)
+        block_masks = None
         block_seconds.append(time.perf_counter() - tb)
         bar.update(1)
     bar.close()
+    masks = o.stream.masks  # every block's masks (packed, when streaming)
     outside = [d for d in targets if d.name not in in_blocks]
     if outside:
         logger.warning(
-            "%d targeted weights lie outside the decoder blocks (e.g. %s): pruned by magnitude.",
+            "%d targeted weights lie outside the decoder blocks (e.g. %s): %s.",
             len(outside),
             outside[0].name,
+            "masked as given" if o.masks is not None else "pruned by magnitude",
         )
-        masks.update(_prune_outside(model, outside, counts, "magnitude"))
-    info = {"nsamples": int(calibration.shape[0]), "seqlen": int(calibration.shape[1]), "blocks": prefix}
-    return OneShotResult(masks, method, time.perf_counter() - t0, counts, block_seconds, info)
+        for name, m in _prune_outside(model, outside, counts, o.masks).items():
+            masks[name] = m
+    if calibrated:
+        info.update(nsamples=int(calibration.shape[0]), seqlen=int(calibration.shape[1]))
+    if o.refit:
+        info["refit"] = {"percdamp": o.percdamp}
+    if o.steps:
+        info["reconstruct"] = {
+            "steps": o.steps, "lr": o.lr,
+            "block_error_before_after": [[round(a, 6), round(b, 6)] for a, b in recon],
+        }  # fmt: skip
+    return OneShotResult(masks, o.method, time.perf_counter() - t0, counts, block_seconds, info)
 
 
-def _prune_outside(model, targets, counts, method) -> dict[str, torch.Tensor]:
+def _block_error(outs: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
+    """``Σ‖out − target‖² / Σ‖target‖²`` over the calibration chunks."""
+    num = sum(float((o.float() - t.float()).pow(2).sum()) for o, t in zip(outs, targets))
+    return num / max(sum(float(t.float().pow(2).sum()) for t in targets), 1e-30)
+
+
+def _reconstruct(model, block, ds, block_masks, chunks, hidden, dense_out, o: _Options):
+    """Reconstruct a pruned block; keep the result only if it lowers the block's calibration error.
+
+    Returns the block's outputs (the next block's inputs) and the error before and after.
+    """
+    before = _run_all(block, chunks, hidden)
+    err_before = _block_error(before, dense_out)
+    weights = {d.name: (model.get_parameter(d.name), block_masks[d.name]) for d in ds}
+    saved = {n: p.detach().clone() for n, (p, _) in weights.items()}
+    reconstruct_block(block, chunks, hidden, dense_out, weights, o.steps, o.lr)
+    after = _run_all(block, chunks, hidden)
+    err_after = _block_error(after, dense_out)
+    if err_after >= err_before:  # a learning rate too high for this block: the refit weights stand
+        where = ds[0].name.rsplit(".", 2)[0] if ds else "a block"
+        logger.warning(
+            "block reconstruction raised %s's calibration error (%.4g -> %.4g); kept the weights before "
+            "it (lower --reconstruct-lr).", where, err_before, err_after,
+        )  # fmt: skip
+        for n, (p, _) in weights.items():
+            p.copy_(saved[n])
+        return before, (err_before, err_before)
+    return after, (err_before, err_after)
+
+
+def _given_counts(masks: dict[str, torch.Tensor]) -> dict[str, int]:
+    return {n: int((m == 0).sum()) for n, m in masks.items()}
+
+
+def _prune_block(model, ds, stats, groups, counts, o: _Options) -> dict[str, torch.Tensor]:
+    """Choose (or take) each targeted weight's mask, update and re-fit the kept weights, store them."""
+    masks = {}
+    inverses = {}  # SparseGPT: one inverse per shared Hessian (Q/K/V, gate/up)
+    for d in ds:
+        param = model.get_parameter(d.name)
+        W = _linear_view(param, d)
+        H = stats.pop(d.name, None)
+        if o.masks is not None:
+            keep = o.masks[d.name].to(W.device)
+            pruned = (keep.t() if d.input_dim == 0 else keep) == 0
+            W_new = W
+        elif o.method == "sparsegpt" and H is not None:
+            group = groups[d.name]
+            if group not in inverses:
+                inverses[group] = M.sparsegpt_inverse(H, o.percdamp, d.name)
+            W_new, pruned = _prune_one(
+                o.method, W, H, counts[d.name], _nm(d), o.blocksize, o.percdamp, d.name, inverses[group]
+            )
+        else:
+            stat = torch.diagonal(H) / 2 if (o.method == "wanda" and o.refit) else H
+            W_new, pruned = _prune_one(
+                o.method, W, stat, counts[d.name], _nm(d), o.blocksize, o.percdamp, d.name
+            )
+        if o.refit and H is not None:
+            W_new = refit_weights(W, H, ~pruned, o.percdamp, d.name, start=W_new)
+        masks[d.name] = _store(param, d, W_new, pruned)
+    return masks
+
+
+def _prune_outside(model, targets, counts, given=None) -> dict[str, torch.Tensor]:
+    """Magnitude pruning (or the given masks) of whole tensors, no calibration."""
     masks = {}
     for d in targets:
         param = model.get_parameter(d.name)
         W = _linear_view(param, d)
-        masks[d.name] = _store(param, d, W, M.magnitude_prune(W, counts[d.name], _nm(d)))
+        if given is not None:
+            keep = given[d.name].to(W.device)
+            pruned = (keep.t() if d.input_dim == 0 else keep) == 0
+        else:
+            pruned = M.magnitude_prune(W, counts[d.name], _nm(d))
+        masks[d.name] = _store(param, d, W, pruned)
     return masks
 
 

@@ -1,7 +1,8 @@
 """``prune_folder``: model folder in, sparse model folder out (what ``hf_sparsity prune`` runs).
 
-Every argument is checked before the model is loaded, and the output folder is built under a
-temporary name and renamed into place, so a bad input never leaves a partial OUT.
+Every argument is checked here, once, before the model is loaded (the CLI only parses), and
+the output folder is built under a temporary name and renamed into place, so a bad input never
+leaves a partial OUT.
 """
 
 from __future__ import annotations
@@ -11,13 +12,18 @@ import os
 from pathlib import Path
 
 from ..config import SparsityConfig, check_level, check_structure
-from ..modeling import check_token_ids, context_length
-from ..utils import SparsityError, check_out_dir
+from ..constants import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+from ..loading import TOKENIZER_FILES, check_context_fits, check_device, check_model_folder
+from ..modeling import check_token_ids
+from ..serialization import load_masks
+from ..utils import SparsityError, atomic_dir, check_out_dir
 from .calibration import read_documents, sample_calibration
 from .levels import OWLSettings
 from .methods import METHODS
 from .oneshot import OneShotResult, prune_oneshot
-from .save import save_pruned
+from .reconstruct import DEFAULT_LR, check_steps
+from .save import save_pruned, write_sparsity_files
+from .streaming import StreamingModel
 
 logger = logging.getLogger(__name__)
 
@@ -41,19 +47,69 @@ def build_config(
     return SparsityConfig(sparsity=check_level(0.5 if sparsity is None else sparsity, "--sparsity"))
 
 
-def _check_inputs(model_dir, out_dir, method, nsamples, seqlen, calib_data, overwrite) -> None:
+def _check_inputs(
+    model_dir,
+    out_dir,
+    method,
+    nsamples,
+    seqlen,
+    calib_data,
+    overwrite,
+    *,
+    device=None,
+    batch_size=8,
+    blocksize=128,
+    percdamp=0.01,
+    owl_lambda=None,
+    refit=False,
+    reconstruct_steps=None,
+    masks=None,
+) -> bool:
+    """Every argument of :func:`prune_folder`, checked once, before anything loads or is written.
+
+    Returns whether the run needs calibration data.
+    """
+    check_model_folder(model_dir, "MODEL_DIR")
     if method not in METHODS:
         raise SparsityError(f"Unknown method {method!r}; use one of {', '.join(METHODS)}.")
-    if not Path(model_dir).is_dir():
-        raise SparsityError(f"Model folder {str(model_dir)!r} does not exist.")
-    check_out_dir(model_dir, out_dir, overwrite)
-    if method != "magnitude":
+    check_device(device)
+    for flag, value in (("--batch-size", batch_size), ("--blocksize", blocksize)):
+        if value is not None and value <= 0:
+            raise SparsityError(f"{flag} must be a positive number, got {value}.")
+    for flag, value in (("--percdamp", percdamp), ("--owl-lambda", owl_lambda)):
+        if value is not None and value < 0:
+            raise SparsityError(f"{flag} must not be negative, got {value}.")
+    check_steps(reconstruct_steps)
+    if masks is not None and not Path(masks).exists():
+        raise SparsityError(
+            f"--masks {str(masks)!r} does not exist. Give a mask file or the folder holding one."
+        )
+    calib = str(calib_data) if calib_data else None
+    if (
+        calib
+        and not Path(calib).is_file()
+        and (Path(calib).suffix in (".jsonl", ".json", ".txt") or os.sep in calib)
+    ):
+        raise SparsityError(
+            f"--calib-data {calib!r} does not exist. Give a .jsonl (one document per row) or .txt file."
+        )
+    calibrated = (masks is None and method != "magnitude") or refit or bool(reconstruct_steps)
+    what = method if masks is None and method != "magnitude" else "--refit / --reconstruct"
+    if calibrated:
         if nsamples < 1:
-            raise SparsityError(f"--nsamples {nsamples}: {method} needs at least 1 calibration sample.")
+            raise SparsityError(f"--nsamples {nsamples}: {what} needs at least 1 calibration sample.")
         if seqlen < 2:
             raise SparsityError(f"--seqlen {seqlen}: use at least 2 tokens per calibration window.")
         if not calib_data:
-            raise SparsityError(f"{method} needs calibration text: pass --calib-data FILE.jsonl|FILE.txt.")
+            raise SparsityError(f"{what} needs calibration text: pass --calib-data FILE.jsonl|FILE.txt.")
+        if not any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
+            raise SparsityError(
+                f"No tokenizer in MODEL_DIR {str(model_dir)!r} (none of {', '.join(TOKENIZER_FILES)}): "
+                "save it there with tokenizer.save_pretrained(DIR)."
+            )
+        check_context_fits(str(model_dir), seqlen, "--seqlen")
+    check_out_dir(model_dir, out_dir, overwrite)
+    return calibrated
 
 
 def prune_folder(
@@ -75,37 +131,68 @@ def prune_folder(
     owl_lambda: float | None = None,
     overwrite: bool = False,
     progress: bool = False,
+    refit: bool = False,
+    reconstruct_steps: int | None = None,
+    reconstruct_lr: float = DEFAULT_LR,
+    masks: str | os.PathLike | None = None,
+    streaming: bool = True,
 ) -> OneShotResult:
-    """Load ``model_dir``, prune it one-shot and write a sparse model folder to ``out_dir``."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    """Prune ``model_dir`` one-shot and write a sparse model folder to ``out_dir``.
 
-    _check_inputs(model_dir, out_dir, method, nsamples, seqlen, calib_data, overwrite)
+    Every input is checked here, before anything loads or is written (the CLI only parses).
+    ``reconstruct_steps``: block reconstruction steps (``None``: off). ``masks``: a mask file (or
+    a folder holding ``sparsity_masks.safetensors``) to use instead of choosing masks.
+    ``streaming``: read and write a safetensors folder one decoder block at a time
+    (:mod:`~hf_sparsity.pruning.streaming`), never holding the whole model; folders with
+    ``.bin`` weights, and ``streaming=False``, load the whole model.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    calibrated = _check_inputs(
+        model_dir, out_dir, method, nsamples, seqlen, calib_data, overwrite, device=device,
+        batch_size=batch_size, blocksize=blocksize, percdamp=percdamp, owl_lambda=owl_lambda, refit=refit,
+        reconstruct_steps=reconstruct_steps, masks=masks,
+    )  # fmt: skip
     config = build_config(sparsity, structure, config_path)
     owl = OWLSettings(lam=owl_lambda) if owl_lambda is not None else None
-    if device and device.startswith("cuda") and not torch.cuda.is_available():
-        raise SparsityError(f"--device {device} but no CUDA device is available; use --device cpu.")
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    given = None
+    if masks is not None:
+        given, _ = load_masks(masks)
+    has_tokenizer = any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir)) if has_tokenizer else None
+    model_config = AutoConfig.from_pretrained(str(model_dir))
     calib, info = None, {}
-    if method != "magnitude":  # calibration first: bad data is refused before the model loads
-        model_config = AutoConfig.from_pretrained(str(model_dir))
-        ctx = context_length(model_config, default=0)
-        if ctx and seqlen > ctx:
-            raise SparsityError(f"--seqlen {seqlen} exceeds the model's context length {ctx}; lower it.")
+    if calibrated:  # calibration first: bad data is refused before the model loads
         docs = read_documents(calib_data, text_column)
         calib = sample_calibration(docs, tokenizer, nsamples=nsamples, seqlen=seqlen, seed=seed)
         check_token_ids(model_config, calib, model_dir)
         info = {"calib_data": str(calib_data), "text_column": text_column, "seed": seed}
-        if method == "sparsegpt":
+        if method == "sparsegpt" and given is None:
             info.update(blocksize=blocksize, percdamp=percdamp)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto")
-    model.eval()
     if owl is not None:
         info["owl"] = {"lambda": owl.lam, "M": owl.outlier_m}
-    result = prune_oneshot(
-        model, config, calib, method, blocksize=blocksize, percdamp=percdamp, owl=owl,
-        device=device, batch_size=batch_size, progress=progress,
+    if masks is not None:
+        info["masks"] = str(masks)
+    kwargs = dict(
+        blocksize=blocksize, percdamp=percdamp, owl=owl, device=device, batch_size=batch_size,
+        progress=progress, refit=refit, reconstruct_steps=reconstruct_steps or 0,
+        reconstruct_lr=reconstruct_lr, masks=given,
     )  # fmt: skip
+    if streaming and any(
+        (Path(model_dir) / f).is_file() for f in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME)
+    ):
+        stream = StreamingModel(model_dir, model_config)
+        with atomic_dir(out_dir, overwrite=overwrite, source=model_dir) as tmp:
+            stream.out = tmp
+            result = prune_oneshot(stream.model, config, calib, method, stream=stream, **kwargs)
+            stream.finish()
+            write_sparsity_files(tmp, model_config, result, config, tokenizer, info)
+        return result
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto")
+    model.eval()
+    result = prune_oneshot(model, config, calib, method, **kwargs)
     save_pruned(model, result, out_dir, config=config, tokenizer=tokenizer, info=info,
                 model_dir=model_dir, overwrite=overwrite)  # fmt: skip
     return result

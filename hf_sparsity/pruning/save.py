@@ -41,16 +41,30 @@ def save_pruned(
     overwrite: bool = False,
 ) -> Path:
     """Save ``model`` (already pruned by :func:`prune_oneshot`) with ``result.masks`` to ``out_dir``."""
+    with atomic_dir(out_dir, overwrite=overwrite, source=model_dir) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        write_sparsity_files(tmp, model.config, result, config, tokenizer, info)
+    return Path(out_dir)
+
+
+def write_sparsity_files(
+    folder: str | os.PathLike,
+    model_config,
+    result: OneShotResult,
+    config: SparsityConfig | None = None,
+    tokenizer=None,
+    info: dict[str, Any] | None = None,
+) -> None:
+    """``config.json`` with the sparsity section, the mask file and the tokenizer, into ``folder``
+    (weights are written by the caller: ``save_pretrained``, or shard by shard when streaming)."""
     if config is None:
         config = SparsityConfig(sparsity=_overall_level(result))
     state = oneshot_state(result, info)
-    set_sparsity_config(model.config, config, state={"oneshot": state["oneshot"]})
-    with atomic_dir(out_dir, overwrite=overwrite, source=model_dir) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        save_masks(os.path.join(tmp, SPARSITY_MASKS_NAME), result.masks, {"state": state})
-    return Path(out_dir)
+    set_sparsity_config(model_config, config, state={"oneshot": state["oneshot"]})
+    model_config.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    save_masks(os.path.join(folder, SPARSITY_MASKS_NAME), result.masks, {"state": state})
 
 
 def _overall_level(result: OneShotResult) -> float:
