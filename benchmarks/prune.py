@@ -73,7 +73,7 @@ def worker(a: argparse.Namespace) -> None:
         rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         row = {"variant": a.worker, "prune_s": result.seconds, "peak_rss_mb": rss_kb / 1024}
         if a.wikitext2:
-            from hf_sparsity.evaluation.wikitext2 import evaluate_wikitext2
+            from hf_sparsity.evaluation.runner import evaluate_wikitext2
 
             ppl = evaluate_wikitext2(
                 out, wikitext2_file=a.wikitext2, seqlen=a.seqlen, max_windows=a.max_windows
@@ -158,7 +158,9 @@ def main(argv=None) -> None:
             ]  # fmt: skip
             if a.wikitext2:
                 cmd += ["--wikitext2", a.wikitext2]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=dict(os.environ))
+            out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+            if out.returncode:
+                sys.exit(f"{v} failed:\n{out.stderr[-3000:]}")
             runs[v].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(json.dumps(runs[v][-1]), file=sys.stderr, flush=True)
     load = os.getloadavg()

@@ -87,10 +87,18 @@ def save_masks(
     if os.path.isdir(path):
         path = os.path.join(path, SPARSITY_MASKS_NAME)
     tensors, info = {}, {}
-    for name, mask in masks.items():
-        tensors[name] = pack_mask(mask).contiguous()
-        nnz = int(mask.sum(dtype=torch.int64))
-        info[name] = {"shape": list(mask.shape), "level": 1.0 - nnz / max(mask.numel(), 1), "nonzeros": nnz}
+    for name in masks:
+        if hasattr(masks, "packed"):  # masks held packed already (streamed pruning): written as they are
+            tensors[name], nnz = masks.packed(name)
+            shape = list(masks.shape(name))
+        else:
+            mask = masks[name]
+            tensors[name] = pack_mask(mask).contiguous()
+            nnz, shape = int(mask.sum(dtype=torch.int64)), list(mask.shape)
+        numel = 1
+        for d in shape:
+            numel *= d
+        info[name] = {"shape": shape, "level": 1.0 - nnz / max(numel, 1), "nonzeros": nnz}
     metadata = {
         "format": MASK_FORMAT_NAME,
         "format_version": str(MASK_FORMAT_VERSION),

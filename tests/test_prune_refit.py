@@ -286,3 +286,19 @@ def test_cli_bad_inputs_name_the_fix_and_leave_nothing(llama_dir, tmp_path, caps
         assert message in err and len(err.strip().splitlines()) == 1, err
         assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["missing", "other", "trunc"]
+
+
+def test_packed_masks_are_saved_as_the_unpacked_ones(tmp_path):
+    from hf_sparsity.pruning.streaming import PackedMasks
+    from hf_sparsity.serialization import load_masks, save_masks
+
+    g = torch.Generator().manual_seed(0)
+    plain = {f"w{i}": (torch.rand(7, 13 + i, generator=g) > 0.5).to(torch.uint8) for i in range(3)}
+    packed = PackedMasks()
+    for n, m in plain.items():
+        packed[n] = m
+    save_masks(tmp_path / "a.safetensors", packed)
+    save_masks(tmp_path / "b.safetensors", plain)
+    (a, meta_a), (b, meta_b) = load_masks(tmp_path / "a.safetensors"), load_masks(tmp_path / "b.safetensors")
+    assert all(torch.equal(a[n], plain[n]) and torch.equal(b[n], plain[n]) for n in plain)
+    assert meta_a["checksum"] == meta_b["checksum"] and meta_a["tensors"] == meta_b["tensors"]

@@ -1,4 +1,7 @@
-"""One-shot pruning of pretrained models: magnitude, Wanda and SparseGPT, unstructured and N:M.
+"""One-shot pruning of pretrained models: magnitude, Wanda and SparseGPT, unstructured and N:M,
+with an exact least-squares refit of the kept weights (``refit=True``), block reconstruction
+(``reconstruct_steps=N``), given masks (``masks=``), and block-by-block streaming of a model
+folder (``prune_folder``, what ``hf_sparsity prune`` runs).
 
 from hf_sparsity.pruning import prune_oneshot, read_documents, sample_calibration
 calib = sample_calibration(read_documents("corpus.jsonl"), tokenizer, nsamples=128, seqlen=2048)

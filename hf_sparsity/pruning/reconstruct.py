@@ -21,9 +21,9 @@ from torch import nn
 from ..utils import SparsityError
 from .blocks import BlockInputs, call_block, slice_inputs
 
-DEFAULT_STEPS = 16
+DEFAULT_STEPS = 8
 DEFAULT_LR = 1e-4
-DEFAULT_WINDOWS = 2  # calibration windows per step: 16 steps x 2 = one pass over 32 windows
+DEFAULT_WINDOWS = 2  # calibration windows per step: 8 steps x 2 = half a pass over 32 windows
 
 
 def check_steps(steps: int | None) -> None:

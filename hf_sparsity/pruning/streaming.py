@@ -37,14 +37,22 @@ class PackedMasks(Mapping):
     """name -> uint8 mask, held bit-packed (1 bit per weight) and unpacked on access."""
 
     def __init__(self):
-        self._packed: dict[str, tuple[torch.Tensor, tuple[int, ...]]] = {}
+        self._packed: dict[str, tuple[torch.Tensor, tuple[int, ...], int]] = {}
 
     def __setitem__(self, name: str, mask: torch.Tensor) -> None:
-        self._packed[name] = (pack_mask(mask), tuple(mask.shape))
+        self._packed[name] = (pack_mask(mask), tuple(mask.shape), int(mask.sum(dtype=torch.int64)))
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        packed, shape = self._packed[name]
+        packed, shape, _ = self._packed[name]
         return unpack_mask(packed, shape)
+
+    def packed(self, name: str) -> tuple[torch.Tensor, int]:
+        """The stored bytes (the mask file's layout) and the number of kept weights: saved as is."""
+        packed, _, nonzeros = self._packed[name]
+        return packed, nonzeros
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._packed[name][1]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._packed)
