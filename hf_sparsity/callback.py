@@ -346,7 +346,7 @@ class FlopCallback(TrainerCallback):
     counted as :class:`SparsityCallback` counts them (real batch tokens unless ``seq_len`` is given).
     """
 
-    FILE = "flop_state.json"  # FLOP_STATE_NAME
+    FILE = "flop_state.json"  # FLOP_STATE_NAME: the file save_flop_state writes
 
     def __init__(self, seq_len: int | None = None):
         self.seq_len = seq_len
@@ -385,7 +385,7 @@ class FlopCallback(TrainerCallback):
 
 
 # ---------------------------------------------------------------------- FLOP counts in checkpoints
-FLOP_STATE_NAME = "flop_state.json"
+FLOP_STATE_NAME = FlopCallback.FILE
 
 
 def _checkpoint_dir(args, state) -> str:

@@ -118,7 +118,7 @@ class MaskEnforcer:
         for name in self._zero_masks:
             full = zero.gathered_view(self._params[name])
             if full is not None:
-                full.mul_(self._grad_masks[name].to(full.dtype))
+                full.mul_(self._grad_masks[name])  # uint8 promotes in place: no copy
 
     @torch.no_grad()
     def zero_positions(self, name: str, where: torch.Tensor) -> None:
