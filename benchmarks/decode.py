@@ -16,9 +16,10 @@ Rows (every model decodes the same prompt; masks by magnitude on the model's own
 * with ``--gguf``: llama.cpp (``llama-cpp-python``, an optional benchmark dependency: ``pip install
   llama-cpp-python`` builds it from source) on the given GGUF files, same threads, greedy.
 
-Our rows decode with the lean loop (:func:`hf_sparsity.decoding.greedy_decode`, the same tokens as
-``generate``) unless ``--loop generate``. Rounds are interleaved (every row once per round); the table
-gives the median tok/s, the ratio to each baseline, the bytes of weights one token reads, the bound
+Our rows decode with :func:`hf_sparsity.decoding.greedy_decode` (the same tokens as ``generate``): its
+native step, one call into the kernel library per token (``--loop forward``: its loop over the model's
+forward; ``--loop generate``: ``model.generate``). Rounds are interleaved (every row once per round);
+the table gives the median tok/s, the ratio to each baseline, the bytes of weights one token reads, the bound
 (the machine's read bandwidth, STREAM-like over a buffer larger than the LLC, over those bytes), the
 fraction of the bound reached, and quality: how many of the greedy tokens match the fp32 dense model's
 (an int8 row: its fp32 row's), and (``--ppl-windows``) WikiText-2 perplexity on the first windows
@@ -105,7 +106,11 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--levels", default="0.5,0.7,2:4", help="sparsity levels (and 2:4)")
     p.add_argument("--int8", default="0.5,2:4", help="levels that also get an int8-values row")
-    p.add_argument("--loop", choices=("lean", "generate"), default="lean", help="our rows' decoding loop")
+    p.add_argument(
+        "--loop", choices=("native", "forward", "generate"), default="native",
+        help="our rows' decoding loop: greedy_decode's native step (where it applies), its forward loop, or "
+        "model.generate",
+    )  # fmt: skip
     p.add_argument("--ppl-windows", type=int, default=0, help="WikiText-2 windows for perplexity (0: skip)")
     p.add_argument("--ppl-seqlen", type=int, default=512)
     p.add_argument("--data-dir", default=None, help="folder holding text/wikitext-2-raw/wiki.test.raw")
@@ -171,9 +176,11 @@ def main(argv=None) -> int:
 
             return run_generate
 
+        step = "auto" if loop == "native" else "model"
+
         def run():
             t = time.perf_counter()
-            out = greedy_decode(model, ids, args.tokens, eos_token_id=[])
+            out = greedy_decode(model, ids, args.tokens, eos_token_id=[], step=step)
             return args.tokens / (time.perf_counter() - t), out[0, ids.shape[1] :].tolist()
 
         return run
@@ -181,7 +188,9 @@ def main(argv=None) -> int:
     runs = {k: ours_run(r["model"], r["loop"]) for k, r in rows.items()}
     runs.update(llama)
     with torch.inference_mode():
-        want = greedy_decode(dense, ids, args.tokens, eos_token_id=[])[0, ids.shape[1] :].tolist()
+        want = greedy_decode(dense, ids, args.tokens, eos_token_id=[], step="model")[
+            0, ids.shape[1] :
+        ].tolist()
     ppl = {}
     if args.ppl_windows:
         data = args.data_dir or os.environ.get("HF_SPARSITY_SHARED_DATA", "shared/data")

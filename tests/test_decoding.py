@@ -57,3 +57,122 @@ def test_lean_loop_refuses_bad_input():
         greedy_decode(model, torch.ones(2, 3, dtype=torch.long), 4)
     with pytest.raises(SparsityError, match="at least 1"):
         greedy_decode(model, torch.ones(1, 3, dtype=torch.long), 0)
+
+
+# ---------------------------------------------------------------------------- the native step
+def _llama_family(arch: str, **kw):
+    """Tiny Llama / Mistral / Qwen2 (Qwen2: biased q/k/v), weights large enough for decisive argmaxes."""
+    from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=128, hidden_size=32, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, bos_token_id=0, eos_token_id=1, pad_token_id=1,
+    )  # fmt: skip
+    common.update(kw)
+    if arch == "llama":
+        from .conftest import tiny_config
+
+        cfg = tiny_config("llama")
+        cfg.update(kw)
+    elif arch == "mistral":
+        cfg = MistralConfig(**{"sliding_window": None, **common})
+    else:
+        cfg = Qwen2Config(**common)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.3)
+    return model
+
+
+def _sparse(model, backend, structure=None, **options):
+    cfg = SparsityConfig(sparsity=0.5, structure=structure, init_method="topk")
+    eng = SparsityEngine(model, cfg)
+    eng.build_masks()
+    eng.apply()
+    sparsify_for_inference(model, backend, masks=eng.masks, **options)
+    return model
+
+
+@pytest.mark.parametrize(
+    "backend,structure",
+    [(None, None), ("bitmask", None), ("csr", None), ("nm24", "2:4"), ("native_dense", None), ("auto", None)],
+)
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_native_step_is_token_identical_to_generate(arch, backend, structure):
+    """One native call per token (norms, rotary, attention, MLP, LM head, argmax in C) gives generate's
+    greedy tokens, on every native format and on the dense model (its nn.Linear layers on the GEMV)."""
+    from hf_sparsity.decoding import native_step_reason
+
+    model = _llama_family(arch)
+    if backend:
+        opts = {"plan_cache": False, "check": False, "rounds": 3} if backend == "auto" else {}
+        _sparse(model, backend, structure, **opts)
+    assert native_step_reason(model) is None
+    model.generation_config.eos_token_id = None
+    for seed in range(2):
+        ids = torch.randint(2, 128, (1, 4 + 3 * seed), generator=torch.Generator().manual_seed(seed))
+        want = _generate(model, ids, 30)
+        seen = []
+        got = greedy_decode(model, ids, 30, on_token=seen.append, step="native")
+        assert torch.equal(got, want), (got, want)
+        assert seen == got[0, ids.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("backend,structure", [("bitmask", None), ("nm24", "2:4"), ("auto", None)])
+def test_native_step_with_int8_values_matches_the_forward_loop(backend, structure):
+    """int8 values (and, with auto, the int8 LM head): the native step computes what the model's own forward
+    computes on the same kernels, token for token."""
+    model = _llama_family("llama")
+    opts = {"plan_cache": False, "check": False, "rounds": 3} if backend == "auto" else {}
+    _sparse(model, backend, structure, values="int8", **opts)
+    ids = torch.randint(2, 128, (1, 6), generator=torch.Generator().manual_seed(3))
+    want = greedy_decode(model, ids, 24, eos_token_id=[], step="model")
+    assert torch.equal(greedy_decode(model, ids, 24, eos_token_id=[], step="native"), want)
+
+
+def test_native_step_stops_at_eos_and_falls_back_where_it_does_not_apply():
+    model = _llama_family("llama")
+    ids = torch.randint(2, 128, (1, 5), generator=torch.Generator().manual_seed(1))
+    free = greedy_decode(model, ids, 12, eos_token_id=[], step="native")
+    eos = int(free[0, ids.shape[1] + 2])
+    got = greedy_decode(model, ids, 12, eos_token_id=eos, step="native")
+    assert int(got[0, -1]) == eos and torch.equal(got, free[:, : got.shape[1]])
+    gpt2 = tiny_model("gpt2").eval()  # not a Llama-family model: auto takes the forward loop, native refuses
+    gpt2.generation_config.eos_token_id = None
+    assert torch.equal(greedy_decode(gpt2, ids, 8), _generate(gpt2, ids, 8))
+    with pytest.raises(SparsityError, match="model type 'gpt2'.*step='model'"):
+        greedy_decode(gpt2, ids, 8, step="native")
+    with pytest.raises(SparsityError, match="step='fast'"):
+        greedy_decode(model, ids, 8, step="fast")
+
+
+def test_native_step_says_why_it_does_not_run():
+    from hf_sparsity.decoding import native_step_reason
+
+    masked = _sparse(_llama_family("llama"), "masked_dense")
+    assert "no native batch-1 call" in native_step_reason(masked)
+    window = _llama_family("mistral", sliding_window=8)
+    assert native_step_reason(window) is None and "sliding window of 8" in native_step_reason(window, 20)
+    ids = torch.randint(2, 128, (1, 5), generator=torch.Generator().manual_seed(1))
+    want = greedy_decode(window, ids, 15, eos_token_id=[], step="model")
+    assert torch.equal(greedy_decode(window, ids, 15, eos_token_id=[]), want)  # auto: the forward loop
+    assert "float32" in native_step_reason(_llama_family("llama").to(torch.bfloat16))
+    assert "training mode" in native_step_reason(_llama_family("qwen2").train())
+
+
+def test_native_dense_int8_values_against_the_dequantized_weight():
+    from hf_sparsity.backends import get_backend
+    from hf_sparsity.backends.formats import quantize_rows
+
+    w = torch.randn(37, 53, generator=torch.Generator().manual_seed(0))
+    b = get_backend("native_dense").from_dense(w, torch.ones_like(w, dtype=torch.uint8), values="int8")
+    scales, codes = quantize_rows(w)
+    deq = scales[:, None] * codes.float()
+    assert torch.equal(b.to_dense(), deq)
+    assert b.storage_bytes < w.numel() * 4 / 3.5  # int8 codes + row scales
+    for rows in (1, 5):
+        x = torch.randn(rows, 53, generator=torch.Generator().manual_seed(rows))
+        torch.testing.assert_close(b.linear(x), x @ deq.T, rtol=1e-5, atol=1e-5)

@@ -160,6 +160,8 @@ def load() -> ctypes.CDLL | None:
             lib.hfs_simd.argtypes, lib.hfs_simd.restype = [], ci
             lib.hfs_isa.argtypes, lib.hfs_isa.restype = [], ci
             lib.hfs_set_openmp.argtypes, lib.hfs_set_openmp.restype = [ci], ci
+            lib.hfs_decode_step.argtypes, lib.hfs_decode_step.restype = [vp, i64, i64], i64
+            lib.hfs_decode_work_floats.argtypes, lib.hfs_decode_work_floats.restype = [vp], i64
             if os.environ.get("HF_SPARSITY_NATIVE_POOL") == "pthread":
                 lib.hfs_set_openmp(0)
             elif lib.hfs_set_openmp(-1) and len(_openmp_runtimes() | before) > max(1, len(before)):

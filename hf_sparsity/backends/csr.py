@@ -143,6 +143,17 @@ class CSRBackend(SparseBackend):
 
     __call__ = linear
 
+    def decode_call(self):
+        nat = self._native
+        if nat is None or nat.values.dtype != torch.float32:
+            return None
+        nt = _native.threads_for(nat.values.numel(), self.threads)
+        kind = 16 + (0 if nat.idx.dtype == torch.int16 else 1)
+        return _native.prepared_call(
+            (kind, nat.rows, self.in_features, nt, nat.rowptr.data_ptr(), nat.idx.data_ptr(),
+             nat.values.data_ptr(), 0)
+        )  # fmt: skip
+
     def _forward(self, x2d: torch.Tensor) -> torch.Tensor:
         self._count("forward", x2d.shape[0])
         nat = self._native

@@ -209,6 +209,12 @@ class _PackedBackend(SparseBackend):
         ))  # fmt: skip
         return prep, addr, torch.get_num_threads()
 
+    def decode_call(self):
+        if self.kernel != "native":
+            return None
+        prep, addr, _ = self._batch1_call()
+        return prep, addr
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # decode fast path (one fp32 row, no autograd, eager): the kernel call with its fixed arguments
         # prepared once; ~5 us less Python per call than the general path (x ~200 layers per token)
@@ -448,10 +454,14 @@ class NativeDenseBackend(_PackedBackend):
         dtypes=(torch.float32, torch.bfloat16),
         training=False,
         frees_dense=True,
+        int8_values=True,
         description="dense weight, native multi-threaded GEMV for batch <= 16 (LM head, dense layers)",
     )
 
     def _pack(self, w: torch.Tensor, m: torch.Tensor) -> None:
+        if self.int8:  # ``w``: the int8 codes of the masked weight, row-major after the row scales
+            self.values = self._store(w, 64)
+            return
         self.values = (
             (w * m).to(self.dtype).contiguous() if not bool(m.all()) else w.to(self.dtype).contiguous()
         )
@@ -466,10 +476,13 @@ class NativeDenseBackend(_PackedBackend):
         )  # fmt: skip
 
     def to_dense(self) -> torch.Tensor:
-        return self.values
+        return self._unpack().to(self.dtype) if self.int8 else self.values
 
     def _unpack(self) -> torch.Tensor:
-        return self.values
+        if not self.int8:
+            return self.values
+        n = self.out_features * self.in_features
+        return self._scaled(self._codes()[:n].view(self.out_features, self.in_features).clone())
 
     def _dense_mask(self) -> torch.Tensor:
-        return (self.values != 0).to(torch.uint8)
+        return (self._unpack() != 0).to(torch.uint8)

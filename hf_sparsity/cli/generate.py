@@ -50,7 +50,7 @@ def _load(model_dir: str, dtype: str | None, prompt: str, max_new_tokens: int):
 def _generate(model, ids, n: int, streamer=None, lean: bool = False, **kw) -> tuple[object, float]:
     import torch
 
-    if lean:  # the lean loop: forward + argmax per token (the same tokens as generate's greedy)
+    if lean:  # greedy_decode: the native step or the forward loop (the same tokens as generate's greedy)
         from ..decoding import greedy_decode
 
         t = time.perf_counter()
@@ -143,7 +143,12 @@ def generate_command(args) -> int:
         f"conversion {convert_s:.1f} s; {torch.get_num_threads()} threads"
     )
     if args.lean:
-        line += "; lean decoding loop"
+        from ..decoding import native_step_reason
+
+        reason = native_step_reason(model, ids.shape[1] + args.max_new_tokens)
+        line += "; lean decoding: " + (
+            "the native step (one call per token)" if reason is None else f"the forward loop ({reason})"
+        )
     if args.compile:
         line += "; compiled, compile + first run " + ", ".join(f"{k} {v:.0f} s" for k, v in compile_s.items())
     line += "]"
@@ -184,7 +189,8 @@ def generate_command_parser(subparsers):
     p.add_argument(
         "--lean",
         action="store_true",
-        help="Both runs decode with the lean greedy loop (forward + argmax per token; hf_sparsity.decoding)",
+        help="Both runs decode with hf_sparsity.decoding.greedy_decode: one native call per token for "
+        "Llama-family models on native formats, else the forward loop (the same tokens as generate)",
     )
     p.set_defaults(func=generate_command)
     return p

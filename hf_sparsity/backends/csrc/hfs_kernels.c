@@ -1,5 +1,6 @@
 /* Native CPU kernels of hf_sparsity (see hf_sparsity/backends/_native.py). C11 + pthreads, no torch headers. */
 #define _GNU_SOURCE
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #include <stdlib.h>
@@ -1039,7 +1040,7 @@ int hfs_set_openmp(int on) {
 #endif
   return g_use_omp;
 }
-int hfs_version(void) { return 8; }
+int hfs_version(void) { return 9; }
 int hfs_simd(void) { return HFS_SIMD; }
 /* 0 scalar, 1 AVX2 + FMA, 2 AVX-512 (the bitmask expand and CSR gather paths) */
 int hfs_isa(void) {
@@ -1048,4 +1049,118 @@ int hfs_isa(void) {
 #else
   return HFS_SIMD;
 #endif
+}
+
+/* ---- One decoded token of a Llama-family model in one call (hf_sparsity/decoding.py, NativeDecoder) -------
+   Each projection is a prepared batch-1 call of any native format (bitmask, 2:4, CSR, dense GEMV; fp32,
+   bf16 or int8 values); everything between them runs here: RMSNorm, the rotary embedding (rotate-half
+   convention, cos / sin tables computed by the model's own rotary module), the attention of one query over
+   the key / value cache (grouped heads), the SiLU-gated MLP, the residuals, the final norm, the LM head and
+   the argmax. One ctypes call per token replaces transformers' ~2000 small torch operations. Float32
+   throughout, in the order transformers computes (the sums of RMSNorm and attention accumulate in double). */
+typedef struct {
+  const prepared_t *q, *k, *v, *o, *gate, *up, *down;
+  const float *bq, *bk, *bv, *bo, *bgate, *bup, *bdown;
+  const float *norm1, *norm2;
+  float *kc, *vc; /* [kv_heads, max_len, head_dim] */
+} hfs_layer_t;
+
+typedef struct {
+  int64_t nlayers, hidden, heads, kv_heads, head_dim, ffn, max_len, vocab;
+  double eps, scale;
+  const hfs_layer_t* layers;
+  const prepared_t* head;
+  const float* head_bias;
+  const float* final_norm;
+  const float* embed; /* [embedding rows, hidden] */
+  const float* cos;   /* [max_len, head_dim] */
+  const float* sin;
+  float* work;   /* hfs_decode_work_floats() floats */
+  float* logits; /* [vocab] */
+} hfs_decoder_t;
+
+int64_t hfs_decode_work_floats(const hfs_decoder_t* d) {
+  return 4 * d->hidden + 2 * d->heads * d->head_dim + 2 * d->kv_heads * d->head_dim + 2 * d->ffn + d->max_len;
+}
+
+__attribute__((optimize("fp-contract=off"))) static void rms_norm(const float* x, const float* w, float* out,
+                                                                  int64_t n, double eps) {
+  double ss = 0.0;
+  for (int64_t i = 0; i < n; i++) ss += (double)x[i] * (double)x[i];
+  const float var = (float)(ss / (double)n);
+  const float r = 1.0f / sqrtf(var + (float)eps);
+  for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
+}
+
+__attribute__((optimize("fp-contract=off"))) static void rope(float* t, int64_t nheads, int64_t hd,
+                                                              const float* cs, const float* sn) {
+  const int64_t half = hd / 2;
+  for (int64_t h = 0; h < nheads; h++) {
+    float* v = t + h * hd;
+    for (int64_t i = 0; i < half; i++) {
+      const float a = v[i], b = v[i + half];
+      v[i] = a * cs[i] + (-b) * sn[i];
+      v[i + half] = b * cs[i + half] + a * sn[i + half];
+    }
+  }
+}
+
+int64_t hfs_decode_step(const hfs_decoder_t* d, int64_t token, int64_t pos) {
+  const int64_t D = d->hidden, H = d->heads, G = d->kv_heads, hd = d->head_dim, F = d->ffn, T = d->max_len;
+  if (pos < 0 || pos >= T) return -1;
+  float *x = d->work, *h = x + D, *o = h + D, *att = o + D, *q = att + H * hd, *k = q + H * hd, *v = k + G * hd;
+  float *g = v + G * hd, *u = g + F, *sc = u + F;
+  memcpy(x, d->embed + token * D, (size_t)D * sizeof(float));
+  const float *cs = d->cos + pos * hd, *sn = d->sin + pos * hd;
+  const int64_t rep = H / G;
+  for (int64_t l = 0; l < d->nlayers; l++) {
+    const hfs_layer_t* L = d->layers + l;
+    rms_norm(x, L->norm1, h, D, d->eps);
+    hfs_run_prepared(L->q, h, q, L->bq);
+    hfs_run_prepared(L->k, h, k, L->bk);
+    hfs_run_prepared(L->v, h, v, L->bv);
+    rope(q, H, hd, cs, sn);
+    rope(k, G, hd, cs, sn);
+    for (int64_t j = 0; j < G; j++) {
+      memcpy(L->kc + (j * T + pos) * hd, k + j * hd, (size_t)hd * sizeof(float));
+      memcpy(L->vc + (j * T + pos) * hd, v + j * hd, (size_t)hd * sizeof(float));
+    }
+    for (int64_t hh = 0; hh < H; hh++) {
+      const float* qh = q + hh * hd;
+      const float* kb = L->kc + (hh / rep) * T * hd;
+      const float* vb = L->vc + (hh / rep) * T * hd;
+      float mx = -INFINITY;
+      for (int64_t t = 0; t <= pos; t++) {
+        float s = 0.0f;
+        for (int64_t i = 0; i < hd; i++) s += qh[i] * kb[t * hd + i];
+        sc[t] = s * (float)d->scale;
+        if (sc[t] > mx) mx = sc[t];
+      }
+      double den = 0.0;
+      for (int64_t t = 0; t <= pos; t++) {
+        sc[t] = expf(sc[t] - mx);
+        den += sc[t];
+      }
+      float* out = att + hh * hd;
+      for (int64_t i = 0; i < hd; i++) out[i] = 0.0f;
+      for (int64_t t = 0; t <= pos; t++) {
+        const float p = (float)(sc[t] / den);
+        for (int64_t i = 0; i < hd; i++) out[i] += p * vb[t * hd + i];
+      }
+    }
+    hfs_run_prepared(L->o, att, o, L->bo);
+    for (int64_t i = 0; i < D; i++) x[i] += o[i];
+    rms_norm(x, L->norm2, h, D, d->eps);
+    hfs_run_prepared(L->gate, h, g, L->bgate);
+    hfs_run_prepared(L->up, h, u, L->bup);
+    for (int64_t i = 0; i < F; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    hfs_run_prepared(L->down, g, o, L->bdown);
+    for (int64_t i = 0; i < D; i++) x[i] += o[i];
+  }
+  rms_norm(x, d->final_norm, h, D, d->eps);
+  hfs_run_prepared(d->head, h, d->logits, d->head_bias);
+  int64_t best = 0;
+  for (int64_t i = 1; i < d->vocab; i++)
+    if (d->logits[i] > d->logits[best]) best = i;
+  return best;
 }
