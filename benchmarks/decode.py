@@ -60,6 +60,14 @@ RANDOM = {
 """Random-weight models by shape (``model_dir`` one of these names): a 1B Llama (TinyLlama's shape)."""
 
 
+def build_random(name: str):
+    """The random-weight model ``name`` of :data:`RANDOM` (seed 0; ``gguf_export.py`` writes the same)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(LlamaConfig(**RANDOM[name])).eval()
+
+
 def _cell(value, spec: str) -> str:
     width = int(spec.split(".")[0])
     return f"{value:{spec}}" if value is not None else f"{'-':>{width}}"
@@ -129,11 +137,8 @@ def main(argv=None) -> int:
 
     load0 = os.getloadavg()
     if args.model_dir in RANDOM:  # a random-weight model of a known shape (no tokenizer, no perplexity)
-        from transformers import LlamaConfig
-
-        torch.manual_seed(0)
         tok = None
-        dense = AutoModelForCausalLM.from_config(LlamaConfig(**RANDOM[args.model_dir])).eval()
+        dense = build_random(args.model_dir)
         ids = torch.randint(2, dense.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
         args.ppl_windows = 0
     else:
