@@ -76,7 +76,7 @@ def test_int8_refused_for_a_backend_without_it_naming_alternatives_model_untouch
     with pytest.raises(SparsityError, match="no int8 values"):
         from hf_sparsity.backends import get_backend
 
-        get_backend("native_dense").from_dense(torch.randn(4, 8), values="int8")
+        get_backend("masked_dense").from_dense(torch.randn(4, 8), values="int8")
 
 
 def test_int8_refused_on_an_already_quantized_model():
