@@ -43,6 +43,7 @@ whole model, :func:`hf_sparsity.inference.auto_report` prints the per-layer tabl
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -517,6 +518,21 @@ def _streamed_copies(layers: dict, sample: list[str], stream_bytes: int) -> tupl
     return timed, copies
 
 
+def _build_copies(fmt: str, layers: dict, names: list[str], threads, values) -> list[SparseBackend]:
+    """One backend per name; the streamed copies of a layer (``name#i``, :func:`_streamed_copies`) are deep
+    copies of its first one (distinct memory, as the copies must be, without packing the weight again)."""
+    first: dict[str, SparseBackend] = {}
+    out = []
+    for n in names:
+        base = n.split("#", 1)[0]
+        if base in first:
+            out.append(copy.deepcopy(first[base]))
+        else:
+            first[base] = _build(fmt, *layers[n], threads, values)
+            out.append(first[base])
+    return out
+
+
 def _measure(layers, sample, cands, prefill_batch, rounds, threads, margin, values=None):
     """Decode: median ms of one pass over the ``sample`` layers per candidate (batch 1); then prefill
     (``prefill_batch`` rows and four times as many, two layers) of dense and of the decode winner's own
@@ -527,7 +543,7 @@ def _measure(layers, sample, cands, prefill_batch, rounds, threads, margin, valu
             if f == "dense":
                 built[f] = [(layers[n][0] * layers[n][1].to(layers[n][0].dtype)).contiguous() for n in sample]
             else:
-                built[f] = [_build(f, *layers[n], threads, None if f in DENSE else values) for n in sample]
+                built[f] = _build_copies(f, layers, sample, threads, None if f in DENSE else values)
         except SparsityError:
             continue
     in_f = layers[sample[0]][0].shape[1]
