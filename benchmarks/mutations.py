@@ -44,28 +44,28 @@ MUTATIONS = (
     Mutation(
         "reader-nonzeros",
         "the mask reader no longer checks nonzero counts",
-        (("hf_sparsity/serialization.py", 'if nnz != info[name]["nonzeros"]:', "if False:"),),
+        (("hf_sparsity/storage/masks_file.py", 'if nnz != info[name]["nonzeros"]:', "if False:"),),
         ("tests/test_serialization.py",),
     ),
     Mutation(
         "reader-format",
         "the mask reader no longer checks the format name and version",
         (
-            ("hf_sparsity/serialization.py", 'if meta.get("format") != MASK_FORMAT_NAME:', "if False:"),
-            ("hf_sparsity/serialization.py", "if version > MASK_FORMAT_VERSION:", "if False:"),
+            ("hf_sparsity/storage/masks_file.py", 'if meta.get("format") != MASK_FORMAT_NAME:', "if False:"),
+            ("hf_sparsity/storage/masks_file.py", "if version > MASK_FORMAT_VERSION:", "if False:"),
         ),
         ("tests/test_serialization.py",),
     ),
     Mutation(
         "reader-metadata-vs-tensors",
         "the mask reader no longer checks that metadata and tensors agree",
-        (("hf_sparsity/serialization.py", 'if set(meta["tensors"]) != keys:', "if False:"),),
+        (("hf_sparsity/storage/masks_file.py", 'if set(meta["tensors"]) != keys:', "if False:"),),
         ("tests/test_serialization.py",),
     ),
     Mutation(
         "finalize-no-mask",
         "convert --finalize no longer applies the mask",
-        (("hf_sparsity/finalize.py", "return t * m.to(t.dtype)", "return t"),),
+        (("hf_sparsity/storage/finalize.py", "return t * m.to(t.dtype)", "return t"),),
         ("tests/test_finalize.py",),
     ),
     Mutation(

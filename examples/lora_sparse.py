@@ -19,8 +19,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainingArguments
 
 from hf_sparsity import SparsityCallback, SparsityConfig, SparsityEngine, finalize_checkpoint, merge_sparse
-from hf_sparsity.checkpoint import format_inspection, inspect_checkpoint
 from hf_sparsity.data import BlockDataset
+from hf_sparsity.storage.folders import format_inspection, inspect_checkpoint
 
 
 def make_sparse_model(path: str) -> None:

@@ -25,13 +25,17 @@ def __getattr__(name):
 
         return SparsityCallback
     if name in ("finalize_checkpoint", "from_sentinel", "to_sentinel"):
-        from . import finalize
+        from .storage import finalize
 
         return getattr(finalize, name)
-    if name in ("inspect_checkpoint", "load_sparse_model", "last_complete_checkpoint", "resume_checkpoint"):
-        from . import checkpoint
+    if name in ("inspect_checkpoint", "load_sparse_model"):
+        from .storage import folders
 
-        return getattr(checkpoint, name)
+        return getattr(folders, name)
+    if name in ("last_complete_checkpoint", "resume_checkpoint"):
+        from .storage import resume
+
+        return getattr(resume, name)
     if name in ("sparsify_for_inference", "restore_dense"):
         from . import inference
 

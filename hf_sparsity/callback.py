@@ -44,7 +44,7 @@ from .engine import SparsityEngine
 from .hooks import TRAINER_FRAMES, resume_dir_from_trainer_frame  # noqa: F401  (re-exported)
 from .logging_utils import move_to_front  # noqa: F401  (re-exported)
 from .modeling import context_length, sparsity_table
-from .serialization import has_masks
+from .storage.masks_file import has_masks
 from .targeting import unwrap_model
 from .utils import SparsityError, atomic_write_text
 

@@ -11,7 +11,7 @@ Where masks come from (``masks=``):
 
 * ``None`` (default): the ``sparsity_masks.safetensors`` of the folder the model was
   loaded from (``model.config._name_or_path``); an error when there is none.
-* a folder or mask file path: read with :func:`hf_sparsity.serialization.load_masks`.
+* a folder or mask file path: read with :func:`hf_sparsity.storage.masks_file.load_masks`.
 * a dict ``name -> mask`` (e.g. ``SparsityEngine.masks``).
 * ``"zeros"``: the exact zeros of the targeted weights (the default projection / FFN
   rule, or ``config``). Only for finalized checkpoints, which carry no masks: inferring
@@ -82,7 +82,7 @@ class SparseLinear(nn.Module):
 
 def _resolve_masks(model: nn.Module, masks: Any, config: Any) -> dict[str, torch.Tensor]:
     from .constants import SPARSITY_MASKS_NAME
-    from .serialization import load_masks_for
+    from .storage.masks_file import load_masks_for
 
     if isinstance(masks, dict):
         return dict(masks)

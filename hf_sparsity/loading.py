@@ -74,7 +74,7 @@ def load_model_folder(
 
     from .constants import SPARSITY_MASKS_NAME
     from .modeling import apply_masks
-    from .serialization import load_masks_for
+    from .storage.masks_file import load_masks_for
 
     path = check_model_folder(path)
     if dtype is not None:
@@ -139,7 +139,7 @@ def check_model_folder(path: str | os.PathLike | None, flag: str = "MODEL", weig
             "Save the model with model.save_pretrained(DIR) or point at the checkpoint folder that has them."
         )
     if weights and any((p / f).is_file() for f in WEIGHT_FILES[:2]):
-        from .checkpoint import check_weights_readable
+        from .storage.folders import check_weights_readable
 
         check_weights_readable(p)  # a truncated file: inspect's one-line error, not a loader traceback
     return p

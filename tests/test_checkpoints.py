@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 
 from hf_sparsity import SparsityCallback, SparsityConfig, SparsityError
 from hf_sparsity.constants import SPARSITY_MASKS_NAME
-from hf_sparsity.serialization import load_masks
+from hf_sparsity.storage.masks_file import load_masks
 
 from .conftest import tiny_model
 from .trainer_utils import InvariantChecker, make_trainer

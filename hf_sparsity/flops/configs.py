@@ -12,7 +12,7 @@ from torch import nn
 from ..config import SparsityConfig, get_sparsity_config
 from ..constants import CONFIG_NAME, SPARSITY_MASKS_NAME
 from ..modeling import meta_causal_lm
-from ..serialization import mask_levels
+from ..storage.masks_file import mask_levels
 from ..utils import SparsityError
 from .counting import (
     count_flops,

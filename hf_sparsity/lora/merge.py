@@ -25,7 +25,7 @@ def _masks_for(peft_model: nn.Module, view: PeftBaseView, masks: Any):
     """(masks, config or None, where they came from): explicit, from an engine, or the base folder's file."""
     from ..config import get_sparsity_config
     from ..constants import SPARSITY_MASKS_NAME
-    from ..serialization import check_mask_names, load_masks_for
+    from ..storage.masks_file import check_mask_names, load_masks_for
 
     if isinstance(masks, (str, os.PathLike)):
         return load_masks_for(view, masks, required=True), get_sparsity_config(view.config), str(masks)
@@ -70,9 +70,9 @@ def merge_sparse(
     """
     from ..config import SparsityConfig
     from ..engine import SparsityEngine
-    from ..finalize import _levels_section
     from ..masks import mask_level
     from ..modeling import apply_masks
+    from ..storage.finalize import levels_section
     from ..utils import atomic_dir
 
     if not is_peft_model(peft_model):
@@ -91,7 +91,7 @@ def merge_sparse(
         )
     if config is None:  # masks without a config: one anchored pattern per tensor, at its level
         info = {n: {"level": mask_level(m)} for n, m in mask_dict.items()}
-        config = SparsityConfig.from_dict(_levels_section(info))
+        config = SparsityConfig.from_dict(levels_section(info))
     merged = peft_model.merge_and_unload()
     remove_masked_mode(merged)
     apply_masks(merged, mask_dict)
