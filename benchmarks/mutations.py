@@ -83,6 +83,18 @@ MUTATIONS = (
         ("tests/test_enforcement.py",),
     ),
     Mutation(
+        "on-save-second-writer",
+        "the callback's on_save writes the mask file again (after trainer_state.json) instead of checking it",
+        (
+            (
+                "hf_sparsity/callback.py",
+                "            if not os.path.isfile(os.path.join(ckpt, SPARSITY_MASKS_NAME)):\n",
+                "            self.engine.save(ckpt)\n            if False:\n",
+            ),
+        ),
+        ("tests/test_checkpoints.py",),
+    ),
+    Mutation(
         "wanda-nm-ignores-activations",
         "Wanda N:M scores by |W| alone, ignoring the activation norms",
         (

@@ -6,7 +6,8 @@ Lifecycle::
     engine.start(optimizer)                  # masks built (or restored: resume_from=dir, step=N),
                                              # hooks attached, save hook installed, config stamped
     ... loss.backward(); optimizer.step() ...   # enforcement runs inside the hooks
-    engine.save(output_dir)                  # sparsity_masks.safetensors
+    model.save_pretrained(output_dir)        # weights, config section and sparsity_masks.safetensors
+                                             # (engine.save(dir) writes the mask file alone)
 
 Who owns what:
 

@@ -12,7 +12,8 @@ Format (version 1)
   ``format_version`` = ``1``, ``library_version``, and ``tensors``: JSON
   ``{name: {"shape": [...], "level": float, "nonzeros": int}}``; ``checksum`` =
   ``sha256:<hex>`` over every mask's name, shape and packed bytes, in name order (see
-  :func:`mask_checksum`); plus any extra keys the writer adds (``global_step``, ...).
+  :func:`mask_checksum`); plus any extra keys the writer adds (``state``: the engine's step count
+  and events; ``source``, ...).
   Files without ``checksum`` (written before it existed) load with a warning.
 
 A 2-D mask therefore costs ``ceil(cols/8)/cols`` ~ 0.125 bytes per parameter on disk.
