@@ -28,10 +28,14 @@ def __getattr__(name):
         from .storage import finalize
 
         return getattr(finalize, name)
-    if name in ("inspect_checkpoint", "load_sparse_model"):
-        from .storage import folders
+    if name == "inspect_checkpoint":
+        from .storage.folders import inspect_checkpoint
 
-        return getattr(folders, name)
+        return inspect_checkpoint
+    if name == "load_sparse_model":
+        from .loading import load_sparse_model
+
+        return load_sparse_model
     if name in ("last_complete_checkpoint", "resume_checkpoint"):
         from .storage import resume
 

@@ -34,17 +34,18 @@ DTYPES: dict[str, torch.dtype] = {
 
 
 def resolve_dtype(
-    dtype: str | torch.dtype | None, allowed: tuple[str, ...] | None = None
+    dtype: str | torch.dtype | None, allowed: tuple[str, ...] | None = None, flag: str = "dtype"
 ) -> torch.dtype | None:
     """A dtype name from :data:`DTYPES` (or a ``torch.dtype``, or ``None``) -> the ``torch.dtype``.
 
     ``allowed``: the names a caller supports, when it supports fewer than :data:`DTYPES`.
+    ``flag``: how the error names the setting (``"--dtype"`` in a command).
     """
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     names = allowed or tuple(DTYPES)
     if str(dtype) not in names or str(dtype) not in DTYPES:
-        raise SparsityError(f"Unknown dtype {dtype!r}; use one of {', '.join(sorted(names))}.")
+        raise SparsityError(f"Unknown {flag} {dtype!r}; use one of {', '.join(sorted(names))}.")
     return DTYPES[str(dtype)]
 
 
@@ -87,6 +88,14 @@ def load_model_folder(
     if device is not None:
         model.to(resolve_device(device))
     return model.eval(), found
+
+
+def load_sparse_model(model_dir: str | os.PathLike, **from_pretrained_kwargs: Any):
+    """:func:`load_model_folder` as the package root offers it: ``(model, masks)``, ``masks`` empty
+    (``{}``) for a folder without a mask file. ``dtype=`` is a name from :data:`DTYPES` or a
+    ``torch.dtype``; the other keywords go to ``from_pretrained``."""
+    model, masks = load_model_folder(model_dir, **from_pretrained_kwargs)
+    return model, masks or {}
 
 
 def load_tokenizer(tokenizer: Any, model_dir: str | os.PathLike) -> Any:
@@ -216,6 +225,7 @@ __all__ = [
     "check_model_folder",
     "check_tokenizer_source",
     "load_model_folder",
+    "load_sparse_model",
     "load_tokenizer",
     "resolve_device",
     "resolve_dtype",

@@ -262,9 +262,10 @@ def finalize(model_dir: str, out_dir: str) -> str:
 
 
 def load_model(path: str):
-    from transformers import AutoModelForCausalLM
+    """A stage's starting folder (an earlier stage's output), its masks applied."""
+    from hf_sparsity.loading import load_model_folder
 
-    return AutoModelForCausalLM.from_pretrained(path)
+    return load_model_folder(path)[0]
 
 
 # ---------------------------------------------------------------------- outputs

@@ -18,9 +18,8 @@ from ..constants import (
     SAFE_WEIGHTS_NAME,
     SPARSITY_MASKS_NAME,
 )
-from ..modeling import apply_masks
 from ..utils import SparsityError
-from .masks_file import load_masks_for, read_mask_metadata, unpack_mask, verify_checksum
+from .masks_file import read_mask_metadata, unpack_mask, verify_checksum
 
 logger = logging.getLogger(__name__)
 
@@ -271,16 +270,3 @@ def read_config(model_dir: str | os.PathLike) -> dict[str, Any]:
         raise SparsityError(f"No {CONFIG_NAME} in {str(model_dir)!r}.")
     with open(path, encoding="utf-8") as f:
         return json.load(f)
-
-
-def load_sparse_model(model_dir: str | os.PathLike, **from_pretrained_kwargs):
-    """``AutoModelForCausalLM.from_pretrained`` plus the folder's masks applied (if it has any).
-
-    Returns ``(model, masks)``; ``masks`` is name -> uint8 mask (empty for a vanilla folder).
-    """
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), **from_pretrained_kwargs)
-    masks = load_masks_for(model, model_dir) or {}
-    apply_masks(model, masks)
-    return model, masks
