@@ -58,7 +58,7 @@ def main() -> None:
         model,
         LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]),
     )
-    # The callback finds the masks in the folder the base came from (config._name_or_path).
+    # The callback finds the masks in the folder the base came from (config.name_or_path).
     callback = SparsityCallback(SparsityConfig(sparsity=0.6, lora=args.mode))
     g = torch.Generator().manual_seed(0)
     data = BlockDataset(torch.randint(2, 256, (64, 32), generator=g).tolist())

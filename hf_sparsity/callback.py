@@ -144,7 +144,7 @@ class SparsityCallback(TrainerCallback, ExportableState):
             ]
         else:
             # A model loaded from a sparse folder (an earlier run's output) carries its masks.
-            candidates += [self.resume_from, getattr(model.config, "_name_or_path", None)]
+            candidates += [self.resume_from, getattr(model.config, "name_or_path", None)]
         for c in candidates:
             if c and os.path.isdir(str(c)) and has_masks(c):
                 return str(c)

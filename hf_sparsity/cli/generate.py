@@ -124,10 +124,9 @@ def generate_command(args) -> int:
     if args.backend == "auto" and args.show_choices:
         print(auto_report(model), file=sys.stderr)
     if args.compile:
-        import torch._dynamo
+        from ..hooks import forget_compiled_forward
 
-        torch._dynamo.reset()  # the converted model is another graph
-        model.__dict__.pop("_compiled_call", None)
+        forget_compiled_forward(model)  # the converted model is another graph
     t = time.perf_counter()
     _generate(model, ids, warm, lean=args.lean, **kw)
     compile_s[args.backend] = time.perf_counter() - t

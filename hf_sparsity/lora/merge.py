@@ -36,7 +36,7 @@ def _masks_for(peft_model: nn.Module, view: PeftBaseView, masks: Any):
     attached = getattr(peft_model, "_hf_sparsity", None)
     if attached and attached["masks"]:
         return dict(attached["masks"]), attached["config"], "the SparsityCallback / SparsityEngine"
-    source = getattr(view.config, "_name_or_path", None)
+    source = getattr(view.config, "name_or_path", None)
     loaded = load_masks_for(view, source) if source and os.path.isdir(str(source)) else None
     if loaded is not None:
         return loaded, get_sparsity_config(view.config), str(source)

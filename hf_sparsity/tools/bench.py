@@ -221,11 +221,11 @@ def modeled_model_speedup(model, machine=None) -> dict[str, Any]:
         if isinstance(mod, SparseLinear):
             b = mod.backend
             if isinstance(b, EmulatorBackend):
-                load, rows = b._row_load, b._rows_per_pe
+                load, rows = b.row_load, b.rows_per_pe
             else:
                 counts = b.mask.sum(1, dtype=torch.int64)
                 load, rows = (
-                    EmulatorBackend._pe_max(counts, machine.pes),
+                    EmulatorBackend.pe_max_load(counts, machine.pes),
                     math.ceil(b.out_features / machine.pes),
                 )
             sparse_c += load + rows * machine.row_overhead
