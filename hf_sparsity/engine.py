@@ -46,7 +46,7 @@ from .config import SparsityConfig, check_structure, mask_seeds, set_sparsity_co
 from .constants import SPARSITY_MASKS_NAME
 from .enforcement import ZERO_PRESERVING_OPTIMIZERS, MaskEnforcer
 from .hooks import carry_masks_in_save_pretrained, release_save_pretrained
-from .lora import peft_view
+from .lora.view import peft_view
 from .mask_state import MaskState, _state_field
 from .modeling import full_shape, full_tensor, sparsity_table
 from .schedules import Schedule, ScheduledEvent, compile_schedule

@@ -1,7 +1,8 @@
 """``merge_sparse``: merge a LoRA adapter into a sparse base and keep its masks exact.
 
 Kept apart from :mod:`hf_sparsity.lora.view` (which the engine and the targeting rules import) because
-merging sits above them: it builds an engine, reads the config and writes a finalized section.
+merging sits above them: it builds an engine, reads the config and writes a finalized section. It
+imports the engine; nothing it imports imports it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..utils import SparsityError
+from ..config import SparsityConfig, get_sparsity_config
+from ..constants import SPARSITY_MASKS_NAME
+from ..engine import SparsityEngine
+from ..masks import mask_level
+from ..modeling import apply_masks
+from ..storage.finalize import levels_section
+from ..storage.masks_file import check_mask_names, load_masks_for
+from ..utils import SparsityError, atomic_dir
 from .masked import remove_masked_mode
 from .view import PeftBaseView, is_peft_model
 
@@ -23,10 +31,6 @@ logger = logging.getLogger(__name__)
 
 def _masks_for(peft_model: nn.Module, view: PeftBaseView, masks: Any):
     """(masks, config or None, where they came from): explicit, from an engine, or the base folder's file."""
-    from ..config import get_sparsity_config
-    from ..constants import SPARSITY_MASKS_NAME
-    from ..storage.masks_file import check_mask_names, load_masks_for
-
     if isinstance(masks, (str, os.PathLike)):
         return load_masks_for(view, masks, required=True), get_sparsity_config(view.config), str(masks)
     if masks is not None:
@@ -68,13 +72,6 @@ def merge_sparse(
     there, atomically. Nothing is merged (and nothing written) when the masks are missing
     or do not fit.
     """
-    from ..config import SparsityConfig
-    from ..engine import SparsityEngine
-    from ..masks import mask_level
-    from ..modeling import apply_masks
-    from ..storage.finalize import levels_section
-    from ..utils import atomic_dir
-
     if not is_peft_model(peft_model):
         raise SparsityError(
             f"merge_sparse needs a peft PeftModel (get_peft_model(...)), got {type(peft_model).__name__}."
