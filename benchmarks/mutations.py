@@ -76,8 +76,9 @@ MUTATIONS = (
                 "hf_sparsity/enforcement.py",
                 "        for name, p in self._params.items():\n"
                 "            local(p).mul_(self._dev_masks[name])\n"
+                "        self._mask_gathered()\n"
                 "        self.mask_optimizer_state(every_step=True)\n",
-                "        self.mask_optimizer_state(every_step=True)\n",
+                "        self._mask_gathered()\n        self.mask_optimizer_state(every_step=True)\n",
             ),
         ),
         ("tests/test_enforcement.py",),
