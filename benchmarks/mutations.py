@@ -44,28 +44,28 @@ MUTATIONS = (
     Mutation(
         "reader-nonzeros",
         "the mask reader no longer checks nonzero counts",
-        (("hf_sparsity/serialization.py", 'if nnz != info[name]["nonzeros"]:', "if False:"),),
+        (("hf_sparsity/storage/masks_file.py", 'if nnz != info[name]["nonzeros"]:', "if False:"),),
         ("tests/test_serialization.py",),
     ),
     Mutation(
         "reader-format",
         "the mask reader no longer checks the format name and version",
         (
-            ("hf_sparsity/serialization.py", 'if meta.get("format") != MASK_FORMAT_NAME:', "if False:"),
-            ("hf_sparsity/serialization.py", "if version > MASK_FORMAT_VERSION:", "if False:"),
+            ("hf_sparsity/storage/masks_file.py", 'if meta.get("format") != MASK_FORMAT_NAME:', "if False:"),
+            ("hf_sparsity/storage/masks_file.py", "if version > MASK_FORMAT_VERSION:", "if False:"),
         ),
         ("tests/test_serialization.py",),
     ),
     Mutation(
         "reader-metadata-vs-tensors",
         "the mask reader no longer checks that metadata and tensors agree",
-        (("hf_sparsity/serialization.py", 'if set(meta["tensors"]) != keys:', "if False:"),),
+        (("hf_sparsity/storage/masks_file.py", 'if set(meta["tensors"]) != keys:', "if False:"),),
         ("tests/test_serialization.py",),
     ),
     Mutation(
         "finalize-no-mask",
         "convert --finalize no longer applies the mask",
-        (("hf_sparsity/finalize.py", "return t * m.to(t.dtype)", "return t"),),
+        (("hf_sparsity/storage/finalize.py", "return t * m.to(t.dtype)", "return t"),),
         ("tests/test_finalize.py",),
     ),
     Mutation(
@@ -76,11 +76,24 @@ MUTATIONS = (
                 "hf_sparsity/enforcement.py",
                 "        for name, p in self._params.items():\n"
                 "            local(p).mul_(self._dev_masks[name])\n"
+                "        self._mask_gathered()\n"
                 "        self.mask_optimizer_state(every_step=True)\n",
-                "        self.mask_optimizer_state(every_step=True)\n",
+                "        self._mask_gathered()\n        self.mask_optimizer_state(every_step=True)\n",
             ),
         ),
         ("tests/test_enforcement.py",),
+    ),
+    Mutation(
+        "on-save-second-writer",
+        "the callback's on_save writes the mask file again (after trainer_state.json) instead of checking it",
+        (
+            (
+                "hf_sparsity/callback.py",
+                "            if not os.path.isfile(os.path.join(ckpt, SPARSITY_MASKS_NAME)):\n",
+                "            self.engine.save(ckpt)\n            if False:\n",
+            ),
+        ),
+        ("tests/test_checkpoints.py",),
     ),
     Mutation(
         "wanda-nm-ignores-activations",

@@ -19,8 +19,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainingArguments
 
 from hf_sparsity import SparsityCallback, SparsityConfig, SparsityEngine, finalize_checkpoint, merge_sparse
-from hf_sparsity.checkpoint import format_inspection, inspect_checkpoint
 from hf_sparsity.data import BlockDataset
+from hf_sparsity.storage.folders import format_inspection, inspect_checkpoint
 
 
 def make_sparse_model(path: str) -> None:
@@ -58,7 +58,7 @@ def main() -> None:
         model,
         LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]),
     )
-    # The callback finds the masks in the folder the base came from (config._name_or_path).
+    # The callback finds the masks in the folder the base came from (config.name_or_path).
     callback = SparsityCallback(SparsityConfig(sparsity=0.6, lora=args.mode))
     g = torch.Generator().manual_seed(0)
     data = BlockDataset(torch.randint(2, 256, (64, 32), generator=g).tolist())

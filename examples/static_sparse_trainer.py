@@ -15,8 +15,8 @@ import argparse
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from hf_sparsity import SparsityCallback, SparsityConfig
-from hf_sparsity.checkpoint import format_inspection, inspect_checkpoint
 from hf_sparsity.data import BlockDataset, build_tokenizer, embedded_text, pack_tokens
+from hf_sparsity.storage.folders import format_inspection, inspect_checkpoint
 
 
 def main():

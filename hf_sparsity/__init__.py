@@ -25,13 +25,21 @@ def __getattr__(name):
 
         return SparsityCallback
     if name in ("finalize_checkpoint", "from_sentinel", "to_sentinel"):
-        from . import finalize
+        from .storage import finalize
 
         return getattr(finalize, name)
-    if name in ("inspect_checkpoint", "load_sparse_model", "last_complete_checkpoint", "resume_checkpoint"):
-        from . import checkpoint
+    if name == "inspect_checkpoint":
+        from .storage.folders import inspect_checkpoint
 
-        return getattr(checkpoint, name)
+        return inspect_checkpoint
+    if name == "load_sparse_model":
+        from .loading import load_sparse_model
+
+        return load_sparse_model
+    if name in ("last_complete_checkpoint", "resume_checkpoint"):
+        from .storage import resume
+
+        return getattr(resume, name)
     if name in ("sparsify_for_inference", "restore_dense"):
         from . import inference
 

@@ -7,9 +7,15 @@ scheduler -> ``zero_grad`` -> ``global_step += 1`` -> ``on_step_end`` -> save
 and DDP see masked gradients; weights and optimizer state are re-masked in
 ``on_optimizer_step``, before anything can be saved.
 
-Checkpoints: the engine wraps ``model.save_pretrained`` so every Trainer checkpoint
-and ``trainer.save_model()`` write ``sparsity_masks.safetensors`` and the
-``sparsity`` section of ``config.json``; ``on_save`` checks the file is there.
+Checkpoints: the mask file has one writer, ``model.save_pretrained`` as the engine carries it
+(:func:`hf_sparsity.hooks.carry_masks_in_save_pretrained`): every Trainer checkpoint,
+``trainer.save_model()`` (which fires no callback event) and a plain ``model.save_pretrained``
+write ``sparsity_masks.safetensors`` and stamp the ``sparsity`` section of ``config.json``. It
+is written with the weights, before Trainer writes ``trainer_state.json``, so a folder that
+:func:`hf_sparsity.storage.resume.checkpoint_problem` calls complete has its masks; ``on_save``
+(after ``trainer_state.json``) would be too late for that. ``on_save`` only checks that the
+file is there (a save that bypassed ``save_pretrained`` is an error naming why) and writes the
+FLOP counts.
 
 Schedules (prune / regrow / densify / SET / RigL, see :mod:`hf_sparsity.schedules`)
 are compiled against ``state.max_steps`` and fire in ``on_optimizer_step``; an LR
@@ -44,7 +50,7 @@ from .engine import SparsityEngine
 from .hooks import TRAINER_FRAMES, resume_dir_from_trainer_frame  # noqa: F401  (re-exported)
 from .logging_utils import move_to_front  # noqa: F401  (re-exported)
 from .modeling import context_length, sparsity_table
-from .serialization import has_masks
+from .storage.masks_file import has_masks
 from .targeting import unwrap_model
 from .utils import SparsityError, atomic_write_text
 
@@ -138,7 +144,7 @@ class SparsityCallback(TrainerCallback, ExportableState):
             ]
         else:
             # A model loaded from a sparse folder (an earlier run's output) carries its masks.
-            candidates += [self.resume_from, getattr(model.config, "_name_or_path", None)]
+            candidates += [self.resume_from, getattr(model.config, "name_or_path", None)]
         for c in candidates:
             if c and os.path.isdir(str(c)) and has_masks(c):
                 return str(c)
@@ -219,11 +225,16 @@ class SparsityCallback(TrainerCallback, ExportableState):
         return control
 
     def on_save(self, args, state, control, **kwargs):
+        # The mask file is not written here: save_pretrained wrote it, with the weights (module docstring).
         ckpt = _checkpoint_dir(args, state)
         if state.is_world_process_zero and os.path.isdir(ckpt):
             if not os.path.isfile(os.path.join(ckpt, SPARSITY_MASKS_NAME)):
-                # A model whose save path bypassed save_pretrained: write the masks ourselves.
-                self.engine.save(ckpt, {"global_step": state.global_step})
+                raise SparsityError(
+                    f"{ckpt} was saved without {SPARSITY_MASKS_NAME}: Trainer saved the model without "
+                    "calling its save_pretrained (a Trainer.model that is not a PreTrainedModel or "
+                    "PeftModel, or FSDP with SHARDED_STATE_DICT), so the checkpoint could not be resumed "
+                    "sparse. Give Trainer a transformers model, or use FSDP's FULL_STATE_DICT."
+                )
             save_flop_state(ckpt, self.flops)
         return control
 

@@ -6,7 +6,8 @@ Lifecycle::
     engine.start(optimizer)                  # masks built (or restored: resume_from=dir, step=N),
                                              # hooks attached, save hook installed, config stamped
     ... loss.backward(); optimizer.step() ...   # enforcement runs inside the hooks
-    engine.save(output_dir)                  # sparsity_masks.safetensors
+    model.save_pretrained(output_dir)        # weights, config section and sparsity_masks.safetensors
+                                             # (engine.save(dir) writes the mask file alone)
 
 Who owns what:
 
@@ -41,16 +42,16 @@ from torch import nn
 
 from . import events as E
 from . import masks as M
-from .checkpoint import check_masks_match_weights
 from .config import SparsityConfig, check_structure, mask_seeds, set_sparsity_config, with_mask_seeds
 from .constants import SPARSITY_MASKS_NAME
 from .enforcement import ZERO_PRESERVING_OPTIMIZERS, MaskEnforcer
 from .hooks import carry_masks_in_save_pretrained, release_save_pretrained
-from .lora import peft_view
+from .lora.view import peft_view
 from .mask_state import MaskState, _state_field
 from .modeling import full_shape, full_tensor, sparsity_table
 from .schedules import Schedule, ScheduledEvent, compile_schedule
-from .serialization import check_mask_names, load_masks_for, save_masks
+from .storage.folders import check_masks_match_weights
+from .storage.masks_file import check_mask_names, load_masks_for, save_masks
 from .targeting import TargetDecision, log_plan, plan_sparsity, unwrap_model
 from .utils import SparsityError
 

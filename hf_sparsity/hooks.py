@@ -17,6 +17,11 @@ of the library moves what it relies on:
     Trainer iterates (``trainer.callback_handler.callbacks``, changed in place) and the
     printer's own state (its progress bars) carried over; Trainer offers only add / remove.
 
+  - :func:`compile_generate_on_any_device` and :func:`forget_compiled_forward`: ``generate``
+    compiles a model's forward only on accelerators unless its ``CompileConfig`` carries a private
+    switch, and caches the compiled forward on the model; a sparsified model (another graph)
+    must drop that cache to be compiled again.
+
 * torch (``tests/test_hooks.py``):
 
   - :func:`closed_form_lr` and :func:`set_last_lr`: an LR rewind (IMP) restarts a scheduler at
@@ -24,6 +29,13 @@ of the library moves what it relies on:
     ``get_last_lr()`` reports.
   - :func:`dtensor_local_shape_and_offset`: which slice of a full mask an FSDP2 (DTensor) shard
     holds; torch exposes no public function for a DTensor's local shape and global offset.
+
+* DeepSpeed (``tests/test_hooks.py``):
+
+  - :func:`zero12_fragment` and :func:`zero3_optimizer`: the masks must reach DeepSpeed's fp32
+    master weights and moments; ZeRO-1/2 links a parameter to its piece of them only through the
+    ``_hp_mapping`` attribute, and ZeRO-3 marks its parameters with their optimizer through
+    ``_z3_optimizer`` (the public ``safe_get_local_*`` functions need it to exist).
 
 * peft (``tests/test_hooks.py``):
 
@@ -184,3 +196,53 @@ def carry_callback_state(old: Any, new: Any, keep: tuple[str, ...] = ()) -> Any:
     """
     new.__dict__.update({k: v for k, v in old.__dict__.items() if k not in keep})
     return new
+
+
+# ---------------------------------------------------------------------------- transformers generate
+def compile_generate_on_any_device(compile_config: Any) -> Any:
+    """Flag a transformers ``CompileConfig`` so ``generate`` compiles the forward on CPU too; returns it.
+
+    ``generate`` compiles automatically only on accelerators, unless the config's
+    ``_compile_all_devices`` is set (transformers' own switch, with no public setter).
+    """
+    compile_config._compile_all_devices = True
+    return compile_config
+
+
+def forget_compiled_forward(model: nn.Module) -> None:
+    """Drop the compiled forward ``generate`` cached on ``model`` (compiled again on its next use).
+
+    ``PreTrainedModel.get_compiled_call`` keeps it in ``model._compiled_call`` and recompiles only
+    when the ``CompileConfig`` changes; after its layers are swapped (``sparsify_for_inference``)
+    the model is another graph. Also resets torch's compiler caches (``torch.compiler.reset``).
+    """
+    import torch
+
+    torch.compiler.reset()
+    model.__dict__.pop("_compiled_call", None)
+
+
+# ---------------------------------------------------------------------------- DeepSpeed ZeRO
+ZERO12_LINK = "_hp_mapping"  # set on every parameter by deepspeed.utils.mixed_precision_linkage
+ZERO3_OPTIMIZER = "_z3_optimizer"  # set on trainable parameters by DeepSpeedZeroOptimizer_Stage3
+
+
+def is_zero12_linked(param: Any) -> bool:
+    """ZeRO-1/2 linked ``param`` to its fp32 master partitions (the link is ``None`` on a rank whose
+    partition holds none of it)."""
+    return hasattr(param, ZERO12_LINK)
+
+
+def zero12_fragment(param: Any) -> Any:
+    """DeepSpeed's ``tensor_fragment`` of ``param`` on this rank (``None``: no piece here).
+
+    Its ``lp_fragment_address`` (``start``, ``numel`` in the flattened parameter), its
+    ``hp_fragment`` (a view of the fp32 master) and, after the first step, ``optim_fragment``
+    (views of the moments) are public fields of that dataclass; the link itself is private.
+    """
+    return getattr(param, ZERO12_LINK, None)
+
+
+def zero3_optimizer(param: Any) -> Any:
+    """The ZeRO-3 optimizer that holds ``param``'s fp32 master and moments (``None``: none)."""
+    return getattr(param, ZERO3_OPTIMIZER, None)

@@ -10,8 +10,8 @@
 Where masks come from (``masks=``):
 
 * ``None`` (default): the ``sparsity_masks.safetensors`` of the folder the model was
-  loaded from (``model.config._name_or_path``); an error when there is none.
-* a folder or mask file path: read with :func:`hf_sparsity.serialization.load_masks`.
+  loaded from (``model.config.name_or_path``); an error when there is none.
+* a folder or mask file path: read with :func:`hf_sparsity.storage.masks_file.load_masks`.
 * a dict ``name -> mask`` (e.g. ``SparsityEngine.masks``).
 * ``"zeros"``: the exact zeros of the targeted weights (the default projection / FFN
   rule, or ``config``). Only for finalized checkpoints, which carry no masks: inferring
@@ -82,7 +82,7 @@ class SparseLinear(nn.Module):
 
 def _resolve_masks(model: nn.Module, masks: Any, config: Any) -> dict[str, torch.Tensor]:
     from .constants import SPARSITY_MASKS_NAME
-    from .serialization import load_masks_for
+    from .storage.masks_file import load_masks_for
 
     if isinstance(masks, dict):
         return dict(masks)
@@ -94,7 +94,7 @@ def _resolve_masks(model: nn.Module, masks: Any, config: Any) -> dict[str, torch
         names = [d.name for d in plan_sparsity(model, cfg) if d.sparsify]
         return {n: (model.get_parameter(n).detach() != 0).to(torch.uint8).cpu() for n in names}
     if masks is None:
-        src = getattr(getattr(model, "config", None), "_name_or_path", None) or ""
+        src = getattr(getattr(model, "config", None), "name_or_path", None) or ""
         loaded = load_masks_for(model, src) if src else None
         if loaded is not None:
             return loaded
@@ -338,11 +338,11 @@ def compiled_generate_kwargs(fullgraph: bool = True, backend: str = "inductor") 
     from transformers import CompileConfig
 
     from .backends import ops
+    from .hooks import compile_generate_on_any_device
 
     ops.build_cpp_ops()  # the sparse layers' custom ops with a C++ body, when they can be built
     cc = CompileConfig(fullgraph=fullgraph, dynamic=False, backend=backend, mode="default")
-    cc._compile_all_devices = True  # transformers' own switch for compiling generate on CPU
-    return {"cache_implementation": "static", "compile_config": cc}
+    return {"cache_implementation": "static", "compile_config": compile_generate_on_any_device(cc)}
 
 
 def restore_dense(model: nn.Module) -> nn.Module:

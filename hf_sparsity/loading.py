@@ -34,17 +34,18 @@ DTYPES: dict[str, torch.dtype] = {
 
 
 def resolve_dtype(
-    dtype: str | torch.dtype | None, allowed: tuple[str, ...] | None = None
+    dtype: str | torch.dtype | None, allowed: tuple[str, ...] | None = None, flag: str = "dtype"
 ) -> torch.dtype | None:
     """A dtype name from :data:`DTYPES` (or a ``torch.dtype``, or ``None``) -> the ``torch.dtype``.
 
     ``allowed``: the names a caller supports, when it supports fewer than :data:`DTYPES`.
+    ``flag``: how the error names the setting (``"--dtype"`` in a command).
     """
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     names = allowed or tuple(DTYPES)
     if str(dtype) not in names or str(dtype) not in DTYPES:
-        raise SparsityError(f"Unknown dtype {dtype!r}; use one of {', '.join(sorted(names))}.")
+        raise SparsityError(f"Unknown {flag} {dtype!r}; use one of {', '.join(sorted(names))}.")
     return DTYPES[str(dtype)]
 
 
@@ -74,7 +75,7 @@ def load_model_folder(
 
     from .constants import SPARSITY_MASKS_NAME
     from .modeling import apply_masks
-    from .serialization import load_masks_for
+    from .storage.masks_file import load_masks_for
 
     path = check_model_folder(path)
     if dtype is not None:
@@ -87,6 +88,14 @@ def load_model_folder(
     if device is not None:
         model.to(resolve_device(device))
     return model.eval(), found
+
+
+def load_sparse_model(model_dir: str | os.PathLike, **from_pretrained_kwargs: Any):
+    """:func:`load_model_folder` as the package root offers it: ``(model, masks)``, ``masks`` empty
+    (``{}``) for a folder without a mask file. ``dtype=`` is a name from :data:`DTYPES` or a
+    ``torch.dtype``; the other keywords go to ``from_pretrained``."""
+    model, masks = load_model_folder(model_dir, **from_pretrained_kwargs)
+    return model, masks or {}
 
 
 def load_tokenizer(tokenizer: Any, model_dir: str | os.PathLike) -> Any:
@@ -139,7 +148,7 @@ def check_model_folder(path: str | os.PathLike | None, flag: str = "MODEL", weig
             "Save the model with model.save_pretrained(DIR) or point at the checkpoint folder that has them."
         )
     if weights and any((p / f).is_file() for f in WEIGHT_FILES[:2]):
-        from .checkpoint import check_weights_readable
+        from .storage.folders import check_weights_readable
 
         check_weights_readable(p)  # a truncated file: inspect's one-line error, not a loader traceback
     return p
@@ -216,6 +225,7 @@ __all__ = [
     "check_model_folder",
     "check_tokenizer_source",
     "load_model_folder",
+    "load_sparse_model",
     "load_tokenizer",
     "resolve_device",
     "resolve_dtype",

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .config import SparsityConfig, check_structure
-from .lora import peft_view
+from .lora.view import peft_view
 from .modeling import full_shape, input_dim, linear_kind
 from .utils import SparsityError
 

@@ -3,9 +3,9 @@
 * **Stage 1 / 2**: every rank holds the whole (low-precision) parameter. The optimizer keeps
   the fp32 master weights and the moments in flat partitions, one per rank; DeepSpeed links
   each parameter to the piece of it that falls in this rank's partition
-  (``param._hp_mapping``, its tensor-fragment link: the piece's offset in the flattened
-  parameter, ``lp_fragment_address``, a view of the fp32 master, ``hp_fragment``, and after
-  the first step views of the moments, ``optim_fragment``).
+  (its tensor-fragment link, :func:`hf_sparsity.hooks.zero12_fragment`: the piece's offset in the
+  flattened parameter, ``lp_fragment_address``, a view of the fp32 master, ``hp_fragment``, and
+  after the first step views of the moments, ``optim_fragment``).
 * **Stage 3**: the parameter itself is partitioned: ``param.ds_tensor`` is this rank's slice of
   the flattened parameter (``ceil(numel / world)`` elements from ``rank * that``, zero-padded
   on the last rank), ``param.ds_shape`` the full shape; a parameter DeepSpeed keeps gathered
@@ -15,8 +15,9 @@
 
 Masks stay full-shape on every rank (built from ``ds_shape``, deterministic per name); this
 module cuts the flat piece each copy needs. Nothing here imports DeepSpeed unless a parameter
-is a ZeRO parameter, so the library imports and runs without it. The attributes read are
-checked by ``tests/test_deepspeed.py::test_deepspeed_still_offers_what_enforcement_reads``.
+is a ZeRO parameter, so the library imports and runs without it. DeepSpeed's private attributes
+are read only through :mod:`hf_sparsity.hooks` (tested in ``tests/test_hooks.py``); the public
+ones by ``tests/test_deepspeed.py::test_deepspeed_still_offers_what_enforcement_reads``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .hooks import is_zero12_linked, zero3_optimizer, zero12_fragment
 from .utils import SparsityError
 
 
@@ -36,7 +38,7 @@ def is_zero3(p: Any) -> bool:
 def is_zero12(p: Any) -> bool:
     """A parameter ZeRO-1/2 linked to its fp32 master partitions. On a rank whose partition holds none
     of it the link is ``None``, but the parameter still takes part in gathers (collectives)."""
-    return hasattr(p, "_hp_mapping")
+    return is_zero12_linked(p)
 
 
 def is_zero(p: Any) -> bool:
@@ -87,7 +89,7 @@ def gather_full(p: Any) -> torch.Tensor:
     by), else the gathered ZeRO-3 parameter.
     """
     shape = full_shape(p)
-    if is_zero12(p) or getattr(p, "_z3_optimizer", None) is not None:
+    if is_zero12(p) or zero3_optimizer(p) is not None:
         from deepspeed.utils import safe_get_full_fp32_param
 
         return safe_get_full_fp32_param(p).detach().reshape(shape).clone()
@@ -100,11 +102,12 @@ def gather_full(p: Any) -> torch.Tensor:
 def master_mask(mask: torch.Tensor, p: Any) -> torch.Tensor:
     """The flat piece of a full mask that lines up with :func:`master_views` of ``p`` on this rank."""
     if is_zero12(p):
-        if p._hp_mapping is None:  # no piece of it on this rank
+        fragment = zero12_fragment(p)
+        if fragment is None:  # no piece of it on this rank
             return mask.new_empty(0)
-        a = p._hp_mapping.lp_fragment_address
+        a = fragment.lp_fragment_address
         piece = mask.reshape(-1)[a.start : a.start + a.numel]
-        return piece.to(p._hp_mapping.hp_fragment.device)
+        return piece.to(fragment.hp_fragment.device)
     return local_flat_mask(mask, p).to(p.ds_tensor.device)
 
 
@@ -116,11 +119,11 @@ def master_views(p: Any) -> list[torch.Tensor]:
     the master is returned then.
     """
     if is_zero12(p):
-        m = p._hp_mapping
+        m = zero12_fragment(p)
         if m is None:
             return []
         return [m.hp_fragment, *(getattr(m, "optim_fragment", None) or {}).values()]
-    opt = getattr(p, "_z3_optimizer", None)
+    opt = zero3_optimizer(p)
     if opt is None or not p.requires_grad:
         return []
     from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state

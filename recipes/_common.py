@@ -51,8 +51,8 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from hf_sparsity.callback import SparsityCallback, move_to_front
-from hf_sparsity.checkpoint import last_complete_checkpoint
 from hf_sparsity.modeling import sparsity_table
+from hf_sparsity.storage.resume import last_complete_checkpoint
 
 STAGE_DONE = "stage_done.json"
 
@@ -252,7 +252,7 @@ class _Printer(TrainerCallback):
 
 def finalize(model_dir: str, out_dir: str) -> str:
     """Bake the masks into zeros (``hf_sparsity convert --finalize``): a vanilla checkpoint to fine-tune."""
-    from hf_sparsity.finalize import finalize_checkpoint
+    from hf_sparsity.storage.finalize import finalize_checkpoint
 
     if is_main_process() and not os.path.isdir(out_dir):
         finalize_checkpoint(model_dir, out_dir)
@@ -262,9 +262,10 @@ def finalize(model_dir: str, out_dir: str) -> str:
 
 
 def load_model(path: str):
-    from transformers import AutoModelForCausalLM
+    """A stage's starting folder (an earlier stage's output), its masks applied."""
+    from hf_sparsity.loading import load_model_folder
 
-    return AutoModelForCausalLM.from_pretrained(path)
+    return load_model_folder(path)[0]
 
 
 # ---------------------------------------------------------------------- outputs

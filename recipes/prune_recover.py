@@ -38,6 +38,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Train
 
 from hf_sparsity import SparsityCallback, SparsityConfig, SparsityError, finalize_checkpoint
 from hf_sparsity.data import BlockDataset, build_tokenizer, embedded_text, pack_tokens
+from hf_sparsity.loading import load_model_folder
 from hf_sparsity.pruning import prune_oneshot, read_documents, sample_calibration, save_pruned
 
 # ----------------------------------------------------------------------------- defaults
@@ -241,7 +242,7 @@ def main(argv=None) -> dict:
     # (deterministic) way; the main one writes the folder.
     structure = args.structure or None
     config = SparsityConfig(sparsity=0.5 if structure else args.sparsity, structure=structure)
-    student = AutoModelForCausalLM.from_pretrained(out / "dense")
+    student, _ = load_model_folder(out / "dense")
     calib = sample_calibration(texts, tok, nsamples=args.nsamples, seqlen=args.seqlen, seed=args.calib_seed)
     result = prune_oneshot(student, config, calib, method=args.method)
     if _is_main():
@@ -250,7 +251,7 @@ def main(argv=None) -> dict:
     record("pruned", student, prune_s=round(result.seconds, 2))
 
     # 3. recover: the pruned folder in Trainer; SparsityCallback restores its masks and keeps them fixed
-    student = AutoModelForCausalLM.from_pretrained(out / "pruned")
+    student, _ = load_model_folder(out / "pruned")
     callback = SparsityCallback(config, seq_len=args.block_size)
     trainer = DistillTrainer(
         model=student, args=train_args(args, out / "recover_run", args.recover_steps, args.recover_lr),
@@ -277,7 +278,7 @@ def main(argv=None) -> dict:
     if _is_main():
         finalize_checkpoint(out / "recovered", out / "final", overwrite=True)
     _barrier()
-    record("final", AutoModelForCausalLM.from_pretrained(out / "final"))
+    record("final", load_model_folder(out / "final")[0])
 
     results = summarize(args, stages)
     if _is_main():

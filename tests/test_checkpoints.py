@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 
 from hf_sparsity import SparsityCallback, SparsityConfig, SparsityError
 from hf_sparsity.constants import SPARSITY_MASKS_NAME
-from hf_sparsity.serialization import load_masks
+from hf_sparsity.storage.masks_file import load_masks
 
 from .conftest import tiny_model
 from .trainer_utils import InvariantChecker, make_trainer
@@ -165,6 +165,23 @@ def test_bad_mask_files_are_refused(tmp_path):
         SparsityEngine(tiny_model("llama"), SparsityConfig(sparsity=0.5)).restore(tmp_path)
     with pytest.raises(SparsityError, match="No mask file"):
         load_masks(tmp_path / "missing")
+
+
+def test_the_mask_file_has_one_writer_and_on_save_only_checks_it(tmp_path):
+    """save_pretrained writes the mask file (before trainer_state.json); on_save never writes it: a
+    checkpoint saved another way (a Trainer.model that is not a PreTrainedModel) is an error naming why."""
+    from types import SimpleNamespace
+
+    trainer, _, cb = _run("gpt2", tmp_path, SparsityConfig(sparsity=0.5), steps=3)
+    ckpt = tmp_path / "checkpoint-3"
+    written = (ckpt / SPARSITY_MASKS_NAME).stat().st_mtime_ns
+    args, state = trainer.args, SimpleNamespace(global_step=3, is_world_process_zero=True)
+    cb.on_save(args, state, None)
+    assert (ckpt / SPARSITY_MASKS_NAME).stat().st_mtime_ns == written
+    (ckpt / SPARSITY_MASKS_NAME).unlink()
+    with pytest.raises(SparsityError, match=f"saved without {SPARSITY_MASKS_NAME}.*not a PreTrainedModel"):
+        cb.on_save(args, state, None)
+    assert not (ckpt / SPARSITY_MASKS_NAME).exists()
 
 
 def test_trainer_still_offers_what_the_two_hooks_rely_on():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hf_sparsity import zero
-from hf_sparsity.serialization import load_masks, save_masks
+from hf_sparsity.storage.masks_file import load_masks, save_masks
 from hf_sparsity.utils import SparsityError
 
 from .conftest import REPO

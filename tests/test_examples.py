@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from hf_sparsity.serialization import load_masks
+from hf_sparsity.storage.masks_file import load_masks
 
 from .conftest import REPO
 
@@ -41,7 +41,7 @@ def test_lora_sparse_example_runs(tmp_path):
     pytest.importorskip("peft")
     import yaml
 
-    from hf_sparsity.checkpoint import inspect_checkpoint
+    from hf_sparsity.storage.folders import inspect_checkpoint
 
     proc = subprocess.run(
         [sys.executable, str(REPO / "examples" / "lora_sparse.py"), "--out", str(tmp_path), "--steps", "6"],

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from hf_sparsity import SparsityConfig, SparsityEngine, load_sparse_model
 from hf_sparsity.cli import main as cli
 from hf_sparsity.constants import SPARSITY_MASKS_NAME
-from hf_sparsity.serialization import load_masks
+from hf_sparsity.storage.masks_file import load_masks
 
 from .conftest import tiny_model
 

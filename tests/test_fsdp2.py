@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from hf_sparsity.serialization import load_masks
+from hf_sparsity.storage.masks_file import load_masks
 
 from .conftest import REPO
 

@@ -1,5 +1,6 @@
-"""The reaches into torch and peft internals (``hf_sparsity.hooks``): each test fails by name when a
-release moves what the hook relies on. The transformers hooks are tested in ``test_checkpoints.py``."""
+"""The reaches into torch, transformers, DeepSpeed and peft internals (``hf_sparsity.hooks``): each test
+fails by name when a release moves what the hook relies on. The Trainer save / resume hooks are tested
+in ``test_checkpoints.py``."""
 
 from __future__ import annotations
 
@@ -98,3 +99,40 @@ def test_trainer_still_calls_its_callbacks_from_the_list_hooks_change_in_place()
     assert {"training_bar", "prediction_bar"} <= set(vars(old))  # the printer's state that must carry over
     new = hooks.carry_callback_state(old, ProgressCallback())
     assert vars(new) == vars(old)
+
+
+def test_transformers_generate_still_compiles_on_cpu_through_the_compile_config_switch():
+    import transformers.generation.utils as generation
+    from transformers import CompileConfig
+
+    cc = CompileConfig()
+    assert hooks.compile_generate_on_any_device(cc) is cc and cc._compile_all_devices is True
+    assert "compile_config._compile_all_devices" in inspect.getsource(generation)  # what generate reads
+
+
+def test_transformers_still_caches_the_compiled_forward_where_hooks_drop_it():
+    from transformers import CompileConfig, PreTrainedModel
+
+    assert "self._compiled_call" in inspect.getsource(PreTrainedModel.get_compiled_call)
+    model = tiny_model("gpt2")
+    compiled = model.get_compiled_call(CompileConfig(dynamic=False, mode="default"))  # compiles on first call
+    assert model.get_compiled_call(CompileConfig(dynamic=False, mode="default")) is compiled  # the cache
+    hooks.forget_compiled_forward(model)
+    assert "_compiled_call" not in vars(model)
+    assert model.get_compiled_call(CompileConfig(dynamic=False, mode="default")) is not compiled
+
+
+def test_deepspeed_still_links_parameters_where_hooks_read_them():
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.utils import mixed_precision_linkage
+
+    # ZeRO-1/2: every parameter gets its tensor-fragment link (None on a rank without a piece of it).
+    assert f"lp_param.{hooks.ZERO12_LINK} = " in inspect.getsource(mixed_precision_linkage)
+    # ZeRO-3: every parameter points to its optimizer.
+    assert f"p.{hooks.ZERO3_OPTIMIZER} = self" in inspect.getsource(DeepSpeedZeroOptimizer_Stage3)
+    p = torch.nn.Parameter(torch.zeros(2))
+    assert not hooks.is_zero12_linked(p) and hooks.zero12_fragment(p) is None
+    assert hooks.zero3_optimizer(p) is None
+    setattr(p, hooks.ZERO12_LINK, None)  # what a rank whose partition holds none of it sees
+    assert hooks.is_zero12_linked(p) and hooks.zero12_fragment(p) is None

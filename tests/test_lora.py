@@ -8,7 +8,7 @@ import torch
 from hf_sparsity import SparsityConfig, SparsityEngine, SparsityError, plan_sparsity
 from hf_sparsity.constants import SPARSITY_MASKS_NAME
 from hf_sparsity.lora import masked_layers
-from hf_sparsity.serialization import load_masks
+from hf_sparsity.storage.masks_file import load_masks
 
 from .conftest import tiny_model
 from .trainer_utils import make_trainer

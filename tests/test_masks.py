@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_sparsity import masks as M
-from hf_sparsity.serialization import load_masks, pack_mask, save_masks, unpack_mask
+from hf_sparsity.storage.masks_file import load_masks, pack_mask, save_masks, unpack_mask
 
 
 @pytest.mark.parametrize("shape", [(7, 13), (64, 32), (1, 5), (33,), (3, 4, 5)])

@@ -17,7 +17,7 @@ import torch
 
 from hf_sparsity.cli import main as cli
 from hf_sparsity.constants import SPARSITY_MASKS_NAME
-from hf_sparsity.serialization import load_masks
+from hf_sparsity.storage.masks_file import load_masks
 
 from .conftest import REPO, shared_data_dir, tiny_config
 
@@ -26,7 +26,7 @@ def _weights(folder) -> dict[str, torch.Tensor]:
     """Every tensor of a model folder, whether one file or the shards its index lists."""
     from safetensors.torch import load_file
 
-    from hf_sparsity.checkpoint import weight_shards
+    from hf_sparsity.storage.folders import weight_shards
 
     return {k: v for shard in weight_shards(folder) for k, v in load_file(shard).items()}
 

@@ -35,7 +35,7 @@ def test_prune_recover_recipe(tmp_path):
     assert 0 < recovered["recover_training_flops"]
     assert final["heldout_ppl"] == pytest.approx(recovered["heldout_ppl"], rel=1e-5)
     # The recovered weights are zero exactly where the one-shot masks are.
-    from hf_sparsity.serialization import load_masks
+    from hf_sparsity.storage.masks_file import load_masks
 
     masks, _ = load_masks(tmp_path / "pruned")
     weights = load_file(tmp_path / "recovered" / "model.safetensors")

@@ -223,7 +223,7 @@ def llama_dir(tmp_path_factory):
 def test_cli_refit_reconstruct_streams_and_stock_transformers_loads(llama_dir, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
-    from hf_sparsity.serialization import load_masks
+    from hf_sparsity.storage.masks_file import load_masks
 
     model_dir, calib = llama_dir
     out = tmp_path / "out"
@@ -260,7 +260,7 @@ def test_cli_bad_inputs_name_the_fix_and_leave_nothing(llama_dir, tmp_path, caps
     other = tmp_path / "other"
     tiny_model("gpt2").save_pretrained(other / "model")
     prune_oneshot(m := tiny_model("gpt2"), 0.5, method="magnitude")
-    from hf_sparsity.serialization import save_masks
+    from hf_sparsity.storage.masks_file import save_masks
 
     save_masks(other / "masks.safetensors", {n: (p != 0).to(torch.uint8) for n, p in m.named_parameters()
                                              if re.search(r"c_attn\.weight", n)})  # fmt: skip
@@ -290,7 +290,7 @@ def test_cli_bad_inputs_name_the_fix_and_leave_nothing(llama_dir, tmp_path, caps
 
 def test_packed_masks_are_saved_as_the_unpacked_ones(tmp_path):
     from hf_sparsity.pruning.streaming import PackedMasks
-    from hf_sparsity.serialization import load_masks, save_masks
+    from hf_sparsity.storage.masks_file import load_masks, save_masks
 
     g = torch.Generator().manual_seed(0)
     plain = {f"w{i}": (torch.rand(7, 13 + i, generator=g) > 0.5).to(torch.uint8) for i in range(3)}

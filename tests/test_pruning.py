@@ -278,7 +278,7 @@ def test_prune_cli_writes_a_sparse_folder_stock_transformers_loads(tiny_dir, tmp
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_sparsity.serialization import load_masks
+    from hf_sparsity.storage.masks_file import load_masks
 
     model_dir, calib = tiny_dir
     out = tmp_path / "sgpt24"
@@ -336,7 +336,7 @@ def test_sparsity_callback_keeps_one_shot_masks(tiny_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from hf_sparsity import SparsityCallback
-    from hf_sparsity.serialization import load_masks
+    from hf_sparsity.storage.masks_file import load_masks
 
     from .trainer_utils import make_trainer, random_blocks
 

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from hf_sparsity import SparsityError, last_complete_checkpoint, resume_checkpoint
-from hf_sparsity.checkpoint import checkpoint_problem
+from hf_sparsity.storage.resume import checkpoint_problem
 
 from .conftest import REPO
 

@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hf_sparsity.serialization import load_masks, read_mask_metadata, save_masks
+from hf_sparsity.storage.masks_file import load_masks, read_mask_metadata, save_masks
 from hf_sparsity.utils import SparsityError
 
 MASKS = {
@@ -133,8 +133,8 @@ def test_file_without_checksum_loads_with_one_warning(tmp_path, caplog):
 
 def test_mask_reader_verifies_the_checksum(tmp_path):
     """Conversions read masks one at a time through MaskReader; it refuses a corrupt file up front."""
-    from hf_sparsity.checkpoint import MaskReader
     from hf_sparsity.constants import SPARSITY_MASKS_NAME
+    from hf_sparsity.storage.folders import MaskReader
 
     path = save_masks(tmp_path / SPARSITY_MASKS_NAME, MASKS)
     assert torch.equal(MaskReader(tmp_path).get("a.weight"), MASKS["a.weight"])

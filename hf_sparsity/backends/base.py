@@ -36,6 +36,7 @@ import torch
 
 from ..checks import check_structure
 from ..utils import SparsityError
+from .table import alternatives, int8_backends
 
 PHASES = ("forward", "backward_input", "backward_weight")
 
@@ -202,8 +203,6 @@ class SparseBackend:
         Raises :class:`~hf_sparsity.utils.SparsityError` when the backend is unavailable
         here, or the weight's device / dtype / mask structure is not supported.
         """
-        from . import registry  # the registry module imports this one
-
         reason = cls.unavailable_reason()
         if reason is not None:
             raise SparsityError(f"Backend {cls.name!r} is not available: {reason}")
@@ -214,21 +213,21 @@ class SparseBackend:
             raise SparsityError(
                 f"Backend {cls.name!r} runs on {', '.join(caps.devices)}, but the weight is on "
                 f"{weight.device}. Move the model (model.to(...)) or pick a backend that runs there: "
-                f"{registry.alternatives(weight.device.type, weight.dtype)}."
+                f"{alternatives(weight.device.type, weight.dtype)}."
             )
         if weight.dtype not in caps.dtypes:
             names = ", ".join(str(t).replace("torch.", "") for t in caps.dtypes)
             raise SparsityError(
                 f"Backend {cls.name!r} supports dtypes {names}, not {weight.dtype}. Cast the model "
                 f"(model.to(dtype)) or pick a backend that takes it: "
-                f"{registry.alternatives(weight.device.type, weight.dtype)}."
+                f"{alternatives(weight.device.type, weight.dtype)}."
             )
         values = options.get("values")
         if values not in (None, "int8"):
             raise SparsityError(f"values={values!r}: use None (the weight's dtype) or 'int8'.")
         if values == "int8" and not caps.int8_values:
             raise SparsityError(
-                f"Backend {cls.name!r} has no int8 values; backends that do: {registry.int8_backends()}. Or "
+                f"Backend {cls.name!r} has no int8 values; backends that do: {int8_backends()}. Or "
                 "leave values unset to keep the weight's dtype."
             )
         if mask is None:

@@ -113,13 +113,16 @@ class EmulatorBackend(SparseBackend):
         self.value_bytes = self.weight.element_size()
         self.index_width = 2 if in_f <= 65536 else 4
         pes = self.machine.pes
-        self._row_load = self._pe_max(self._by_row.counts, pes)
-        self._col_load = self._pe_max(self._by_col.counts, pes)
-        self._rows_per_pe = math.ceil(out_f / pes)
-        self._cols_per_pe = math.ceil(in_f / pes)
+        # The modeled machine's figures (read by the cycle model, and by tools/bench for any backend):
+        # the busiest PE's nonzeros with rows (forward) or columns (grad X) dealt round-robin.
+        self.row_load = self.pe_max_load(self._by_row.counts, pes)
+        self.col_load = self.pe_max_load(self._by_col.counts, pes)
+        self.rows_per_pe = math.ceil(out_f / pes)
+        self.cols_per_pe = math.ceil(in_f / pes)
 
     @staticmethod
-    def _pe_max(counts: torch.Tensor, pes: int) -> int:
+    def pe_max_load(counts: torch.Tensor, pes: int) -> int:
+        """Nonzeros of the busiest of ``pes`` PEs when rows with ``counts`` nonzeros are dealt round-robin."""
         if counts.numel() == 0:
             return 0
         owner = torch.arange(counts.numel(), device=counts.device) % pes
@@ -167,7 +170,7 @@ class EmulatorBackend(SparseBackend):
         yt, macs = self._ell_apply(
             self._by_row, self._values(self._by_row, acc), x2d.t().to(acc), self.out_features
         )
-        self._account("forward", x2d.shape[0], macs, self._row_load, self._rows_per_pe, self.in_features)
+        self._account("forward", x2d.shape[0], macs, self.row_load, self.rows_per_pe, self.in_features)
         return yt.t().to(x2d.dtype)
 
     def _grad_input(self, gy: torch.Tensor) -> torch.Tensor:
@@ -175,9 +178,7 @@ class EmulatorBackend(SparseBackend):
         gxt, macs = self._ell_apply(
             self._by_col, self._values(self._by_col, acc), gy.t().to(acc), self.in_features
         )
-        self._account(
-            "backward_input", gy.shape[0], macs, self._col_load, self._cols_per_pe, self.out_features
-        )
+        self._account("backward_input", gy.shape[0], macs, self.col_load, self.cols_per_pe, self.out_features)
         return gxt.t().to(gy.dtype)
 
     def _grad_weight(self, gy: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
@@ -193,8 +194,8 @@ class EmulatorBackend(SparseBackend):
             "backward_weight",
             gy.shape[0],
             self.nnz * gy.shape[0],
-            self._row_load,
-            self._rows_per_pe,
+            self.row_load,
+            self.rows_per_pe,
             self.in_features,
         )
         return out.view(self.out_features, self.in_features).to(self.weight.dtype)

@@ -1,20 +1,17 @@
 """The backend registry: names (normalized, with aliases) -> :class:`SparseBackend` classes.
 
 Backends register where they are defined, with the :func:`register_backend` decorator; importing
-:mod:`hf_sparsity.backends` imports every built-in backend module, which registers it.
+:mod:`hf_sparsity.backends` imports every built-in backend module, which registers it. The table
+itself is :mod:`hf_sparsity.backends.table` (``base`` reads it for its error messages).
 """
 
 from __future__ import annotations
 
 import re
 
-import torch
-
 from ..utils import SparsityError
 from .base import SparseBackend
-
-_REGISTRY: dict[str, type[SparseBackend]] = {}
-_ALIASES: dict[str, str] = {}
+from .table import ALIASES, BACKENDS, alternatives, int8_backends  # noqa: F401  (re-exported)
 
 
 def normalize_name(name: str) -> str:
@@ -38,16 +35,16 @@ def register_backend(cls: type[SparseBackend] | None = None, *, name: str | None
         key = normalize_name(name or klass.name)
         keys = [key] + [normalize_name(a) for a in (tuple(aliases) or tuple(klass.aliases))]
         for k in keys:
-            if k in _REGISTRY or k in _ALIASES:
-                owner = _REGISTRY.get(k) or _REGISTRY[_ALIASES[k]]
+            if k in BACKENDS or k in ALIASES:
+                owner = BACKENDS.get(k) or BACKENDS[ALIASES[k]]
                 raise SparsityError(
                     f"Backend name {k!r} is already registered (by {owner.__name__}); choose another name."
                 )
         if not klass.name:
             klass.name = key
-        _REGISTRY[key] = klass
+        BACKENDS[key] = klass
         for k in keys[1:]:
-            _ALIASES[k] = key
+            ALIASES[k] = key
         return klass
 
     return _register(cls) if cls is not None else _register
@@ -63,12 +60,12 @@ def get_backend(name: str, *, check_available: bool = True) -> type[SparseBacken
         klass = name
     else:
         key = normalize_name(name)
-        key = _ALIASES.get(key, key)
-        if key not in _REGISTRY:
+        key = ALIASES.get(key, key)
+        if key not in BACKENDS:
             raise SparsityError(
-                f"Unknown sparse backend {name!r}. Registered: {', '.join(sorted(_REGISTRY))}."
+                f"Unknown sparse backend {name!r}. Registered: {', '.join(sorted(BACKENDS))}."
             )
-        klass = _REGISTRY[key]
+        klass = BACKENDS[key]
     if check_available:
         reason = klass.unavailable_reason()
         if reason is not None:
@@ -78,29 +75,14 @@ def get_backend(name: str, *, check_available: bool = True) -> type[SparseBacken
 
 def available_backends(all: bool = False) -> list[str]:
     """Names of the registered backends that can run here (every registered one with ``all=True``)."""
-    return sorted(n for n, k in _REGISTRY.items() if all or k.is_available())
+    return sorted(n for n, k in BACKENDS.items() if all or k.is_available())
 
 
 def backend_table() -> list[dict]:
     """One row per registered backend: name, available, why not, capabilities."""
     rows = []
-    for n in sorted(_REGISTRY):
-        k = _REGISTRY[n]
+    for n in sorted(BACKENDS):
+        k = BACKENDS[n]
         reason = k.unavailable_reason()
         rows.append({"name": n, "available": reason is None, "reason": reason, **k.capabilities.to_dict()})
     return rows
-
-
-def alternatives(device_type: str, dtype: torch.dtype) -> str:
-    """Registered backends that run on ``device_type`` with ``dtype`` (for error messages)."""
-    names = [
-        n
-        for n, k in sorted(_REGISTRY.items())
-        if device_type in k.capabilities.devices and dtype in k.capabilities.dtypes and n != "emulator"
-    ]
-    return ", ".join(names) or "none registered"
-
-
-def int8_backends() -> str:
-    """Registered backends that store int8 values (for error messages)."""
-    return ", ".join(n for n, k in sorted(_REGISTRY.items()) if k.capabilities.int8_values) or "none"

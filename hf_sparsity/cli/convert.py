@@ -29,7 +29,7 @@ def convert_command_parser(subparsers):
 
 
 def convert_command(args) -> int:
-    from ..finalize import finalize_checkpoint, from_sentinel, to_sentinel
+    from ..storage.finalize import finalize_checkpoint, from_sentinel, to_sentinel
     from . import _checks
 
     _checks.model_dir(args.input, "IN")

@@ -23,17 +23,18 @@ import time
 from ..utils import SparsityError
 from . import _checks
 
+GENERATE_DTYPES = ("float32", "bfloat16")  # names from hf_sparsity.loading.DTYPES that generate supports
+
 
 def _load(model_dir: str, dtype: str | None, prompt: str, max_new_tokens: int):
     """The model, its tokenizer and the prompt's ids; the prompt is checked before the model loads."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from ..loading import load_model_folder, resolve_dtype
 
     if not os.path.isdir(model_dir):
         raise SparsityError(f"{model_dir} is not a folder. Pass a model folder saved with save_pretrained.")
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-    if dtype is not None and dtype not in dtypes:
-        raise SparsityError(f"--dtype {dtype!r}: use float32 or bfloat16.")
+    torch_dtype = resolve_dtype(dtype, allowed=GENERATE_DTYPES, flag="--dtype")
     try:
         tok = AutoTokenizer.from_pretrained(model_dir)
     except Exception as e:  # noqa: BLE001 - any loader failure is the same user error
@@ -42,8 +43,8 @@ def _load(model_dir: str, dtype: str | None, prompt: str, max_new_tokens: int):
     if ids.shape[1] == 0:
         raise SparsityError("--prompt is empty after tokenization; pass some text.")
     _checks.generate_fits(model_dir, ids, max_new_tokens)
-    kw = {"dtype": dtypes[dtype]} if dtype else {}
-    model = AutoModelForCausalLM.from_pretrained(model_dir, **kw).eval()
+    # Masks are not applied here: sparsify_for_inference takes them (--masks, or the folder's).
+    model, _ = load_model_folder(model_dir, dtype=torch_dtype, masks=False)
     return model, tok, ids
 
 
@@ -123,10 +124,9 @@ def generate_command(args) -> int:
     if args.backend == "auto" and args.show_choices:
         print(auto_report(model), file=sys.stderr)
     if args.compile:
-        import torch._dynamo
+        from ..hooks import forget_compiled_forward
 
-        torch._dynamo.reset()  # the converted model is another graph
-        model.__dict__.pop("_compiled_call", None)
+        forget_compiled_forward(model)  # the converted model is another graph
     t = time.perf_counter()
     _generate(model, ids, warm, lean=args.lean, **kw)
     compile_s[args.backend] = time.perf_counter() - t

@@ -13,7 +13,7 @@ def inspect_command_parser(subparsers):
 
 
 def inspect_command(args) -> int:
-    from ..checkpoint import format_inspection, inspect_checkpoint
+    from ..storage.folders import format_inspection, inspect_checkpoint
     from . import _checks
 
     _checks.model_dir(args.model_dir, "DIR")

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..loading import load_model_folder, load_tokenizer, resolve_device
 from ..modeling import apply_masks, sparsity_table
-from ..serialization import load_masks_for
+from ..storage.masks_file import load_masks_for
 
 __all__ = ["apply_masks", "load_masks_for", "load_model_for_eval", "sparsity_summary", "flops_summary"]
 

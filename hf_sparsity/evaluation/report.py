@@ -40,7 +40,7 @@ def flat_metrics(results: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def _fmt(v: Any, key: str = "") -> str:
+def format_metric(v: Any, key: str = "") -> str:
     if v is None:
         return "–"
     if isinstance(v, float):
@@ -50,7 +50,7 @@ def _fmt(v: Any, key: str = "") -> str:
     return str(v)
 
 
-def _rows(flat: dict[str, float]) -> list[tuple[str, str, bool]]:
+def metric_rows(flat: dict[str, float]) -> list[tuple[str, str, bool]]:
     rows = [r for r in _HEADLINE if r[0] in flat]
     if any(k.startswith("lambada_openai/") for k in flat):  # the per-task rows below say the same
         rows = [r for r in rows if not r[0].startswith("lambada/")]
@@ -79,9 +79,9 @@ def format_markdown(results: dict[str, Any]) -> str:
     sp = results.get("sparsity", {})
     lines = [f"# Evaluation of `{results.get('model')}`", ""]
     lines += ["| metric | value |", "|---|---:|"]
-    for key, label, higher in _rows(flat):
+    for key, label, higher in metric_rows(flat):
         arrow = "↑" if higher else "↓"
-        lines.append(f"| {label} {arrow} | {_fmt(flat[key], key)} |")
+        lines.append(f"| {label} {arrow} | {format_metric(flat[key], key)} |")
     lines += [""]
     if sp:
         lines.append(
@@ -139,12 +139,12 @@ def compare_markdown(results: Sequence[dict[str, Any]], labels: Sequence[str]) -
     flats = [flat_metrics(r) for r in results]
     keys: list[tuple[str, str, bool]] = []
     for f in flats:
-        for row in _rows(f):
+        for row in metric_rows(f):
             if row not in keys:
                 keys.append(row)
     lines = ["| metric | " + " | ".join(labels) + " |", "|---|" + "---:|" * len(labels)]
     for key, label, higher in keys:
-        cells = [_fmt(f.get(key), key) for f in flats]
+        cells = [format_metric(f.get(key), key) for f in flats]
         lines.append(f"| {label} {'↑' if higher else '↓'} | " + " | ".join(cells) + " |")
     sp = [r.get("sparsity", {}) for r in results]
     lines.append(
@@ -187,7 +187,7 @@ def plot_comparison(
     flats = [flat_metrics(r) for r in results]
     keys: list[tuple[str, str, bool]] = []
     for f in flats:
-        for row in _rows(f):
+        for row in metric_rows(f):
             if row not in keys:
                 keys.append(row)
     acc = [k for k in keys if k[0].endswith(("/acc", "/average_acc"))]

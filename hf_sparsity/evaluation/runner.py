@@ -295,7 +295,7 @@ def evaluate(
         model, tok, masks = load_model_for_eval(model, device=device, dtype=dtype, tokenizer=tokenizer)
         load_s = time.time() - t0
     else:
-        model_name = getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__
+        model_name = getattr(getattr(model, "config", None), "name_or_path", None) or type(model).__name__
         tok = tokenizer
         load_s = 0.0
         if tok is None:

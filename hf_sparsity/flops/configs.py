@@ -11,8 +11,9 @@ from torch import nn
 
 from ..config import SparsityConfig, get_sparsity_config
 from ..constants import CONFIG_NAME, SPARSITY_MASKS_NAME
+from ..ift.models import build_ift_model
 from ..modeling import meta_causal_lm
-from ..serialization import mask_levels
+from ..storage.masks_file import mask_levels
 from ..utils import SparsityError
 from .counting import (
     count_flops,
@@ -61,8 +62,6 @@ def build_meta_model(config: Any) -> nn.Module:
     """
     config = load_config(config)
     if getattr(config, "sparse_ift", None):
-        from ..ift import build_ift_model
-
         return meta_causal_lm(config, build_ift_model)
     return meta_causal_lm(config)
 

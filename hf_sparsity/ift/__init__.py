@@ -5,6 +5,9 @@
 * :mod:`~hf_sparsity.ift.models`: the layers of the module transforms and
   :func:`build_ift_model`.
 * :mod:`~hf_sparsity.ift.result`: :class:`IFTResult`, per-layer and whole-model FLOPs, saving.
+
+``models`` is a leaf (:mod:`hf_sparsity.flops` builds Sparse-IFT architectures with it);
+``transform`` and ``result`` count FLOPs, so they are loaded on first use.
 """
 
 from .models import (
@@ -17,8 +20,21 @@ from .models import (
     apply_ift_section,
     build_ift_model,
 )
-from .result import IFTLayer, IFTResult
-from .transform import read_ift_config, sparse_ift, wide_width
+
+
+def __getattr__(name: str):
+    # result and transform sit above hf_sparsity.flops, which imports .models (FLOPs of a Sparse-IFT
+    # config): loaded on first use, so importing the layers never imports flops.
+    if name in ("IFTLayer", "IFTResult"):
+        from . import result
+
+        return getattr(result, name)
+    if name in ("read_ift_config", "sparse_ift", "wide_width"):
+        from . import transform
+
+        return getattr(transform, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "IFT_SECTION",

@@ -1,7 +1,8 @@
 """``merge_sparse``: merge a LoRA adapter into a sparse base and keep its masks exact.
 
 Kept apart from :mod:`hf_sparsity.lora.view` (which the engine and the targeting rules import) because
-merging sits above them: it builds an engine, reads the config and writes a finalized section.
+merging sits above them: it builds an engine, reads the config and writes a finalized section. It
+imports the engine; nothing it imports imports it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..utils import SparsityError
+from ..config import SparsityConfig, get_sparsity_config
+from ..constants import SPARSITY_MASKS_NAME
+from ..engine import SparsityEngine
+from ..masks import mask_level
+from ..modeling import apply_masks
+from ..storage.finalize import levels_section
+from ..storage.masks_file import check_mask_names, load_masks_for
+from ..utils import SparsityError, atomic_dir
 from .masked import remove_masked_mode
 from .view import PeftBaseView, is_peft_model
 
@@ -23,10 +31,6 @@ logger = logging.getLogger(__name__)
 
 def _masks_for(peft_model: nn.Module, view: PeftBaseView, masks: Any):
     """(masks, config or None, where they came from): explicit, from an engine, or the base folder's file."""
-    from ..config import get_sparsity_config
-    from ..constants import SPARSITY_MASKS_NAME
-    from ..serialization import check_mask_names, load_masks_for
-
     if isinstance(masks, (str, os.PathLike)):
         return load_masks_for(view, masks, required=True), get_sparsity_config(view.config), str(masks)
     if masks is not None:
@@ -36,7 +40,7 @@ def _masks_for(peft_model: nn.Module, view: PeftBaseView, masks: Any):
     attached = getattr(peft_model, "_hf_sparsity", None)
     if attached and attached["masks"]:
         return dict(attached["masks"]), attached["config"], "the SparsityCallback / SparsityEngine"
-    source = getattr(view.config, "_name_or_path", None)
+    source = getattr(view.config, "name_or_path", None)
     loaded = load_masks_for(view, source) if source and os.path.isdir(str(source)) else None
     if loaded is not None:
         return loaded, get_sparsity_config(view.config), str(source)
@@ -68,13 +72,6 @@ def merge_sparse(
     there, atomically. Nothing is merged (and nothing written) when the masks are missing
     or do not fit.
     """
-    from ..config import SparsityConfig
-    from ..engine import SparsityEngine
-    from ..finalize import _levels_section
-    from ..masks import mask_level
-    from ..modeling import apply_masks
-    from ..utils import atomic_dir
-
     if not is_peft_model(peft_model):
         raise SparsityError(
             f"merge_sparse needs a peft PeftModel (get_peft_model(...)), got {type(peft_model).__name__}."
@@ -91,7 +88,7 @@ def merge_sparse(
         )
     if config is None:  # masks without a config: one anchored pattern per tensor, at its level
         info = {n: {"level": mask_level(m)} for n, m in mask_dict.items()}
-        config = SparsityConfig.from_dict(_levels_section(info))
+        config = SparsityConfig.from_dict(levels_section(info))
     merged = peft_model.merge_and_unload()
     remove_masked_mode(merged)
     apply_masks(merged, mask_dict)

@@ -24,13 +24,6 @@ from ..backends.measure import decode_tok_s, interleaved_ms, read_bandwidth_gbs 
 from ..modeling import apply_masks, linear_dims
 from ..utils import SparsityError
 
-DTYPES = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
-
 
 # ---------------------------------------------------------------------------- helpers
 def parse_shape(text: str) -> tuple[int, int]:
@@ -228,11 +221,11 @@ def modeled_model_speedup(model, machine=None) -> dict[str, Any]:
         if isinstance(mod, SparseLinear):
             b = mod.backend
             if isinstance(b, EmulatorBackend):
-                load, rows = b._row_load, b._rows_per_pe
+                load, rows = b.row_load, b.rows_per_pe
             else:
                 counts = b.mask.sum(1, dtype=torch.int64)
                 load, rows = (
-                    EmulatorBackend._pe_max(counts, machine.pes),
+                    EmulatorBackend.pe_max_load(counts, machine.pes),
                     math.ceil(b.out_features / machine.pes),
                 )
             sparse_c += load + rows * machine.row_overhead
@@ -285,21 +278,19 @@ def bench_model(
     new_tokens: int = 32,
     prompt_len: int = 16,
     rounds: int = 3,
-    dtype: str | None = None,
+    dtype: str | torch.dtype | None = None,
     seed: int = 0,
     model=None,
     **options: Any,
 ) -> dict[str, Any]:
     """Whole-model greedy decoding, dense vs ``backend``, interleaved rounds; medians and ratio."""
-    from transformers import AutoModelForCausalLM
-
     from ..backends import get_backend
     from ..inference import restore_dense, sparse_layers
+    from ..loading import load_model_folder
 
     klass = get_backend(backend)
-    if model is None:
-        kw = {"torch_dtype": DTYPES[dtype]} if dtype else {}
-        model = AutoModelForCausalLM.from_pretrained(model_dir, **kw)
+    if model is None:  # the masks are chosen below (``masks`` / ``sparsity`` / the folder's)
+        model, _ = load_model_folder(model_dir, dtype=dtype, masks=False)
     model.eval()
     found, source = build_masks_for(model, sparsity, masks, model_dir)
     with torch.no_grad():  # the dense baseline is the masked model, so both compute the same function

@@ -21,9 +21,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .config import get_sparsity_state
-from .constants import CONFIG_NAME, CONFIG_SECTION, SPARSITY_MASKS_NAME
-from .utils import SparsityError
+from ..config import SparsityConfig, get_sparsity_state
+from ..constants import CONFIG_NAME, CONFIG_SECTION, SPARSITY_MASKS_NAME
+from ..utils import SparsityError
 
 README_NAME = "README.md"
 SECTION_TITLE = "## Sparsity (hf_sparsity)"
@@ -38,7 +38,7 @@ def load_eval_results(path: str | os.PathLike | None) -> dict[str, Any] | None:
     """An ``hf_sparsity eval`` results.json (file or folder), checked before anything is written."""
     if path is None:
         return None
-    from .evaluation.report import load_results
+    from ..evaluation.report import load_results
 
     results = load_results(path)
     if not isinstance(results, dict) or not isinstance(results.get("metrics"), dict):
@@ -55,8 +55,6 @@ def card_section(src: str | os.PathLike) -> Any:
     A hand-edited section that is not a valid config (``sparsity: 7``) is refused rather than shown
     beside the measured figures; ``None`` when there is no section.
     """
-    from .config import SparsityConfig
-
     path = Path(src) / CONFIG_NAME
     section = _read_json(path).get(CONFIG_SECTION)
     if section is None:
@@ -73,8 +71,6 @@ def card_section(src: str | os.PathLike) -> Any:
 
 def _uniform_level(section: Any) -> float | None:
     """The one level a section gives every target, when it does (no schedule, groups or overrides)."""
-    from .config import SparsityConfig
-
     cfg = SparsityConfig.from_dict(section)
     pats = cfg.param_name_patterns
     if cfg.has_schedule or cfg.groups or cfg.structure or (isinstance(pats, dict) and pats):
@@ -109,7 +105,7 @@ def _projection_type(name: str) -> str:
 
 def card_figures(src: str | os.PathLike, out: str | os.PathLike) -> dict[str, Any]:
     """The numbers of the card: sparsity from ``inspect`` of ``out``, FLOPs from ``src``'s masks."""
-    from .checkpoint import MaskReader, inspect_checkpoint
+    from .folders import MaskReader, inspect_checkpoint
 
     report = inspect_checkpoint(out)
     targets = set(MaskReader(src).names())
@@ -134,7 +130,7 @@ def card_figures(src: str | os.PathLike, out: str | os.PathLike) -> dict[str, An
         "flops": None,
     }
     try:
-        from .flops import count_flops_from_config
+        from ..flops import count_flops_from_config
 
         sparse = count_flops_from_config(str(src))
         dense = sparse.dense()
@@ -209,7 +205,7 @@ def _level_row(section: dict[str, Any], measured: float) -> str:
 
 
 def _how_made(src: Path, measured: float) -> list[str]:
-    from .serialization import read_mask_metadata
+    from .masks_file import read_mask_metadata
 
     section = card_section(src)
     lines = ["### How the masks were made", ""]
@@ -261,16 +257,16 @@ def _how_made(src: Path, measured: float) -> list[str]:
 
 
 def _eval_lines(results: dict[str, Any]) -> list[str]:
-    from .evaluation.report import _fmt, _rows, flat_metrics
+    from ..evaluation.report import flat_metrics, format_metric, metric_rows
 
     flat = flat_metrics(results)
     lines = ["### Evaluation", ""]
-    rows = _rows(flat)
+    rows = metric_rows(flat)
     if not rows:
         return lines + ["The results file holds no metric this card knows how to show.", ""]
     lines += ["| metric | value |", "|---|---:|"]
     for key, label, higher in rows:
-        lines.append(f"| {label} {'↑' if higher else '↓'} | {_fmt(flat[key], key)} |")
+        lines.append(f"| {label} {'↑' if higher else '↓'} | {format_metric(flat[key], key)} |")
     s = results.get("settings", {})
     lines += [
         "",
@@ -350,7 +346,7 @@ def write_model_card(
         body = body.rstrip("\n") + "\n\n" + section
     front = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True)
     text = f"---\n{front}---\n\n{body.lstrip(chr(10))}"
-    from .utils import atomic_write_text
+    from ..utils import atomic_write_text
 
     atomic_write_text(path, text)
     return path

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import MaskReader, iter_shards, read_config
-from .config import SparsityConfig
-from .constants import CONFIG_NAME, CONFIG_SECTION, SAFE_WEIGHTS_INDEX_NAME, SPARSITY_MASKS_NAME
-from .serialization import save_masks
-from .utils import SparsityError, atomic_dir
+from ..config import SparsityConfig
+from ..constants import CONFIG_NAME, CONFIG_SECTION, SAFE_WEIGHTS_INDEX_NAME, SPARSITY_MASKS_NAME
+from ..utils import SparsityError, atomic_dir
+from .folders import MaskReader, iter_shards, read_config
+from .masks_file import save_masks
 
 # Trainer checkpoint files that belong to a training run, not to a model.
 TRAINING_STATE_FILES = (
@@ -78,8 +78,9 @@ def finalize_checkpoint(
     """Masked weights -> exact 0; no mask file; no ``sparsity`` section. Atomic; refuses an existing
     ``out_dir``.
 
-    With ``model_card`` (the default) ``README.md`` gets the Hub card of :mod:`hf_sparsity.model_card`,
-    with the evaluation table of ``results`` (an ``hf_sparsity eval`` results.json) when given.
+    With ``model_card`` (the default) ``README.md`` gets the Hub card of
+    :mod:`hf_sparsity.storage.model_card`, with the evaluation table of ``results`` (an
+    ``hf_sparsity eval`` results.json) when given.
     """
     from .model_card import card_section, load_eval_results, write_model_card
 
@@ -142,7 +143,7 @@ def to_sentinel(in_dir: str | os.PathLike, out_dir: str | os.PathLike, overwrite
 
         _rewrite_shards(src, tmp, mark)
         _copy_side_files(src, tmp, skip={SPARSITY_MASKS_NAME, CONFIG_NAME})
-        _write_config(src, tmp, section or _levels_section(masks.info))
+        _write_config(src, tmp, section or levels_section(masks.info))
     return str(out_dir)
 
 
@@ -173,11 +174,11 @@ def from_sentinel(in_dir: str | os.PathLike, out_dir: str | os.PathLike, overwri
         section = read_config(src).get(CONFIG_SECTION)
         _copy_side_files(src, tmp, skip={SPARSITY_MASKS_NAME, CONFIG_NAME})
         levels = {n: 1 - float(m.sum()) / m.numel() for n, m in found.items()}
-        _write_config(src, tmp, section or _levels_section({n: {"level": v} for n, v in levels.items()}))
+        _write_config(src, tmp, section or levels_section({n: {"level": v} for n, v in levels.items()}))
     return str(out_dir)
 
 
-def _levels_section(info: dict) -> dict:
+def levels_section(info: dict) -> dict:
     """A config section reproducing per-tensor levels exactly (one anchored pattern per tensor)."""
     import re
 
