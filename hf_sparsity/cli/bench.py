@@ -16,7 +16,9 @@ Whole-model decoding (tokens/s, dense vs backend, interleaved rounds, medians)::
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 from typing import Any
 
 import torch
@@ -33,7 +35,6 @@ def _print_human(res: dict[str, Any]) -> None:
 def bench_command(args) -> int:
     """Entry point of ``hf_sparsity bench``."""
     from ..loading import resolve_dtype
-    from ..tools.bench import bench_layer, bench_model, parse_shape
     from . import _checks
 
     _checks.bench_args(args)  # one-line errors for bad input
@@ -43,8 +44,22 @@ def bench_command(args) -> int:
     options = {}
     if args.kernel:
         options["kernel"] = args.kernel
+    # what libraries print while the model loads (DeepSpeed, imported by transformers when installed, prints
+    # "Setting accelerator to CPU" on stdout) goes to stderr: stdout carries the result, e.g. the JSON
+    with contextlib.redirect_stdout(sys.stderr):
+        res = _run(args, dtype, options)
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        _print_human(res)
+    return 0
+
+
+def _run(args, dtype, options) -> dict:
+    from ..tools.bench import bench_layer, bench_model, parse_shape
+
     if args.model:
-        res = bench_model(
+        return bench_model(
             args.model,
             backend=args.backend,
             masks=args.masks,
@@ -56,27 +71,21 @@ def bench_command(args) -> int:
             seed=args.seed,
             **options,
         )
-    else:
-        if args.batch < 1:
-            raise SparsityError("--batch must be at least 1.")
-        res = bench_layer(
-            args.backend,
-            sparsity=0.9 if args.sparsity is None else args.sparsity,
-            shape=parse_shape(args.shape),
-            batch=args.batch,
-            dtype=dtype,
-            device=args.device,
-            init=args.init,
-            structure=args.structure,
-            repeats=args.repeats,
-            seed=args.seed,
-            **options,
-        )
-    if args.json:
-        print(json.dumps(res, indent=2))
-    else:
-        _print_human(res)
-    return 0
+    if args.batch < 1:
+        raise SparsityError("--batch must be at least 1.")
+    return bench_layer(
+        args.backend,
+        sparsity=0.9 if args.sparsity is None else args.sparsity,
+        shape=parse_shape(args.shape),
+        batch=args.batch,
+        dtype=dtype,
+        device=args.device,
+        init=args.init,
+        structure=args.structure,
+        repeats=args.repeats,
+        seed=args.seed,
+        **options,
+    )
 
 
 def bench_command_parser(subparsers):
