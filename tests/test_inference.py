@@ -151,7 +151,7 @@ def test_cli_bench_model_with_emulator(tmp_path, capsys):
     model, eng = _masked("gpt2", level=0.9)
     model.save_pretrained(tmp_path / "m")
     eng.save(tmp_path / "m")
-    capsys.readouterr()  # what the set-up printed (DeepSpeed's accelerator line, when transformers imports it)
+    capsys.readouterr()  # the set-up's output: DeepSpeed prints when transformers imports it
     rc = main(["bench", "--model", str(tmp_path / "m"), "--backend", "emulator", "--new-tokens", "2",
                "--rounds", "1", "--json"])  # fmt: skip
     assert rc == 0
@@ -310,6 +310,7 @@ def test_cli_bench_model_with_auto(tmp_path, capsys):
     model, eng = _masked("gpt2", level=0.7)
     model.save_pretrained(tmp_path / "m")
     eng.save(tmp_path / "m")
+    capsys.readouterr()  # the set-up's output (see test_cli_bench_model_with_emulator)
     rc = main(["bench", "--model", str(tmp_path / "m"), "--backend", "auto", "--new-tokens", "2",
                "--rounds", "1", "--json"])  # fmt: skip
     assert rc == 0
