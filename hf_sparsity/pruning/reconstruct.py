@@ -10,10 +10,15 @@ regional gradients of Wanda++). Everything else in the block (norms, biases) sta
 Pruned weights stay exactly zero: their gradients are masked before each step, so Adam's moments
 there are zero and its update is zero; the mask is multiplied in again after each step. One
 step takes the next ``windows`` calibration windows, in order, cycling: no randomness, so the
-result is deterministic for a calibration set.
+result is deterministic for a calibration set. The learning rate decays from ``lr`` to 0 as a
+cosine over the steps: on SmolLM2 at 70%, 16 steps so decayed from 3e-4 left a lower error in
+every one of the first six blocks than 8 or 16 constant steps at 1e-4 (block 0: 0.078 against
+0.087 and 0.082); a peak of 1e-3 lowered block 0's error further but raised the next five's.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -21,9 +26,9 @@ from torch import nn
 from ..utils import SparsityError
 from .blocks import BlockInputs, call_block, slice_inputs
 
-DEFAULT_STEPS = 8
-DEFAULT_LR = 1e-4
-DEFAULT_WINDOWS = 2  # calibration windows per step: 8 steps x 2 = half a pass over 32 windows
+DEFAULT_STEPS = 16
+DEFAULT_LR = 3e-4  # the peak: the rate decays as a cosine, from DEFAULT_LR to 0 over the steps
+DEFAULT_WINDOWS = 2  # calibration windows per step: 16 steps x 2 = one pass over 32 windows
 
 
 def check_steps(steps: int | None) -> None:
@@ -68,6 +73,8 @@ def reconstruct_block(
         opt = torch.optim.Adam([p for p, _ in keeps], lr=lr)
         with torch.enable_grad():
             for step in range(steps):
+                for group in opt.param_groups:  # cosine decay from lr towards 0 over the steps
+                    group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
                 j, lo, hi = order[step % len(order)]
                 chunk = slice_inputs(chunks[j], lo, hi, len(inputs[j]))
                 loss = _relative_mse(call_block(block, chunk, inputs[j][lo:hi]), targets[j][lo:hi])
