@@ -15,7 +15,7 @@ from ..config import SparsityConfig, check_level, check_structure
 from ..constants import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from ..loading import TOKENIZER_FILES, check_context_fits, check_device, check_model_folder
 from ..modeling import check_token_ids
-from ..serialization import load_masks
+from ..storage.masks_file import load_masks
 from ..utils import SparsityError, atomic_dir, check_out_dir
 from .calibration import read_documents, sample_calibration
 from .levels import OWLSettings

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..config import SparsityConfig, set_sparsity_config
 from ..constants import SPARSITY_MASKS_NAME
-from ..serialization import save_masks
+from ..storage.masks_file import save_masks
 from ..utils import atomic_dir
 from .oneshot import OneShotResult
 

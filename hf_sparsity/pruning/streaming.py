@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..checkpoint import _safetensors_error, _unreadable, weight_shards
 from ..constants import SAFE_WEIGHTS_INDEX_NAME
-from ..serialization import pack_mask, unpack_mask
+from ..storage.folders import safetensors_error, unreadable_error, weight_shards
+from ..storage.masks_file import pack_mask, unpack_mask
 from ..utils import SparsityError
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -70,7 +70,7 @@ def _tensor_index(model_dir: Path) -> dict[str, str]:
                 f"Shard {os.path.basename(shard)!r} listed in {SAFE_WEIGHTS_INDEX_NAME} is missing from "
                 f"{str(model_dir)!r}: the download or copy is incomplete. Copy the whole model folder again."
             )
-        reason = _safetensors_error(shard)
+        reason = safetensors_error(shard)
         if reason:
             raise SparsityError(
                 f"Cannot read {shard!r} ({reason}); the file is truncated or corrupt. Copy the model folder "
@@ -132,7 +132,7 @@ class StreamingModel:
             with safe_open(shard, framework="pt") as f:
                 t = f.get_tensor(file_name)
         except Exception as e:
-            raise _unreadable(shard, e) from None
+            raise unreadable_error(shard, e) from None
         # An owned copy: a tensor viewing the shard's memory map would keep the map, and with it
         # every page of the file read so far, resident for as long as the tensor lives.
         return t.to(torch.float32, copy=True) if t.dtype in _FLOATS else t.clone()
