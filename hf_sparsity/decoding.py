@@ -81,6 +81,13 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _window_reason(cfg, length: int) -> str | None:
+    window = getattr(cfg, "sliding_window", None)
+    if window is not None and getattr(cfg, "use_sliding_window", True) and length > window:
+        return f"a sliding window of {window} tokens, and the generation reaches {length} (it attends to all)"
+    return None
+
+
 def native_step_reason(model: nn.Module, length: int | None = None) -> str | None:
     """Why :class:`NativeDecoder` cannot run ``model`` (``None``: it can), for generations reaching
     ``length`` tokens (prompt included) when given."""
@@ -100,14 +107,8 @@ def native_step_reason(model: nn.Module, length: int | None = None) -> str | Non
         return "dynamic rotary scaling (its tables change with the length)"
     if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
         return "pretraining_tp > 1"
-    window = getattr(cfg, "sliding_window", None)
-    if (
-        length is not None
-        and window is not None
-        and getattr(cfg, "use_sliding_window", True)
-        and length > window
-    ):
-        return f"a sliding window of {window} tokens, and the generation reaches {length} (it attends to all)"
+    if length is not None and _window_reason(cfg, length):
+        return _window_reason(cfg, length)
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
     if layers is None or not hasattr(base, "rotary_emb") or not hasattr(base, "embed_tokens"):
@@ -157,8 +158,9 @@ class NativeDecoder:
     (:func:`native_step_reason`).
     """
 
-    def __init__(self, model: nn.Module):
-        _refuse(native_step_reason(model))
+    def __init__(self, model: nn.Module, *, check: bool = True):
+        if check:  # greedy_decode checked already
+            _refuse(native_step_reason(model))
         self.model = model
         self._keep: list = []  # prepared structures and dense views the C side points into
 
@@ -198,7 +200,8 @@ class NativeDecoder:
         total = n + max_new_tokens
         hd = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         heads, kv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
-        _refuse(native_step_reason(model, total))
+        _refuse(_window_reason(cfg, total))  # the rest of native_step_reason holds since __init__
+        self._keep = []
         # the prompt: the model's own forward (batched products); its cache seeds the native one
         cache = DynamicCache(config=cfg)
         out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
@@ -279,8 +282,12 @@ def greedy_decode(
     eos = _eos_ids(model, eos_token_id)
     ids = input_ids.to(next(model.parameters()).device)
     length = int(ids.shape[1]) + max_new_tokens
-    if step == "native" or (step == "auto" and native_step_reason(model, length) is None):
-        return NativeDecoder(model).generate(ids, max_new_tokens, eos, on_token)
+    if step != "model":
+        reason = native_step_reason(model, length)  # one walk over the layers per generation
+        if step == "native":
+            _refuse(reason)
+        if reason is None:
+            return NativeDecoder(model, check=False).generate(ids, max_new_tokens, eos, on_token)
     cache = DynamicCache(config=model.config)
     out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
     new: list[torch.Tensor] = []
