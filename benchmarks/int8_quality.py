@@ -1,5 +1,6 @@
 """What int8 values cost in quality: WikiText-2 perplexity of one sparse model with float32 values, with int8
-values in its sparse layers, and with the LM head in int8 too (what ``values="int8"`` with ``auto`` gives).
+values in its sparse layers (float32 activations, then int8 activations: the default), and with the LM head
+in int8 too (what ``values="int8"`` with ``auto`` gives).
 
     python benchmarks/int8_quality.py PRUNED_DIR --data-dir DATA_DIR            # e.g. a 50% Wanda folder
     python benchmarks/int8_quality.py PRUNED_DIR --data-dir DATA_DIR --structure-backend nm24   # 2:4
@@ -50,9 +51,12 @@ def main(argv=None) -> int:
     path = os.path.join(args.data_dir, "text", "wikitext-2-raw", "wiki.test.raw")
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     rows = {}
-    for label in ("float32 values", "int8 values", "int8 values + int8 LM head"):
+    labels = ("float32 values", "int8 values, float32 act.", "int8 values, int8 act.", "int8 + int8 LM head")
+    for label in labels:
         model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
         opts = {} if label == "float32 values" else {"values": "int8"}
+        if "float32 act" in label:
+            opts["activations"] = "float32"
         sparsify_for_inference(model, args.structure_backend, **opts)
         if label.endswith("LM head"):
             _int8_lm_head(model)

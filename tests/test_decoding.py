@@ -165,7 +165,7 @@ def test_native_step_says_why_it_does_not_run():
 
 def test_native_dense_int8_values_against_the_dequantized_weight():
     from hf_sparsity.backends import get_backend
-    from hf_sparsity.backends.formats import quantize_rows
+    from hf_sparsity.backends.formats import quantize_activations, quantize_rows
 
     w = torch.randn(37, 53, generator=torch.Generator().manual_seed(0))
     b = get_backend("native_dense").from_dense(w, torch.ones_like(w, dtype=torch.uint8), values="int8")
@@ -173,6 +173,6 @@ def test_native_dense_int8_values_against_the_dequantized_weight():
     deq = scales[:, None] * codes.float()
     assert torch.equal(b.to_dense(), deq)
     assert b.storage_bytes < w.numel() * 4 / 3.5  # int8 codes + row scales
-    for rows in (1, 5):
+    for rows in (1, 5):  # int8 activations (the default): on the dequantized activations too
         x = torch.randn(rows, 53, generator=torch.Generator().manual_seed(rows))
-        torch.testing.assert_close(b.linear(x), x @ deq.T, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b.linear(x), quantize_activations(x) @ deq.T, rtol=1e-5, atol=1e-5)

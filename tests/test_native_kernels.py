@@ -4,7 +4,10 @@ One sweep per (format, value type, batch path): the batch-1 decode path, the sma
 (2-16 rows) and the blocked batched kernel (17+ rows), for fp32, bf16 and int8 values. A SIMD loop
 bound off by one shows at the widths where a vector tail starts (8, 16, 24, 32, ..., 120, 128). The
 int8 formats are checked against the emulator on their dequantized weight. The same sweep runs on the
-AVX2 build of an AVX-512 machine (a subprocess), so both vector paths are covered.
+AVX2 build of an AVX-512 machine (a subprocess), so both vector paths are covered. int8 values with int8
+activations (the default) are checked on their dequantized weight and their dequantized activations
+(``quantize_activations``): the batch-1 path multiplies the int8 codes (AVX-512 VNNI where the CPU has it),
+the others the dequantized activations, and both must give that sum.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import pytest
 import torch
 
 from hf_sparsity.backends import _native, get_backend
+from hf_sparsity.backends.formats import quantize_activations
 
 NATIVE = _native.load() is not None
 pytestmark = pytest.mark.skipif(not NATIVE, reason="native kernel did not build (no C compiler)")
@@ -32,11 +36,15 @@ KERNELS = [
     ("bitmask", "fp32"),
     ("bitmask", "bf16"),
     ("bitmask", "int8"),
+    ("bitmask", "int8-float-act"),
     ("nm24", "fp32"),
     ("nm24", "bf16"),
     ("nm24", "int8"),
+    ("nm24", "int8-float-act"),
     ("native_dense", "fp32"),
     ("native_dense", "bf16"),
+    ("native_dense", "int8"),
+    ("native_dense", "int8-float-act"),
 ]
 
 
@@ -56,8 +64,9 @@ def sweep(name: str, vtype: str) -> int:
     g = torch.Generator().manual_seed(len(name) * 131 + len(vtype))
     dtype = torch.bfloat16 if vtype == "bf16" else torch.float32
     opts = {"kernel": "native", "threads": 1}  # one thread: no team wake-up per call (the sweep stays fast)
-    if vtype == "int8":
+    if vtype.startswith("int8"):
         opts["values"] = "int8"
+        opts["activations"] = "float32" if vtype == "int8-float-act" else "int8"
     if name != "csr":
         opts["prefill"] = "native"  # batches above 16 rows on the blocked kernel, not a dense GEMM
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=3e-2)
@@ -70,11 +79,13 @@ def sweep(name: str, vtype: str) -> int:
             w = (torch.randn(out_f, in_f, generator=g) / math.sqrt(in_f)).to(dtype)
             mask = _mask(name, out_f, in_f, g)
             b = get_backend(name).from_dense(w, mask, **opts)
-            wd = b._unpack().float() if vtype == "int8" else (w.float() * mask)  # the weight it computes with
+            # the weight (and activations) it computes with
+            wd = b._unpack().float() if vtype.startswith("int8") else (w.float() * mask)
             emu = get_backend("emulator").from_dense(wd, mask, float64_accumulator=True)
             x = torch.randn(sum(splits), in_f, generator=g).to(dtype)
             bias = torch.randn(out_f, generator=g).to(dtype)
-            wants = emu.linear(x.float(), bias.float()).split(splits)
+            xe = quantize_activations(x) if vtype == "int8" else x.float()
+            wants = emu.linear(xe, bias.float()).split(splits)
             for path, xb, want in zip(BATCHES, x.split(splits), wants):
                 got = b.linear(xb, bias).float()
                 if not torch.allclose(got, want, **tol):  # assert_close is slow; it explains a failure

@@ -159,6 +159,7 @@ def load() -> ctypes.CDLL | None:
             lib.hfs_set_spin.argtypes, lib.hfs_set_spin.restype = [i64], None
             lib.hfs_simd.argtypes, lib.hfs_simd.restype = [], ci
             lib.hfs_isa.argtypes, lib.hfs_isa.restype = [], ci
+            lib.hfs_vnni.argtypes, lib.hfs_vnni.restype = [], ci
             lib.hfs_set_openmp.argtypes, lib.hfs_set_openmp.restype = [ci], ci
             lib.hfs_decode_step.argtypes, lib.hfs_decode_step.restype = [vp, i64, i64], i64
             lib.hfs_decode_work_floats.argtypes, lib.hfs_decode_work_floats.restype = [vp], i64
@@ -199,6 +200,14 @@ def isa() -> str | None:
     (no kernel)."""
     lib = load()
     return None if lib is None else ("scalar", "avx2", "avx512")[lib.hfs_isa()]
+
+
+def int8_dot() -> str | None:
+    """How batch-1 products with int8 values and int8 activations multiply: ``"vnni"`` (int8 dot products,
+    AVX-512 VNNI, every format), ``"vnni-dense"`` (dense GEMV only: no byte expand, VBMI2), ``"float"`` (the
+    dequantized activations on the float kernels), or ``None`` (no kernel)."""
+    lib = load()
+    return None if lib is None else ("float", "vnni-dense", "vnni")[lib.hfs_vnni()]
 
 
 def pool() -> str | None:
@@ -316,7 +325,8 @@ def decode_row(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
 
 def vtype(values: torch.Tensor) -> int:
     """The kernels' value type of a values tensor: 0 float32, 1 bfloat16, 2 int8 (a buffer that starts with
-    the rows' float32 scales, see :func:`scale_bytes`)."""
+    the rows' float32 scales, see :func:`scale_bytes`). Value type 3, int8 values whose products quantize
+    their input too (``formats.quantize_activations``), is the int8 backends' batch-1 call."""
     return 2 if values.dtype == torch.int8 else int(values.dtype == torch.bfloat16)
 
 

@@ -76,7 +76,7 @@ PLAN_KEYS = (
 CALL_MS = 0.004
 """The cost model's fixed time per product call (Python and kernel launch), in milliseconds: small layers
 cost their calls more than their bytes."""
-PLAN_VERSION = 1
+PLAN_VERSION = 2
 """Bumped when a cached plan would no longer mean the same (kernels, cost model, decision rules)."""
 
 
@@ -272,6 +272,7 @@ def plan_layers(
     keep_dense_for_prefill: bool = False,
     threads: int | None = None,
     values: str | None = None,
+    activations: str | None = None,
     model_tolerance: float = 3.0,
     plan_cache: bool | str = True,
 ) -> dict[str, tuple]:
@@ -282,6 +283,12 @@ def plan_layers(
     dense (``F.linear``).
     """
     formats = _check_inputs(layers, formats)
+    if activations not in (None, "int8"):
+        raise SparsityError(
+            f"auto: activations={activations!r}: auto's int8 formats multiply int8 activations (the fast "
+            "path it measures). For float32 activations pick the format yourself: bitmask, nm24 or "
+            "native_dense with values='int8', activations='float32'."
+        )
     if plan_cache not in (True, False, "refresh"):
         raise SparsityError(f"auto: plan_cache must be True, False or 'refresh', not {plan_cache!r}.")
     groups: dict[tuple, list[str]] = {}

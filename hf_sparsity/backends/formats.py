@@ -16,8 +16,11 @@ close to the bound:
 
 Values are fp32 or bf16 (the weight's dtype), or, for ``bitmask`` and ``nm24`` with
 ``values="int8"``, int8 with one symmetric float32 scale per output row (round to nearest, computed at
-conversion: ``scale = max|w_row| / 127``): 0.625 bytes per weight at 50% with a bitmask. The kernels
-compute in fp32 (``sum(q * x) * scale``); ``to_dense()`` returns the dequantized weight. The native
+conversion: ``scale = max|w_row| / 127``): 0.625 bytes per weight at 50% with a bitmask. Their products
+quantize the activations too (``activations="int8"``, the default; see :func:`quantize_activations`): with
+AVX-512 VNNI a batch-1 product multiplies int8 by int8, elsewhere the dequantized activations go through
+the float kernels. ``activations="float32"`` keeps float32 activations (``sum(q * x) * scale`` in fp32).
+``to_dense()`` returns the dequantized weight. The native
 AVX2/FMA kernels (:mod:`hf_sparsity.backends._native`, ``csrc/hfs_kernels.c``) run batch 1
 and small batches; larger batches (prefill) go through a dense GEMM on the weight rebuilt
 on the fly (``prefill="unpack"``, default: no dense copy kept) or, from 17 rows, the native
@@ -73,6 +76,27 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
     codes = torch.round(wf / scales[:, None]).clamp_(-127, 127).to(torch.int8)
     return scales.contiguous(), codes
+
+
+ACT_GROUPS = 2
+"""Activation scales per row when int8 values also quantize the activations: ``16 * ACT_GROUPS`` groups."""
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """What the products of ``values="int8"`` (with int8 activations, the default) see of their input ``x``
+    ``[..., in]``: symmetric int8 codes ``round(x / s)`` (half to even), one scale ``s = max|x_group| / 127``
+    per group of columns, dequantized back to float32 (``codes * s``). Column ``c`` is in group
+    ``(c // 64 % ACT_GROUPS) * 16 + c % 64 // 4``: four adjacent columns every ``64 * ACT_GROUPS``, so a group
+    is one lane of the native kernel's int32 accumulators (``csrc/hfs_kernels.c``) and its scale applies
+    once per row. The native batch-1 kernel multiplies the codes themselves (int8 dot products); this is the
+    same sum up to float32 rounding, for every other path (larger batches, the torch kernel, gradients)."""
+    xf = x.float()
+    n = xf.shape[-1]
+    pad = (-n) % (64 * ACT_GROUPS)
+    xb = F.pad(xf, (0, pad)).unflatten(-1, (-1, ACT_GROUPS, 16, 4))
+    s = xb.abs().amax(dim=(-4, -1), keepdim=True) / 127
+    codes = torch.where(s > 0, torch.round(xb / s), torch.zeros_like(xb)).clamp_(-127, 127)
+    return (codes * s).flatten(-4)[..., :n]
 
 
 def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
@@ -134,6 +158,16 @@ class _PackedBackend(SparseBackend):
         w, m = self._tmp
         w, m = w.detach(), m.bool()
         self.int8 = self.options.get("values") == "int8"
+        activations = self.options.get("activations")
+        if activations not in (None, "int8", "float32"):
+            raise SparsityError(f"{self.name}: activations must be 'int8' or 'float32', not {activations!r}.")
+        if activations and not self.int8:
+            raise SparsityError(
+                f"{self.name}: activations={activations!r} goes with values='int8' (int8 weight codes); "
+                "leave it unset for float weights."
+            )
+        # int8 values multiply int8 activations (per 64 columns) unless asked for float32 ones
+        self.int8_activations = self.int8 and activations != "float32"
         if self.int8:  # pack the int8 codes; the kernels apply the row scales
             self.scales, w = quantize_rows(w * m)
         self._pack(w, m)
@@ -205,7 +239,7 @@ class _PackedBackend(SparseBackend):
         prep, addr = _native.prepared_call((
             _native.OPS[self.op], self.out_features, self.in_features, nt,
             None if rowptr is None else rowptr.data_ptr(), None if meta is None else meta.data_ptr(),
-            self.values.data_ptr(), _native.vtype(self.values),
+            self.values.data_ptr(), 3 if self.int8_activations else _native.vtype(self.values),
         ))  # fmt: skip
         return prep, addr, torch.get_num_threads()
 
@@ -243,6 +277,9 @@ class _PackedBackend(SparseBackend):
             raise SparsityError(
                 f"Input has {x.shape[-1]} features; the sparse weight expects {self.in_features}."
             )
+        if self.int8_activations:  # every other path: the same activations, dequantized
+            xq = quantize_activations(x.detach()).to(x.dtype)
+            x = x + (xq - x).detach() if x.requires_grad else xq  # gradients pass straight through
         if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
             return F.linear(x, self.to_dense().to(x.dtype), bias)  # autograd for x (and bias)
         lead = x.shape[:-1]

@@ -81,6 +81,16 @@ def generate_args(args) -> None:
         raise SparsityError("--lean and --compile are two decoding loops; pick one.")
     if getattr(args, "values", None):
         _int8_values(args.backend, args.model_dir)
+    if getattr(args, "activations", None):
+        if not getattr(args, "values", None):
+            raise SparsityError(
+                "--activations goes with --values int8 (int8 weight values); add that, or drop it."
+            )
+        if args.activations == "float32" and args.backend == "auto":
+            raise SparsityError(
+                "--activations float32: auto measures the int8 products; pick --backend bitmask, nm24 or "
+                "native_dense for float32 activations."
+            )
 
 
 def _int8_values(backend: str, folder: str) -> None:

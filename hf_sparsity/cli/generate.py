@@ -119,6 +119,8 @@ def generate_command(args) -> int:
         _, dense_tok_s = _generate(model, ids, args.max_new_tokens, lean=args.lean, **kw)
     t = time.perf_counter()
     values = {"values": args.values} if args.values else {}
+    if args.activations:
+        values["activations"] = args.activations
     sparsify_for_inference(model, args.backend, masks=masks, **values)
     convert_s = time.perf_counter() - t
     if args.backend == "auto" and args.show_choices:
@@ -177,6 +179,13 @@ def generate_command_parser(subparsers):
         default=None,
         choices=("int8",),
         help="Store the kept values as int8 with per-row scales (bitmask, nm24, auto); default: the dtype",
+    )
+    p.add_argument(
+        "--activations",
+        default=None,
+        choices=("int8", "float32"),
+        help="With --values int8: int8 activations, 32 scales per row (default; int8 dot products), or "
+        "float32 (bitmask, nm24)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch / native kernel threads")
     p.add_argument("--no-dense", action="store_true", help="Skip the dense comparison run")

@@ -458,6 +458,220 @@ static void gemv_rows(const job_t* j, int64_t r0, int64_t r1) {
     gemv_rows_(j, r0, r1, 0);
 }
 
+/* ---- int8 activations (value type 3) ---------------------------------------------------------------------
+   Value type 3 is value type 2 (int8 codes with per-row scales) whose products also quantize their input to
+   int8: symmetric codes round(x / s) (half to even) with one float32 scale s = max|x| / 127 per group of
+   columns. Column c belongs to group (c / 64 % QA) * 16 + (c % 64) / 4: groups of four adjacent columns, every
+   64 * QA columns, QA * 16 = 32 groups in all (quantize_activations in formats.py computes the same). That
+   grouping is what makes the product cheap: lane l of a 16-lane int32 accumulator sums exactly the products of
+   group l, so with AVX-512 VNNI (vpdpbusd: 64 byte products into 16 int32 lanes per instruction) a row is QA
+   int32 accumulators over all its columns, and the scales apply once per row (one conversion, one multiply per
+   accumulator) instead of once per block. The weight codes are made unsigned by flipping their sign bit
+   (w + 128) and the accumulators start at minus 128 times each group's code sum, so the int32 sums are exactly
+   sum(w * q). Every other case (more rows, no VNNI) runs the value type 2 kernels on the dequantized
+   activations q * s: the same sum up to float32 rounding. */
+#define QB 64
+#define QA 2
+#define QG (16 * QA)
+/* The quantized row in the work buffer: scales float[QG], then int32[QG] (-128 times each group's code sum,
+   as QA vectors of 16 lanes), then the codes int8[nb * QB], zero past `in`. */
+static inline int64_t xq_floats(int64_t in) { return 2 * QG + (in + QB - 1) / QB * (QB / 4); }
+static inline int64_t q_group(int64_t c) { return (c / QB % QA) * 16 + (c % QB) / 4; }
+/* quantize x[0:in) into buf (xq_floats(in) floats, 64-byte aligned); deq: when not NULL, q * s per column */
+static void quantize_row(const float* x, int64_t in, float* buf, float* deq) {
+  const int64_t nb = (in + QB - 1) / QB;
+  float* xs = buf;
+  int32_t* corr = (int32_t*)(buf + QG);
+  int8_t* q = (int8_t*)(buf + 2 * QG);
+  float amax[QG] = {0};
+  for (int64_t c = 0; c < in; c++) amax[q_group(c)] = fmaxf(amax[q_group(c)], fabsf(x[c]));
+  for (int g = 0; g < QG; g++) {
+    xs[g] = amax[g] / 127.f;
+    corr[g] = 0;
+  }
+  for (int64_t c = 0; c < nb * QB; c++) {
+    const int64_t g = q_group(c);
+    float t = c < in && xs[g] > 0.f ? nearbyintf(x[c] / xs[g]) : 0.f;
+    t = t > 127.f ? 127.f : t < -127.f ? -127.f : t;
+    q[c] = (int8_t)t;
+    corr[g] -= 128 * (int32_t)t;
+    if (deq && c < in) deq[c] = t * xs[g];
+  }
+}
+
+#if HFS_SIMD && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__BMI2__)
+#define HFS_VNNI 1
+#if defined(__AVX512VBMI2__)
+#define HFS_VNNI_EXPAND 1 /* vpexpandb: the bitmask and 2:4 codes into their columns' lanes */
+#else
+#define HFS_VNNI_EXPAND 0
+#endif
+/* quantize_row without the dequantized copy, sixteen columns per instruction (the same codes: IEEE division
+   and round half to even). Float lane j of the i-th sixteen columns of a block is group 4 * i + j / 4 of the
+   block's accumulator. */
+static void quantize_row_vnni(const float* x, int64_t in, float* buf) {
+  const int64_t nb = (in + QB - 1) / QB;
+  float* xs = buf;
+  int32_t* corr = (int32_t*)(buf + QG);
+  int8_t* q = (int8_t*)(buf + 2 * QG);
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  __m512 mx[QA][4];
+  for (int a = 0; a < QA; a++)
+    for (int i = 0; i < 4; i++) mx[a][i] = _mm512_setzero_ps();
+#define Q_LOAD(b, i)                                                                                             \
+  _mm512_maskz_loadu_ps(in - (b) * QB - 16 * (i) >= 16 ? (__mmask16)0xffff                                      \
+                        : in - (b) * QB - 16 * (i) > 0 ? (__mmask16)((1u << (in - (b) * QB - 16 * (i))) - 1)  \
+                                                       : (__mmask16)0,                                           \
+                        x + (b) * QB + 16 * (i))
+  for (int64_t b = 0; b < nb; b++)
+    for (int i = 0; i < 4; i++) mx[b % QA][i] = _mm512_max_ps(mx[b % QA][i], _mm512_andnot_ps(sign, Q_LOAD(b, i)));
+  /* per accumulator: the 16 group maxima (lane 4i + j of the result: max over lanes 4j..4j+3 of mx[a][i]) */
+  __m512 div[QA][4]; /* per float lane: its group's scale, 1 where the scale is 0 (then x is 0 there) */
+  for (int a = 0; a < QA; a++) {
+    float g[16];
+    for (int i = 0; i < 4; i++) {
+      float t[16];
+      _mm512_storeu_ps(t, mx[a][i]);
+      for (int j = 0; j < 4; j++) g[4 * i + j] = fmaxf(fmaxf(t[4 * j], t[4 * j + 1]), fmaxf(t[4 * j + 2], t[4 * j + 3]));
+    }
+    for (int l = 0; l < 16; l++) xs[a * 16 + l] = g[l] / 127.f;
+    const __m512 sv = _mm512_loadu_ps(xs + a * 16);
+    const __m512 safe = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(sv, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                             _mm512_set1_ps(1.f), sv);
+    for (int i = 0; i < 4; i++) /* lane j <- group 4i + j/4 */
+      div[a][i] = _mm512_permutexvar_ps(
+          _mm512_add_epi32(_mm512_set1_epi32(4 * i), _mm512_srli_epi32(
+              _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2)), safe);
+  }
+  __m512i sums[QA];
+  for (int a = 0; a < QA; a++) sums[a] = _mm512_setzero_si512();
+  for (int64_t b = 0; b < nb; b++) {
+    __m512i codes = _mm512_setzero_si512();
+    for (int i = 0; i < 4; i++) {
+      __m512i c = _mm512_cvtps_epi32(_mm512_div_ps(Q_LOAD(b, i), div[b % QA][i])); /* MXCSR: to nearest even */
+      c = _mm512_max_epi32(_mm512_min_epi32(c, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+      codes = _mm512_inserti32x4(codes, _mm512_cvtepi32_epi8(c), i);
+    }
+    _mm512_store_si512((void*)(q + b * QB), codes);
+    sums[b % QA] = _mm512_dpbusd_epi32(sums[b % QA], _mm512_set1_epi8((char)0x80), codes);
+  }
+#undef Q_LOAD
+  for (int a = 0; a < QA; a++) _mm512_store_si512((void*)(corr + 16 * a), _mm512_sub_epi32(_mm512_setzero_si512(), sums[a]));
+}
+
+/* acc += the products of one 64-column block: w its 64 weight codes (0 where pruned), q its activation codes */
+static inline __attribute__((always_inline)) __m512i q8_dot(__m512i acc, __m512i w, const int8_t* q) {
+  return _mm512_dpbusd_epi32(acc, _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80)), _mm512_load_si512((const void*)q));
+}
+#define Q8_SETUP                                                                                   \
+  const int64_t in = j->in, nb = (in + QB - 1) / QB, full = in / QB;                            \
+  const float* xs = j->work;                                                                    \
+  const int32_t* corr = (const int32_t*)(j->work + QG);                                         \
+  const int8_t* q = (const int8_t*)(j->work + 2 * QG);                                          \
+  const int8_t* V = (const int8_t*)vbase(j->v, 2, j->rows);                                     \
+  (void)full
+/* the QA = 2 accumulators: named registers (an array indexed at run time would live in memory) */
+#define Q8_START                                                                                   \
+  __m512i a0 = _mm512_load_si512((const void*)corr), a1 = _mm512_load_si512((const void*)(corr + 16))
+#define Q8_ACC(b, w, q) /* block b's products into its accumulator */                               \
+  do {                                                                                             \
+    if ((b) & 1)                                                                                   \
+      a1 = q8_dot(a1, w, q);                                                                       \
+    else                                                                                           \
+      a0 = q8_dot(a0, w, q);                                                                       \
+  } while (0)
+#define Q8_STORE(r)                                                                                \
+  do {                                                                                             \
+    const __m512 f_ = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), _mm512_loadu_ps(xs + 16),           \
+                                      _mm512_mul_ps(_mm512_cvtepi32_ps(a0), _mm512_loadu_ps(xs))); \
+    const float s_ = _mm512_reduce_add_ps(f_) * vscale(j->v, 2, r);                                \
+    j->y[r] = j->bias ? s_ + j->bias[r] : s_;                                                      \
+  } while (0)
+
+static void gemv_q8_rows(const job_t* j, int64_t r0, int64_t r1) {
+  Q8_SETUP;
+  for (int64_t r = r0; r < r1; r++) {
+    const int8_t* w = V + r * in;
+    Q8_START;
+    int64_t b = 0;
+    for (; b + 2 <= full; b += 2) {
+      a0 = q8_dot(a0, _mm512_loadu_si512((const void*)(w + b * QB)), q + b * QB);
+      a1 = q8_dot(a1, _mm512_loadu_si512((const void*)(w + b * QB + QB)), q + b * QB + QB);
+    }
+    for (; b < nb; b++) {
+      const __mmask64 k = b < full ? ~(__mmask64)0 : (__mmask64)_bzhi_u64(~0ULL, (unsigned)(in - b * QB));
+      Q8_ACC(b, _mm512_maskz_loadu_epi8(k, w + b * QB), q + b * QB);
+    }
+    Q8_STORE(r);
+  }
+}
+
+#if HFS_VNNI_EXPAND
+/* bitmask: a block's 64 mask bits (`bytes` of them present), the next popcount codes expanded into their lanes */
+static inline __attribute__((always_inline)) __m512i bm_q8_weights(const uint8_t* m, int64_t bytes,
+                                                                   const int8_t* v, int64_t* o) {
+  uint64_t k = 0;
+  memcpy(&k, m, (size_t)bytes);
+  const unsigned pc = (unsigned)__builtin_popcountll(k);
+  PREFETCH(v + *o);
+  const __m512i w = _mm512_maskz_expand_epi8(k, _mm512_maskz_loadu_epi8(_bzhi_u64(~0ULL, pc), v + *o));
+  *o += pc;
+  return w;
+}
+static void bm_q8_rows(const job_t* j, int64_t r0, int64_t r1) {
+  Q8_SETUP;
+  const int64_t mb = (in + 7) >> 3;
+  const uint8_t* M = (const uint8_t*)j->idx;
+  for (int64_t r = r0; r < r1; r++) {
+    const uint8_t* m = M + r * mb;
+    int64_t o = j->rowptr[r], b = 0;
+    Q8_START;
+    for (; b + 2 <= full; b += 2) {
+      a0 = q8_dot(a0, bm_q8_weights(m + 8 * b, 8, V, &o), q + b * QB);
+      a1 = q8_dot(a1, bm_q8_weights(m + 8 * b + 8, 8, V, &o), q + b * QB + QB);
+    }
+    for (; b < nb; b++) {
+      const int64_t bytes = mb - 8 * b < 8 ? mb - 8 * b : 8; /* the tail's bits past `in` are clear */
+      Q8_ACC(b, bm_q8_weights(m + 8 * b, bytes, V, &o), q + b * QB);
+    }
+    Q8_STORE(r);
+  }
+}
+
+/* 2:4: a meta byte's two nibbles -> its eight columns' kept bits (positions p0 < p1 of each group) */
+static uint8_t g_nm_bits[256];
+__attribute__((constructor)) static void init_nm_bits(void) {
+  for (int b = 0; b < 256; b++)
+    g_nm_bits[b] = (uint8_t)(1u << (b & 3) | 1u << ((b >> 2) & 3) | 1u << (4 + ((b >> 4) & 3)) |
+                             1u << (4 + ((b >> 6) & 3)));
+}
+static void nm24_q8_rows(const job_t* j, int64_t r0, int64_t r1) {
+  Q8_SETUP;
+  const int64_t mb = (in + 7) >> 3, half = in >> 1;
+  const uint8_t* M = (const uint8_t*)j->idx;
+  for (int64_t r = r0; r < r1; r++) {
+    const uint8_t* m = M + r * mb;
+    const int8_t* v = V + r * half;
+    Q8_START;
+    for (int64_t b = 0; b < nb; b++) {
+      const int64_t cols = in - b * QB < QB ? in - b * QB : QB; /* a multiple of 4 */
+      uint64_t k = 0;
+      for (int64_t i = 0; i < (cols + 7) >> 3; i++) k |= (uint64_t)g_nm_bits[m[8 * b + i]] << (8 * i);
+      if (cols < QB) k = _bzhi_u64(k, (unsigned)cols); /* a padded last nibble sets no column */
+      PREFETCH(v + b * (QB / 2));
+      const __m512i w = _mm512_maskz_expand_epi8(
+          k, _mm512_maskz_loadu_epi8(_bzhi_u64(~0ULL, (unsigned)(cols / 2)), v + b * (QB / 2)));
+      Q8_ACC(b, w, q + b * QB);
+    }
+    Q8_STORE(r);
+  }
+}
+#endif
+#else
+#define HFS_VNNI 0
+#define HFS_VNNI_EXPAND 0
+#endif
+
 /* Bitmask -> dense float32 rows (restore_dense, prefill through a dense GEMM). Per eight columns
    (sixteen with AVX-512) the packed values are expanded into the lanes of the set bits, as in the
    batch-1 kernel, and stored; the row's scalar tail after. */
@@ -1003,6 +1217,41 @@ void hfs_matmul(int kind, int64_t rows, int64_t in, int64_t chunk, int nthreads,
   }
 }
 
+void hfs_run(int op, int64_t rows, int64_t in, int64_t chunk, int nthreads, const int64_t* rowptr,
+             const void* meta, const void* v, int vbf16, const float* x, float* y, int64_t B,
+             const float* bias);
+/* value type 3 (op 0-2): see quantize_row */
+static void run_q8(int op, int64_t rows, int64_t in, int64_t chunk, int nthreads, const int64_t* rowptr,
+                   const void* meta, const void* v, const float* x, float* y, int64_t B, const float* bias) {
+  const int64_t nf = xq_floats(in);
+#if HFS_VNNI
+  static void (*const fns[3])(const job_t*, int64_t, int64_t) = {
+#if HFS_VNNI_EXPAND
+      bm_q8_rows, nm24_q8_rows,
+#else
+      NULL, NULL,
+#endif
+      gemv_q8_rows};
+  if (B == 1 && fns[op]) {
+    int owned;
+    float* buf = work_buf((size_t)nf, &owned);
+    if (buf) {
+      quantize_row_vnni(x, in, buf);
+      job_t j = {0, 0, rows, chunk, 0, 1, rowptr, meta, (const float*)v, x, y, bias, fns[op], in, 2, buf};
+      run(&j, nthreads);
+      if (owned) free(buf);
+      return;
+    }
+  }
+#endif
+  /* the dequantized activations, in memory of their own (the batched kernels use the work buffer) */
+  float* xd = aligned_alloc(64, (((size_t)(B * in + nf) * sizeof(float)) + 63) & ~(size_t)63);
+  if (!xd) return;
+  for (int64_t b = 0; b < B; b++) quantize_row(x + b * in, in, xd + B * in, xd + b * in);
+  hfs_run(op, rows, in, chunk, nthreads, rowptr, meta, v, 2, xd, y, B, bias);
+  free(xd);
+}
+
 /* op: 0 bitmask, 1 2:4, 2 dense GEMV, 3 bitmask unpack, 4 2:4 unpack (y: [rows, in]).
    x: [B, in]; y: [B, rows]. */
 void hfs_run(int op, int64_t rows, int64_t in, int64_t chunk, int nthreads, const int64_t* rowptr,
@@ -1011,6 +1260,14 @@ void hfs_run(int op, int64_t rows, int64_t in, int64_t chunk, int nthreads, cons
   static void (*const fns[5])(const job_t*, int64_t, int64_t) = {bm_rows, nm24_rows, gemv_rows, bm_unpack_rows,
                                                                  nm24_unpack_rows};
   if (op < 0 || op > 4) return;
+  if (vbf16 == 3) { /* int8 activations: the VNNI products at batch 1, else the dequantized activations */
+    if (op >= 3) {
+      vbf16 = 2;
+    } else {
+      run_q8(op, rows, in, chunk, nthreads, rowptr, meta, v, x, y, B, bias);
+      return;
+    }
+  }
   if (op <= 1 && B >= SPMM_MIN_B && hfs_spmm(op + 2, rows, in, nthreads, rowptr, meta, v, vbf16, x, y, B, bias) == 0)
     return;
   job_t j = {0, 0, rows, chunk, 0, B, rowptr, meta, (const float*)v, x, y, bias, fns[op], in, vbf16, NULL};
@@ -1046,7 +1303,7 @@ int hfs_set_openmp(int on) {
 #endif
   return g_use_omp;
 }
-int hfs_version(void) { return 9; }
+int hfs_version(void) { return 10; }
 int hfs_simd(void) { return HFS_SIMD; }
 /* 0 scalar, 1 AVX2 + FMA, 2 AVX-512 (the bitmask expand and CSR gather paths) */
 int hfs_isa(void) {
@@ -1056,6 +1313,9 @@ int hfs_isa(void) {
   return HFS_SIMD;
 #endif
 }
+/* 1: batch-1 products with int8 activations multiply int8 codes (AVX-512 VNNI); 2: the bitmask and 2:4
+   ones too (VBMI2's byte expand); 0: they run on the dequantized activations */
+int hfs_vnni(void) { return HFS_VNNI + HFS_VNNI_EXPAND; }
 
 /* ---- One decoded token of a Llama-family model in one call (hf_sparsity/decoding.py, NativeDecoder) -------
    Each projection is a prepared batch-1 call of any native format (bitmask, 2:4, CSR, dense GEMV; fp32,
