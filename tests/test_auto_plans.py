@@ -85,6 +85,30 @@ def test_a_measurement_the_cost_model_cannot_explain_is_rejected(monkeypatch):
     assert len(decode_passes) == 2  # measured twice before rejecting
 
 
+def test_a_disturbance_in_one_of_two_measurements_does_not_decide(monkeypatch):
+    # first pass: both dense variants disturbed (bitmask looks 15x faster: rejected, measured again);
+    # second pass: bitmask disturbed instead. Each candidate's faster measurement gives the plan a quiet
+    # machine makes (bitmask), not dense (the second pass alone) and not a rejection (the first alone).
+    passes = []
+
+    def flaky(fns, rounds, inner=1, device=None, stat="median"):
+        decode = "bitmask" in fns and "bitmask:own" not in fns
+        if decode:
+            passes.append(1)
+        quiet = {"dense": 1.0, "native_dense": 0.9, "bitmask": 0.6, "csr": 1.4}
+        ms = dict(quiet)
+        if decode and len(passes) == 1:
+            ms.update(dense=10.0, native_dense=9.0)
+        elif decode and len(passes) == 2:
+            ms.update(bitmask=6.0)
+        return {k: ms.get(k.split(":")[0], 1.0) * (1.3 if k.endswith(":unpack") else 1.0) for k in fns}
+
+    monkeypatch.setattr(auto, "interleaved_ms", flaky)
+    c = auto.plan_layers(_layers(), plan_cache=False, stream_bytes=0, model_tolerance=3.0)["l0"][3]
+    assert len(passes) == 2 and c["rejected"] == []
+    assert c["decode"] == "bitmask" and c["decode_ms"]["dense"] == 1.0 and c["decode_ms"]["bitmask"] == 0.6
+
+
 def test_plan_cache_makes_the_same_plan_without_measuring(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_SPARSITY_PLAN_CACHE", str(tmp_path / "plans.json"))
     monkeypatch.setattr(auto, "interleaved_ms", _noisy({"bitmask": 0.5}, random.Random(0), 0.0))

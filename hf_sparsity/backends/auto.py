@@ -17,8 +17,9 @@ separately, with the current thread count:
    fastest round counts (other work on the machine only ever adds time).
 4. **Sanity.** A candidate that measures more than ``model_tolerance`` (default 3x) faster against
    dense than the cost model allows (a gain no byte count explains: a disturbed dense timing) is
-   measured again; if it still disagrees, the measurement is rejected and the format is not chosen for
-   the group (``choice["rejected"]``). Slower than modeled is believed: falling back to dense is safe.
+   measured again, and every candidate keeps the faster of its two measurements (other work only adds
+   time); if it still disagrees, the measurement is rejected and the format is not chosen for the group
+   (``choice["rejected"]``). Slower than modeled is believed: falling back to dense is safe.
 5. **Decision.** The fastest sparse format, unless it is slower than the fastest dense variant by more
    than ``-margin`` (``margin=-0.03``: 3% slower is a tie, which goes to the format holding fewer bytes);
    a positive ``margin`` asks a sparse format to win by that much.
@@ -362,17 +363,22 @@ def _decide_group(
         logger.info(
             "auto: %s disagree with the cost model by more than %.1fx; measuring again", rejected, tolerance
         )
+        first = decode_ms
         best, decode_ms, prefill_ms = _measure(
             timed, list(timed), cands, prefill_batch, rounds, threads, margin, values
         )
+        # other work only ever adds time: each candidate's faster of its two measurements (a dense timing
+        # disturbed in one of them is not held against the sparse formats, nor a sparse one against them)
+        decode_ms = {f: min(ms, first.get(f, ms)) for f, ms in decode_ms.items()}
         rejected = _disagreeing(decode_ms, modeled, tolerance)
-        if rejected:
-            kept = [f for f in cands if f not in rejected]
-            best = _choose({f: decode_ms[f] for f in kept}, kept, margin)
-            if best != "dense" and best not in DENSE:
+        kept = [f for f in cands if f not in rejected]
+        chosen = _choose({f: decode_ms[f] for f in kept}, kept, margin)
+        if chosen != best:
+            best = chosen
+            if best not in DENSE:
                 prefill_ms = [_prefill_ms_for(timed, best, xp_rows, rounds, threads, values)
                               for xp_rows in (prefill_batch, 4 * prefill_batch)]  # fmt: skip
-            elif best in DENSE:
+            else:
                 prefill_ms = [{"dense": 1.0}, {"dense": 1.0}]
     (best_pf, pf_ratio), (large_pf, large_ratio) = (
         _prefill_choice(best, ms, keep_dense) for ms in prefill_ms
