@@ -64,6 +64,27 @@ def test_int8_model_matches_its_dequantized_weights_and_restores(arch, kernel, a
     assert (got - dense).abs().max() < 0.1 * dense.abs().max()  # int8 is close to the fp32 model
 
 
+def test_auto_int8_prefill_sees_the_int8_activations_too():
+    """A prompt long enough for auto's prefill path (a GEMM on the unpacked weight) computes on the same
+    dequantized activations as the batch-1 products."""
+    model, eng = _masked("llama")
+    ids = torch.randint(2, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    opts = {"check": False, "rounds": 1, "stream_bytes": 1, "plan_cache": False, "lm_head": False}
+    opts.update(formats=("bitmask",), margin=-100.0)  # bitmask whatever the timings (ties: fewer bytes)
+    sparsify_for_inference(model, "auto", masks=eng.masks, values="int8", **opts)
+    layers = sparse_layers(model)
+    assert any(getattr(m.backend.decode, "int8_activations", False) for m in layers.values())
+    with torch.no_grad():
+        got = model(ids).logits
+    restore_dense(model)
+    for name, m in layers.items():
+        if getattr(m.backend.decode, "int8_activations", False):
+            model.get_submodule(name).register_forward_pre_hook(lambda mod, a: (quantize_activations(a[0]),))
+    with torch.no_grad():
+        want = model(ids).logits
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+
+
 def test_auto_with_int8_chooses_int8_formats_only_when_asked():
     model, eng = _masked("llama")
     opts = {"check": False, "rounds": 1, "stream_bytes": 1}

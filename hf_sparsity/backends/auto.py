@@ -224,6 +224,8 @@ class AutoBackend(SparseBackend):
             w = self.decode.dense_for_matmul()  # unpacked into a reused buffer (or a custom op, compiled)
         else:
             w = self.decode.to_dense()
+        if hasattr(self.decode, "product_input"):  # int8 activations: what the decode products see
+            x = self.decode.product_input(x)
         return F.linear(x, w.to(x.dtype), bias)
 
     __call__ = linear

@@ -277,9 +277,7 @@ class _PackedBackend(SparseBackend):
             raise SparsityError(
                 f"Input has {x.shape[-1]} features; the sparse weight expects {self.in_features}."
             )
-        if self.int8_activations:  # every other path: the same activations, dequantized
-            xq = quantize_activations(x.detach()).to(x.dtype)
-            x = x + (xq - x).detach() if x.requires_grad else xq  # gradients pass straight through
+        x = self.product_input(x)  # every other path: with int8 activations, the same ones dequantized
         if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
             return F.linear(x, self.to_dense().to(x.dtype), bias)  # autograd for x (and bias)
         lead = x.shape[:-1]
@@ -314,6 +312,15 @@ class _PackedBackend(SparseBackend):
         else:
             y = F.linear(x2d, self.dense_for_matmul().to(x2d.dtype), bias)
         return y.view(*lead, self.out_features)
+
+    def product_input(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as this backend's products see it: with int8 activations, :func:`quantize_activations`
+        (gradients pass straight through); else ``x``. For a product computed outside :meth:`linear`
+        (a GEMM on :meth:`dense_for_matmul`)."""
+        if not self.int8_activations:
+            return x
+        xq = quantize_activations(x.detach()).to(x.dtype)
+        return x + (xq - x).detach() if x.requires_grad else xq
 
     def dense_for_matmul(self) -> torch.Tensor:
         """The dense weight for one GEMM (prefill), without autograd: with the native kernel, unpacked
