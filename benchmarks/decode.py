@@ -20,7 +20,8 @@ Our rows decode with :func:`hf_sparsity.decoding.greedy_decode` (the same tokens
 native step, one call into the kernel library per token (``--loop forward``: its loop over the model's
 forward; ``--loop generate``: ``model.generate``). Rounds are interleaved (every row once per round);
 the table gives the median tok/s, the ratio to each baseline, the bytes of weights one token reads, the bound
-(the machine's read bandwidth, STREAM-like over a buffer larger than the LLC, over those bytes), the
+(the machine's read bandwidth, STREAM-like over a buffer larger than the LLC, measured once per round and
+the median taken, over those bytes), the
 fraction of the bound reached, and quality: how many of the greedy tokens match the fp32 dense model's
 (an int8 row: its fp32 row's), and (``--ppl-windows``) WikiText-2 perplexity on the first windows
 (Wanda / SparseGPT protocol).
@@ -209,21 +210,24 @@ def main(argv=None) -> int:
                 )
                 ppl[k] = res["perplexity"]
         ppl["dense, ours"] = ppl["transformers"]
-    bw = read_bandwidth_gbs(threads=args.threads)
     speeds: dict[str, list[float]] = {k: [] for k in runs}
     outs: dict[str, list[int] | None] = {}
+    bws: list[float] = []
     for k, fn in runs.items():  # warm-up
         outs[k] = fn()[1]
-    for _ in range(args.rounds):
+    for _ in range(args.rounds):  # the bandwidth too, once per round: on a shared machine it moves
+        bws.append(read_bandwidth_gbs(threads=args.threads, fresh=True))
         for k, fn in runs.items():
             s, o = fn()
             speeds[k].append(s)
             outs[k] = o if o is not None else outs[k]
+    bw = statistics.median(bws)
     med = {k: statistics.median(v) for k, v in speeds.items()}
     results = []
     base, ours_dense = med["transformers"], med["dense, ours"]
     print(
-        f"\n{_cpu_model()}, {args.threads} threads, torch {torch.__version__}; read bandwidth {bw:.1f} GB/s; "
+        f"\n{_cpu_model()}, {args.threads} threads, torch {torch.__version__}; read bandwidth {bw:.1f} GB/s "
+        f"(median of the rounds: {', '.join(f'{b:.1f}' for b in bws)}); "
         f"greedy {args.tokens} tokens after a {ids.shape[1]}-token prompt, medians of {args.rounds} "
         f"interleaved rounds; our rows: {args.loop} loop; load average before {load0[0]:.1f}, after "
         f"{os.getloadavg()[0]:.1f}"
@@ -255,7 +259,15 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"cpu": _cpu_model(), "threads": args.threads, "read_gbs": bw, "rows": results}, f, indent=2
+                {
+                    "cpu": _cpu_model(),
+                    "threads": args.threads,
+                    "read_gbs": bw,
+                    "read_gbs_rounds": bws,
+                    "rows": results,
+                },
+                f,
+                indent=2,
             )
     return 0
 

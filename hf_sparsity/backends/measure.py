@@ -59,12 +59,15 @@ def interleaved_ms(
 _BANDWIDTH: dict[int, float] = {}
 
 
-def read_bandwidth_gbs(nbytes: int = 256 << 20, repeats: int = 5, threads: int | None = None) -> float:
+def read_bandwidth_gbs(
+    nbytes: int = 256 << 20, repeats: int = 5, threads: int | None = None, fresh: bool = False
+) -> float:
     """The memory read bandwidth in GB/s with ``threads`` (default ``torch.get_num_threads()``): a
     STREAM-like sum over a float32 buffer of ``nbytes`` (larger than the last-level cache), the fastest of
-    ``repeats`` passes. Measured once per process and thread count."""
+    ``repeats`` passes. Measured once per process and thread count (``fresh=True``: measured again; on a
+    shared machine it moves with the neighbours' load)."""
     nt = threads or torch.get_num_threads()
-    if nt in _BANDWIDTH:
+    if nt in _BANDWIDTH and not fresh:
         return _BANDWIDTH[nt]
     old = torch.get_num_threads()
     torch.set_num_threads(nt)
