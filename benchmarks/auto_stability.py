@@ -33,7 +33,8 @@ def _plan(model) -> tuple:
     from hf_sparsity.inference import auto_choices
 
     choices = auto_choices(model)
-    groups = sorted({(c.get("group"), c["decode"], c["prefill"]) for c in choices.values()})
+    # the LM head's choice has no group (None): sort on strings
+    groups = sorted({(c.get("group"), c["decode"], c["prefill"]) for c in choices.values()}, key=str)
     kept = next(iter(choices.values())).get("whole_model_check", {}).get("kept")
     return tuple(groups), kept
 
@@ -85,7 +86,7 @@ def main(argv=None) -> int:
         label = "cache" if cached else ("beside a 2-thread job" if busy else "measured")
         print(f"run {i} ({label}): {dt:5.1f} s, whole-model check kept: {plan[1]}")
         for g in plan[0]:
-            print(f"    {g[0]:<36} decode {g[1]:<12} prefill {g[2]}")
+            print(f"    {g[0] or 'LM head':<36} decode {g[1]:<12} prefill {g[2]}")
         del model
     same = all(p == plans[0] for p in plans)
     print(f"same plan in all {len(plans)} conversions: {same}; load average {os.getloadavg()[0]:.1f}")

@@ -25,9 +25,10 @@ separately, with the current thread count:
    a positive ``margin`` asks a sparse format to win by that much.
 6. **Prefill.** For the chosen format, its own batched path (from 17 rows the blocked sparse kernel) and
    "unpack" (rebuild the dense weight, one GEMM) are timed against dense at ``prefill_batch`` rows and at
-   four times as many; the faster runs batches up to twice ``prefill_batch`` (``prefill``) and above
-   (``prefill_large``). With ``keep_dense_for_prefill=True`` a regime where both lose to dense keeps the
-   dense weight for it (more memory).
+   four times as many; the faster (its own kernel only when faster by :data:`PREFILL_TIE`, 5%) runs
+   batches up to twice ``prefill_batch`` (``prefill``) and above (``prefill_large``). With
+   ``keep_dense_for_prefill=True`` a regime where both lose to dense keeps the dense weight for it (more
+   memory).
 7. **Whole model** (:meth:`AutoBackend.plan_model`): the LM head gets the native GEMV when that is
    faster; then greedy decoding of the converted model is timed against the model as it was,
    interleaved. A converted model that decodes slower than before is not kept: every layer stays dense.
@@ -77,7 +78,7 @@ PLAN_KEYS = (
 CALL_MS = 0.004
 """The cost model's fixed time per product call (Python and kernel launch), in milliseconds: small layers
 cost their calls more than their bytes."""
-PLAN_VERSION = 2
+PLAN_VERSION = 3
 """Bumped when a cached plan would no longer mean the same (kernels, cost model, decision rules)."""
 
 
@@ -224,9 +225,7 @@ class AutoBackend(SparseBackend):
             w = self.decode.dense_for_matmul()  # unpacked into a reused buffer (or a custom op, compiled)
         else:
             w = self.decode.to_dense()
-        if hasattr(self.decode, "product_input"):  # int8 activations: what the decode products see
-            x = self.decode.product_input(x)
-        return F.linear(x, w.to(x.dtype), bias)
+        return F.linear(_product_input(self.decode, x), w.to(x.dtype), bias)  # int8 activations too
 
     __call__ = linear
 
@@ -507,13 +506,19 @@ class PlanCache:
             logger.info("auto: could not write the plan cache %s: %s", self.path, e)
 
 
+PREFILL_TIE = 0.05
+"""Prefill: the sparse format's own batched kernel must beat unpack + GEMM by this fraction to be chosen."""
+
+
 def _prefill_choice(best: str, ms: dict[str, float], keep_dense: bool) -> tuple[str, float]:
     """For one prefill batch size: ``(mode, x dense)``, mode ``"own"`` / ``"unpack"`` (the faster of the
     decode winner's two paths; ``"dense"`` for a dense winner, or with ``keep_dense`` where both lose)."""
     if best in DENSE:
         return "dense", 1.0
     pf = {"own": ms[f"{best}:own"], "unpack": ms[f"{best}:unpack"]}
-    mode = min(pf, key=pf.__getitem__)
+    # a tie (within PREFILL_TIE) goes to unpack: the two are often within the noise of each other, and a
+    # coin flip between them made repeated conversions plan differently
+    mode = "own" if pf["own"] < pf["unpack"] * (1 - PREFILL_TIE) else "unpack"
     if keep_dense and pf[mode] > ms["dense"]:
         return "dense", 1.0
     return mode, round(ms["dense"] / pf[mode], 3)
@@ -579,6 +584,10 @@ def _measure(layers, sample, cands, prefill_batch, rounds, threads, margin, valu
     return best, decode_ms, prefill_ms
 
 
+def _product_input(b, x: torch.Tensor) -> torch.Tensor:
+    return b.product_input(x) if hasattr(b, "product_input") else x
+
+
 def _prefill_ms(built: dict, best: str, xp: torch.Tensor, rounds: int) -> dict[str, float]:
     """Median ms of two layers at the rows of ``xp``: dense, and the decode winner's own / unpack paths."""
     two = built["dense"][:2]
@@ -591,7 +600,8 @@ def _prefill_ms(built: dict, best: str, xp: torch.Tensor, rounds: int) -> dict[s
             if hasattr(bs[0], "dense_for_matmul")
             else (lambda b: b.to_dense())
         )
-        fns[f"{best}:unpack"] = lambda: [F.linear(xp, unpack(b).to(xp.dtype)) for b in bs]
+        # as AutoBackend.linear runs it: on the activations the format's products see (int8 ones included)
+        fns[f"{best}:unpack"] = lambda: [F.linear(_product_input(b, xp), unpack(b).to(xp.dtype)) for b in bs]
     return interleaved_ms(fns, max(3, rounds // 3))
 
 
