@@ -166,7 +166,7 @@ class _PackedBackend(SparseBackend):
                 f"{self.name}: activations={activations!r} goes with values='int8' (int8 weight codes); "
                 "leave it unset for float weights."
             )
-        # int8 values multiply int8 activations (per 64 columns) unless asked for float32 ones
+        # int8 values multiply int8 activations (32 scales per row) unless asked for float32 ones
         self.int8_activations = self.int8 and activations != "float32"
         if self.int8:  # pack the int8 codes; the kernels apply the row scales
             self.scales, w = quantize_rows(w * m)

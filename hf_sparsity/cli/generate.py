@@ -185,7 +185,7 @@ def generate_command_parser(subparsers):
         default=None,
         choices=("int8", "float32"),
         help="With --values int8: int8 activations, 32 scales per row (default; int8 dot products), or "
-        "float32 (bitmask, nm24)",
+        "float32 (bitmask, nm24, native_dense)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch / native kernel threads")
     p.add_argument("--no-dense", action="store_true", help="Skip the dense comparison run")
