@@ -41,6 +41,11 @@ ARCHITECTURES = ("llama", "mistral", "qwen2")
 """``config.model_type`` values the native step runs: pre-norm decoder blocks with RMSNorm, rotary
 embeddings (rotate-half), grouped-query attention and a SiLU-gated MLP."""
 
+PROMPT_STEPS = 16
+"""Prompts up to this many tokens run through the native step one token at a time (each token reads the
+weights once, as a decoded one does; no per-call overhead of the model's forward); longer ones through the
+model's forward, whose batched products read the weights once for all of the prompt's tokens."""
+
 _PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -60,7 +65,7 @@ class _Layer(ctypes.Structure):  # hfs_layer_t in csrc/hfs_kernels.c
     ]
 
 
-_SIZES = ("nlayers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "max_len", "vocab")
+_SIZES = ("nlayers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "max_len", "vocab", "threads")
 _POINTERS = ("layers", "head", "head_bias", "final_norm", "embed", "cos", "sin", "work", "logits")
 
 
@@ -202,10 +207,10 @@ class NativeDecoder:
         heads, kv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
         _refuse(_window_reason(cfg, total))  # the rest of native_step_reason holds since __init__
         self._keep = []
-        # the prompt: the model's own forward (batched products); its cache seeds the native one
-        cache = DynamicCache(config=cfg)
-        out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
-        first = int(out.logits[0, -1].argmax())
+        if n > PROMPT_STEPS:  # the prompt: the model's own forward (batched products); its cache seeds ours
+            cache = DynamicCache(config=cfg)
+            out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+            first = int(out.logits[0, -1].argmax())
         pos_ids = torch.arange(total)[None]
         cos, sin = base.rotary_emb(torch.zeros(1, dtype=torch.float32), position_ids=pos_ids)
         cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
@@ -214,8 +219,9 @@ class NativeDecoder:
         for i, layer in enumerate(base.layers):
             kc = torch.zeros(kv, total, hd)
             vc = torch.zeros(kv, total, hd)
-            kc[:, :n] = cache.layers[i].keys[0]
-            vc[:, :n] = cache.layers[i].values[0]
+            if n > PROMPT_STEPS:
+                kc[:, :n] = cache.layers[i].keys[0]
+                vc[:, :n] = cache.layers[i].values[0]
             caches += [kc, vc]
             entry = layers[i]
             for name in _PROJ:
@@ -233,6 +239,7 @@ class NativeDecoder:
         attn0 = base.layers[0].self_attn
         dec = _Decoder(
             len(base.layers), int(cfg.hidden_size), heads, kv, hd, int(cfg.intermediate_size), total, vocab,
+            torch.get_num_threads(),
             float(base.layers[0].input_layernorm.variance_epsilon), float(attn0.scaling),
             ctypes.addressof(layers), head_addr, head_bias, base.norm.weight.data_ptr(),
             base.embed_tokens.weight.detach().data_ptr(), cos.data_ptr(), sin.data_ptr(), None,
@@ -241,6 +248,12 @@ class NativeDecoder:
         lib = _native.load()
         work = torch.empty(int(lib.hfs_decode_work_floats(ctypes.byref(dec))))
         dec.work = work.data_ptr()
+        if n <= PROMPT_STEPS:  # a short prompt: the native step, token by token (the LM head for the last)
+            prompt = input_ids[0].to(torch.int64).contiguous()
+            rows = base.embed_tokens.weight.shape[0]
+            if n and not 0 <= int(prompt.min()) <= int(prompt.max()) < rows:
+                raise SparsityError(f"Prompt token ids must lie in [0, {rows}): the model's embedding rows.")
+            first = int(lib.hfs_decode_prompt(ctypes.byref(dec), prompt.data_ptr(), n, 0))
         new = [first]
         if on_token is not None:
             on_token(first)

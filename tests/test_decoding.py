@@ -121,6 +121,37 @@ def test_native_step_is_token_identical_to_generate(arch, backend, structure):
         assert seen == got[0, ids.shape[1] :].tolist()
 
 
+@pytest.mark.parametrize("backend", [None, "bitmask"])
+def test_native_step_prompt_paths_and_long_generations_match_generate(backend):
+    """A prompt up to PROMPT_STEPS tokens goes through the native step token by token, a longer one through
+    the model's forward; heads of 32 take the vectorized attention, and past ~60 positions its heads are split
+    between two threads. Both prompt paths and the long tail give generate's greedy tokens."""
+    from hf_sparsity.decoding import PROMPT_STEPS
+
+    model = _llama_family(
+        "llama", hidden_size=128, intermediate_size=176, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256,
+    )  # fmt: skip
+    if backend:
+        _sparse(model, backend)
+    model.generation_config.eos_token_id = None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for seed, n in enumerate((PROMPT_STEPS, PROMPT_STEPS + 5)):
+            ids = torch.randint(2, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+            want = _generate(model, ids, 110)
+            assert torch.equal(greedy_decode(model, ids, 110, step="native"), want)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_native_step_refuses_prompt_ids_outside_the_embedding():
+    model = _llama_family("llama")
+    with pytest.raises(SparsityError, match="Prompt token ids"):
+        greedy_decode(model, torch.tensor([[3, 500]]), 4, step="native")
+
+
 @pytest.mark.parametrize("backend,structure", [("bitmask", None), ("nm24", "2:4"), ("auto", None)])
 def test_native_step_with_int8_values_matches_the_forward_loop(backend, structure):
     """int8 values (and, with auto, the int8 LM head): the native step computes what the model's own forward

@@ -162,6 +162,7 @@ def load() -> ctypes.CDLL | None:
             lib.hfs_vnni.argtypes, lib.hfs_vnni.restype = [], ci
             lib.hfs_set_openmp.argtypes, lib.hfs_set_openmp.restype = [ci], ci
             lib.hfs_decode_step.argtypes, lib.hfs_decode_step.restype = [vp, i64, i64], i64
+            lib.hfs_decode_prompt.argtypes, lib.hfs_decode_prompt.restype = [vp, vp, i64, i64], i64
             lib.hfs_decode_work_floats.argtypes, lib.hfs_decode_work_floats.restype = [vp], i64
             if os.environ.get("HF_SPARSITY_NATIVE_POOL") == "pthread":
                 lib.hfs_set_openmp(0)
@@ -359,12 +360,14 @@ def run_op(
     nthreads: int = 1,
     chunk: int | None = None,
     out: torch.Tensor | None = None,
+    int8_activations: bool = False,
 ) -> torch.Tensor:
     """``x2d @ W^T (+ bias)`` (or, for the ``*_unpack`` ops, the dense ``[rows, in]`` weight) with a packed
     weight; ``x2d`` float32 ``[B, in]`` contiguous; ``values`` float32, bfloat16 (read as its bits) or an
     int8 buffer (per-row float32 scales, then the int8 values; see :func:`scale_bytes`).
     ``out``: for the unpack ops, a contiguous float32 ``[rows, in]`` tensor to write into (a reused
-    buffer: no fresh pages to fault in)."""
+    buffer: no fresh pages to fault in). ``int8_activations`` (int8 ``values``): the kernel quantizes ``x2d``
+    itself, as :func:`~hf_sparsity.backends.formats.quantize_activations` does."""
     lib = load()
     if lib is None:
         raise RuntimeError(f"native kernel unavailable: {_error}")
@@ -388,7 +391,7 @@ def run_op(
         OPS[op], rows, in_features, chunk, nthreads,
         None if rowptr is None else rowptr.data_ptr(),
         None if meta is None else meta.data_ptr(),
-        values.data_ptr(), vtype(values),
+        values.data_ptr(), 3 if int8_activations and op not in UNPACK_OPS else vtype(values),
         None if x2d is None else x2d.data_ptr(), y.data_ptr(), batch,
         None if bias is None else bias.data_ptr(),
     )  # fmt: skip

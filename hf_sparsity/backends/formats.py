@@ -277,13 +277,16 @@ class _PackedBackend(SparseBackend):
             raise SparsityError(
                 f"Input has {x.shape[-1]} features; the sparse weight expects {self.in_features}."
             )
-        x = self.product_input(x)  # every other path: with int8 activations, the same ones dequantized
         if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
-            return F.linear(x, self.to_dense().to(x.dtype), bias)  # autograd for x (and bias)
+            # autograd for x (and bias); with int8 activations, the same ones dequantized (straight through)
+            return F.linear(self.product_input(x), self.to_dense().to(x.dtype), bias)
         lead = x.shape[:-1]
-        x2d = x.reshape(-1, self.in_features)
-        batch = x2d.shape[0]
+        batch = x.numel() // max(self.in_features, 1)
         native_batch = batch <= SMALL_BATCH or self.options.get("prefill") == "native"
+        eager_native = self.kernel == "native" and native_batch and not torch.compiler.is_compiling()
+        if not eager_native:  # the native kernel quantizes int8 activations itself (value type 3)
+            x = self.product_input(x)
+        x2d = x.reshape(-1, self.in_features)
         if torch.compiler.is_compiling() and self.kernel == "native":  # custom ops: no graph break
             if not native_batch:
                 return F.linear(x, self.dense_for_matmul().to(x.dtype), bias)
@@ -396,7 +399,7 @@ class BitmaskBackend(_PackedBackend):
     def _native_mm(self, x2d, bias):
         return _native.run_op(
             "bitmask", self.out_features, self.in_features, x2d, self.values, self.bits, self.rowptr,
-            bias, self._threads(x2d.shape[0]),
+            bias, self._threads(x2d.shape[0]), int8_activations=self.int8_activations,
         )  # fmt: skip
 
     def _dense_mask(self) -> torch.Tensor:
@@ -456,7 +459,7 @@ class NM24Backend(_PackedBackend):
     def _native_mm(self, x2d, bias):
         return _native.run_op(
             "nm24", self.out_features, self.in_features, x2d, self.values, self.meta, None, bias,
-            self._threads(x2d.shape[0]),
+            self._threads(x2d.shape[0]), int8_activations=self.int8_activations,
         )  # fmt: skip
 
     def _unpack(self) -> torch.Tensor:
@@ -516,7 +519,7 @@ class NativeDenseBackend(_PackedBackend):
     def _native_mm(self, x2d, bias):
         return _native.run_op(
             "gemv", self.out_features, self.in_features, x2d, self.values, None, None, bias,
-            self._threads(x2d.shape[0]),
+            self._threads(x2d.shape[0]), int8_activations=self.int8_activations,
         )  # fmt: skip
 
     def to_dense(self) -> torch.Tensor:

@@ -1332,7 +1332,7 @@ typedef struct {
 } hfs_layer_t;
 
 typedef struct {
-  int64_t nlayers, hidden, heads, kv_heads, head_dim, ffn, max_len, vocab;
+  int64_t nlayers, hidden, heads, kv_heads, head_dim, ffn, max_len, vocab, threads;
   double eps, scale;
   const hfs_layer_t* layers;
   const prepared_t* head;
@@ -1346,8 +1346,107 @@ typedef struct {
 } hfs_decoder_t;
 
 int64_t hfs_decode_work_floats(const hfs_decoder_t* d) {
-  return 4 * d->hidden + 2 * d->heads * d->head_dim + 2 * d->kv_heads * d->head_dim + 2 * d->ffn + d->max_len;
+  return 4 * d->hidden + 2 * d->heads * d->head_dim + 2 * d->kv_heads * d->head_dim + 2 * d->ffn +
+         d->heads * d->max_len;
 }
+
+#if HFS_SIMD && defined(__AVX512F__)
+/* e^x for 16 floats: Cephes' expf (range reduction by ln 2 in two parts, a degree-5 polynomial; ~1 ulp),
+   inputs clamped to [-88.38, 88.38]. Used by the SiLU and the attention's softmax. */
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-88.3762626647949f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.9875691500E-4f), r, _mm512_set1_ps(1.3981999507E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+#define HFS_VEXP 1
+#else
+#define HFS_VEXP 0
+#endif
+
+/* g = silu(g) * u, n values */
+static void silu_mul(float* g, const float* u, int64_t n) {
+  int64_t i = 0;
+#if HFS_VEXP
+  for (; i + 16 <= n; i += 16) {
+    const __m512 a = _mm512_loadu_ps(g + i);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), a));
+    _mm512_storeu_ps(g + i, _mm512_mul_ps(_mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.0f), e)),
+                                          _mm512_loadu_ps(u + i)));
+  }
+#endif
+  for (; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+/* One query over the cache: the attention of its heads [h0, h1) (a pool job's rows). Scores and their
+   exponentials go to sc + head * max_len; dot products sum in 16 lanes, the softmax's sum in double. */
+typedef struct {
+  const float *q, *kc, *vc;
+  float *att, *sc;
+  int64_t T, hd, rep, pos;
+  float scale;
+} attn_t;
+
+static void attn_rows(const job_t* j, int64_t h0, int64_t h1) {
+  const attn_t* a = (const attn_t*)j->idx;
+  const int64_t hd = a->hd, n = a->pos + 1;
+  for (int64_t hh = h0; hh < h1; hh++) {
+    const float* qh = a->q + hh * hd;
+    const float* kb = a->kc + (hh / a->rep) * a->T * hd;
+    const float* vb = a->vc + (hh / a->rep) * a->T * hd;
+    float* sc = a->sc + hh * a->T;
+    float* out = a->att + hh * hd;
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < n; t++) {
+      const float* kt = kb + t * hd;
+      int64_t i = 0;
+      float s = 0.0f;
+#if HFS_VEXP
+      __m512 acc = _mm512_setzero_ps();
+      for (; i + 16 <= hd; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + i), _mm512_loadu_ps(kt + i), acc);
+      s = _mm512_reduce_add_ps(acc);
+#endif
+      for (; i < hd; i++) s += qh[i] * kt[i];
+      sc[t] = s * a->scale;
+      if (sc[t] > mx) mx = sc[t];
+    }
+    double den = 0.0;
+    int64_t t = 0;
+#if HFS_VEXP
+    for (; t + 16 <= n; t += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + t), _mm512_set1_ps(mx)));
+      _mm512_storeu_ps(sc + t, e);
+      den += (double)_mm512_reduce_add_ps(e);
+    }
+#endif
+    for (; t < n; t++) {
+      sc[t] = expf(sc[t] - mx);
+      den += sc[t];
+    }
+    for (int64_t i = 0; i < hd; i++) out[i] = 0.0f;
+    for (t = 0; t < n; t++) {
+      const float p = (float)(sc[t] / den);
+      const float* vt = vb + t * hd;
+      int64_t i = 0;
+#if HFS_VEXP
+      const __m512 pv = _mm512_set1_ps(p);
+      for (; i + 16 <= hd; i += 16)
+        _mm512_storeu_ps(out + i, _mm512_fmadd_ps(pv, _mm512_loadu_ps(vt + i), _mm512_loadu_ps(out + i)));
+#endif
+      for (; i < hd; i++) out[i] += p * vt[i];
+    }
+  }
+}
+
+#define ATTN_SPLIT 8192 /* multiply-adds of q.k in one layer's attention */
 
 __attribute__((optimize("fp-contract=off"))) static void rms_norm(const float* x, const float* w, float* out,
                                                                   int64_t n, double eps) {
@@ -1371,13 +1470,12 @@ __attribute__((optimize("fp-contract=off"))) static void rope(float* t, int64_t 
   }
 }
 
-int64_t hfs_decode_step(const hfs_decoder_t* d, int64_t token, int64_t pos) {
+/* The layers for `token` at `pos`: its keys / values go into the cache, the final hidden state into x */
+static void decode_layers(const hfs_decoder_t* d, int64_t token, int64_t pos) {
   const int64_t D = d->hidden, H = d->heads, G = d->kv_heads, hd = d->head_dim, F = d->ffn, T = d->max_len;
-  if (pos < 0 || pos >= T) return -1;
   float *x = d->work, *h = x + D, *o = h + D, *att = o + D, *q = att + H * hd, *k = q + H * hd, *v = k + G * hd;
   float *g = v + G * hd, *u = g + F, *sc = u + F;
   memcpy(x, d->embed + token * D, (size_t)D * sizeof(float));
-  tl_pool_only = 1;
   const float *cs = d->cos + pos * hd, *sn = d->sin + pos * hd;
   const int64_t rep = H / G;
   for (int64_t l = 0; l < d->nlayers; l++) {
@@ -1392,43 +1490,51 @@ int64_t hfs_decode_step(const hfs_decoder_t* d, int64_t token, int64_t pos) {
       memcpy(L->kc + (j * T + pos) * hd, k + j * hd, (size_t)hd * sizeof(float));
       memcpy(L->vc + (j * T + pos) * hd, v + j * hd, (size_t)hd * sizeof(float));
     }
-    for (int64_t hh = 0; hh < H; hh++) {
-      const float* qh = q + hh * hd;
-      const float* kb = L->kc + (hh / rep) * T * hd;
-      const float* vb = L->vc + (hh / rep) * T * hd;
-      float mx = -INFINITY;
-      for (int64_t t = 0; t <= pos; t++) {
-        float s = 0.0f;
-        for (int64_t i = 0; i < hd; i++) s += qh[i] * kb[t * hd + i];
-        sc[t] = s * (float)d->scale;
-        if (sc[t] > mx) mx = sc[t];
-      }
-      double den = 0.0;
-      for (int64_t t = 0; t <= pos; t++) {
-        sc[t] = expf(sc[t] - mx);
-        den += sc[t];
-      }
-      float* out = att + hh * hd;
-      for (int64_t i = 0; i < hd; i++) out[i] = 0.0f;
-      for (int64_t t = 0; t <= pos; t++) {
-        const float p = (float)(sc[t] / den);
-        for (int64_t i = 0; i < hd; i++) out[i] += p * vb[t * hd + i];
-      }
+    {
+      const attn_t a = {q, L->kc, L->vc, att, sc, T, hd, rep, pos, (float)d->scale};
+      job_t j = {0, 0, H, 1, 0, 1, NULL, &a, NULL, NULL, NULL, NULL, attn_rows, hd, 0, NULL};
+      /* the heads on the pool when they are worth a hand-off (~1 us) */
+      run(&j, (pos + 1) * H * hd >= ATTN_SPLIT ? (int)d->threads : 1);
     }
     hfs_run_prepared(L->o, att, o, L->bo);
     for (int64_t i = 0; i < D; i++) x[i] += o[i];
     rms_norm(x, L->norm2, h, D, d->eps);
     hfs_run_prepared(L->gate, h, g, L->bgate);
     hfs_run_prepared(L->up, h, u, L->bup);
-    for (int64_t i = 0; i < F; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    silu_mul(g, u, F);
     hfs_run_prepared(L->down, g, o, L->bdown);
     for (int64_t i = 0; i < D; i++) x[i] += o[i];
   }
-  rms_norm(x, d->final_norm, h, D, d->eps);
+}
+
+/* The final norm, the LM head and the argmax of the hidden state decode_layers left */
+static int64_t decode_head(const hfs_decoder_t* d) {
+  float *x = d->work, *h = x + d->hidden;
+  rms_norm(x, d->final_norm, h, d->hidden, d->eps);
   hfs_run_prepared(d->head, h, d->logits, d->head_bias);
-  tl_pool_only = 0;
   int64_t best = 0;
   for (int64_t i = 1; i < d->vocab; i++)
     if (d->logits[i] > d->logits[best]) best = i;
+  return best;
+}
+
+/* One decoded token: the next token's id (-1: pos outside the cache) */
+int64_t hfs_decode_step(const hfs_decoder_t* d, int64_t token, int64_t pos) {
+  if (pos < 0 || pos >= d->max_len) return -1;
+  tl_pool_only = 1;
+  decode_layers(d, token, pos);
+  const int64_t best = decode_head(d);
+  tl_pool_only = 0;
+  return best;
+}
+
+/* A short prompt, one token at a time from `pos` (the cache holds the positions before it): the LM head runs
+   for its last token only. Returns the first generated token's id (-1: the prompt does not fit the cache). */
+int64_t hfs_decode_prompt(const hfs_decoder_t* d, const int64_t* tokens, int64_t n, int64_t pos) {
+  if (n <= 0 || pos < 0 || pos + n > d->max_len) return -1;
+  tl_pool_only = 1;
+  for (int64_t i = 0; i < n; i++) decode_layers(d, tokens[i], pos + i);
+  const int64_t best = decode_head(d);
+  tl_pool_only = 0;
   return best;
 }
