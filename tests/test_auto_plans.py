@@ -181,3 +181,17 @@ def test_whole_model_check_measures_again_when_the_layers_predict_a_gain(monkeyp
     sparsify_for_inference(model, "auto", masks=eng.masks, **opts)
     checks = [c["whole_model_check"] for c in auto_choices(model).values()]
     assert all(c["remeasured"] and c["kept"] and c["predicted"] >= 1.1 for c in checks), checks[0]
+
+
+def test_decoding_bound_reads_at_the_faster_of_a_sum_and_the_kernel(monkeypatch):
+    """The bound's bandwidth: the bitmask kernel's own read rate (a positive figure from a real product), and
+    peak_read_gbs the faster of it and the sum, whichever that is."""
+    from hf_sparsity.backends import measure
+
+    gbs = measure.kernel_read_gbs(1, repeats=2, rows=512, cols=256)
+    assert gbs is not None and gbs > 0
+    monkeypatch.setattr(measure, "read_bandwidth_gbs", lambda threads=None, fresh=False: 5.0)
+    monkeypatch.setattr(measure, "kernel_read_gbs", lambda threads=None: 7.0)
+    assert measure.peak_read_gbs(1) == 7.0
+    monkeypatch.setattr(measure, "kernel_read_gbs", lambda threads=None: None)
+    assert measure.peak_read_gbs(1) == 5.0

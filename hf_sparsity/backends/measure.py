@@ -83,3 +83,50 @@ def read_bandwidth_gbs(
         torch.set_num_threads(old)
     _BANDWIDTH[nt] = nbytes / best / 1e9
     return _BANDWIDTH[nt]
+
+
+_KERNEL_READ: dict[str, Any] = {}
+
+
+def kernel_read_gbs(
+    threads: int | None = None, repeats: int = 5, rows: int = 16384, cols: int = 8192
+) -> float | None:
+    """The read rate in GB/s of the native bitmask kernel (int8 values, half the weights kept) on a
+    batch-1 product over a weight of ``rows x cols`` (84 MB by default, beyond the last-level cache of most
+    machines), the fastest of ``repeats`` calls with ``threads``; ``None`` without the native kernels.
+    The kernel prefetches its streams in software, which on some machines reads faster than
+    :func:`read_bandwidth_gbs`'s sum: a bound on decoding speed takes the faster of the two."""
+    from . import _native, get_backend
+
+    if _native.load() is None:
+        return None
+    key = f"{rows}x{cols}"
+    if key not in _KERNEL_READ:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(rows, cols, generator=g)
+        _KERNEL_READ.clear()
+        _KERNEL_READ[key] = get_backend("bitmask").from_dense(
+            w, torch.rand(rows, cols, generator=g) < 0.5, values="int8"
+        )
+    weight = _KERNEL_READ[key]
+    nbytes = sum(t.numel() * t.element_size() for t in weight.storage_tensors())
+    x = torch.randn(1, cols)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads or old)
+    try:
+        weight.linear(x)
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            weight.linear(x)
+            best = min(best, time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(old)
+    return nbytes / best / 1e9
+
+
+def peak_read_gbs(threads: int | None = None, fresh: bool = False) -> float:
+    """The faster of :func:`read_bandwidth_gbs` (a sum) and :func:`kernel_read_gbs` (the bitmask kernel's
+    prefetched read): the read rate a decoding bound divides by. A bound from the slower one alone would
+    let a product run "above" it."""
+    return max(read_bandwidth_gbs(threads=threads, fresh=fresh), kernel_read_gbs(threads) or 0.0)

@@ -20,7 +20,13 @@ from typing import Any
 
 import torch
 
-from ..backends.measure import decode_tok_s, interleaved_ms, read_bandwidth_gbs  # noqa: F401
+from ..backends.measure import (  # noqa: F401
+    decode_tok_s,
+    interleaved_ms,
+    kernel_read_gbs,
+    peak_read_gbs,
+    read_bandwidth_gbs,
+)
 from ..modeling import apply_masks, linear_dims
 from ..utils import SparsityError
 
