@@ -7,14 +7,16 @@ more than the sparse products themselves read from memory. Two loops here cut it
 
 * the **native step** (:class:`NativeDecoder`), for Llama-family models (Llama, Mistral, Qwen2) whose
   projections run on the native kernels (any ``SparseLinear`` on ``bitmask``, ``nm24``, ``csr``,
-  ``native_dense`` or ``auto``; a plain float32 ``nn.Linear`` runs on the native dense GEMV in place): the
-  prompt goes through the model's own forward, then each new token is one call into the compiled kernel
-  library, which runs every layer (norms, rotary embedding, attention over the cache, MLP, LM head, argmax);
+  ``native_dense`` or ``auto``; a plain float32 ``nn.Linear`` runs on the native dense GEMV in place): each
+  new token is one call into the compiled kernel library, which runs every layer (norms, rotary embedding,
+  attention over the cache, MLP, LM head, argmax); a prompt of up to :data:`PROMPT_STEPS` tokens runs
+  through the same call token by token, a longer one through the model's own forward;
 * the **forward loop**, for every other model: the model's forward with a KV cache, logits for the last
   position only, and an argmax.
 
 Both produce the tokens ``generate(do_sample=False)`` produces (the native step computes in float32 in
-transformers' order of operations, so its logits agree to rounding; the tests compare tokens) and stop at
+transformers' order of operations up to the order of sums, so its logits agree to rounding; the tests
+compare tokens) and stop at
 the end-of-sequence token as ``generate`` does.
 
 ::

@@ -588,6 +588,25 @@ static inline __attribute__((always_inline)) __m512i q8_dot(__m512i acc, __m512i
     j->y[r] = j->bias ? s_ + j->bias[r] : s_;                                                      \
   } while (0)
 
+/* rows r and r + 1 from their accumulators (a: row r, c: row r + 1): one reduction for both */
+static inline __attribute__((always_inline)) void q8_store2(const job_t* j, int64_t r, const float* xs, __m512i a0,
+                                                            __m512i a1, __m512i c0, __m512i c1) {
+  const __m512 x0 = _mm512_loadu_ps(xs), x1 = _mm512_loadu_ps(xs + 16);
+  const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), x1, _mm512_mul_ps(_mm512_cvtepi32_ps(a0), x0));
+  const __m512 g = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c1), x1, _mm512_mul_ps(_mm512_cvtepi32_ps(c0), x0));
+  /* lanes 0-7: f's halves added, 8-15: g's; then each half's eight lanes summed */
+  const __m512 h = _mm512_add_ps(_mm512_shuffle_f32x4(f, g, 0x44), _mm512_shuffle_f32x4(f, g, 0xEE));
+  const __m256 hf = _mm512_castps512_ps256(h), hg = _mm512_extractf32x8_ps(h, 1);
+  __m256 u = _mm256_add_ps(_mm256_permute2f128_ps(hf, hg, 0x20), _mm256_permute2f128_ps(hf, hg, 0x31));
+  u = _mm256_hadd_ps(u, u);
+  u = _mm256_hadd_ps(u, u); /* lane 0: f's sum, lane 4: g's */
+  const float s0 = _mm256_cvtss_f32(u) * vscale(j->v, 2, r);
+  const float s1 = _mm_cvtss_f32(_mm256_extractf128_ps(u, 1)) * vscale(j->v, 2, r + 1);
+  j->y[r] = j->bias ? s0 + j->bias[r] : s0;
+  j->y[r + 1] = j->bias ? s1 + j->bias[r + 1] : s1;
+}
+
+#define PAIR_BLOCKS 16 /* rows of up to 1024 columns run two at a time (see bm_q8_rows) */
 static void gemv_q8_rows(const job_t* j, int64_t r0, int64_t r1) {
   Q8_SETUP;
   for (int64_t r = r0; r < r1; r++) {
@@ -618,7 +637,6 @@ static inline __attribute__((always_inline)) __m512i bm_q8_weights(const uint8_t
   *o += pc;
   return w;
 }
-#define PAIR_BLOCKS 16 /* rows of up to 1024 columns */
 static void bm_q8_rows(const job_t* j, int64_t r0, int64_t r1) {
   Q8_SETUP;
   const int64_t mb = (in + 7) >> 3;
@@ -650,20 +668,7 @@ static void bm_q8_rows(const job_t* j, int64_t r0, int64_t r1) {
         c0 = q8_dot(c0, w1, q + b * QB);
       }
     }
-    const __m512 x0 = _mm512_loadu_ps(xs), x1 = _mm512_loadu_ps(xs + 16);
-    const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), x1, _mm512_mul_ps(_mm512_cvtepi32_ps(a0), x0));
-    const __m512 g = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c1), x1, _mm512_mul_ps(_mm512_cvtepi32_ps(c0), x0));
-    /* lanes 0-7: f's halves added, 8-15: g's; then each half's eight lanes summed */
-    __m512 h = _mm512_add_ps(_mm512_shuffle_f32x4(f, g, 0x44), _mm512_shuffle_f32x4(f, g, 0xEE));
-    const __m256 hf = _mm512_castps512_ps256(h), hg = _mm512_extractf32x8_ps(h, 1);
-    __m256 u = _mm256_add_ps(_mm256_permute2f128_ps(hf, hg, 0x20), _mm256_permute2f128_ps(hf, hg, 0x31));
-    u = _mm256_hadd_ps(u, u);
-    u = _mm256_hadd_ps(u, u); /* lane 0: f's sum, lane 4: g's */
-    float s0 = _mm256_cvtss_f32(u), s1 = _mm_cvtss_f32(_mm256_extractf128_ps(u, 1));
-    s0 *= vscale(j->v, 2, r);
-    s1 *= vscale(j->v, 2, r + 1);
-    j->y[r] = j->bias ? s0 + j->bias[r] : s0;
-    j->y[r + 1] = j->bias ? s1 + j->bias[r + 1] : s1;
+    q8_store2(j, r, xs, a0, a1, c0, c1);
   }
   for (; r < r1; r++) {
     const uint8_t* m = M + r * mb;
@@ -681,12 +686,16 @@ static void bm_q8_rows(const job_t* j, int64_t r0, int64_t r1) {
   }
 }
 
-/* 2:4: a meta byte's two nibbles -> its eight columns' kept bits (positions p0 < p1 of each group) */
-static uint8_t g_nm_bits[256];
-__attribute__((constructor)) static void init_nm_bits(void) {
-  for (int b = 0; b < 256; b++)
-    g_nm_bits[b] = (uint8_t)(1u << (b & 3) | 1u << ((b >> 2) & 3) | 1u << (4 + ((b >> 4) & 3)) |
-                             1u << (4 + ((b >> 6) & 3)));
+/* 2:4: `bytes` (<= 8) meta bytes -> their columns' kept bits, eight per byte: each nibble's positions
+   p0 < p1 of its group of four -> 1 << p0 | 1 << p1, one byte shuffle per nibble */
+static inline __attribute__((always_inline)) uint64_t nm24_bits(const uint8_t* m, int64_t bytes) {
+  uint64_t raw = 0;
+  memcpy(&raw, m, (size_t)bytes);
+  const __m128i lut = _mm_setr_epi8(1, 3, 5, 9, 3, 2, 6, 10, 5, 6, 4, 12, 9, 10, 12, 8);
+  const __m128i b = _mm_cvtsi64_si128((long long)raw), low = _mm_set1_epi8(15);
+  const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(b, low));
+  const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(b, 4), low));
+  return (uint64_t)_mm_cvtsi128_si64(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)));
 }
 static void nm24_q8_rows(const job_t* j, int64_t r0, int64_t r1) {
   Q8_SETUP;
@@ -698,8 +707,7 @@ static void nm24_q8_rows(const job_t* j, int64_t r0, int64_t r1) {
     Q8_START;
     for (int64_t b = 0; b < nb; b++) {
       const int64_t cols = in - b * QB < QB ? in - b * QB : QB; /* a multiple of 4 */
-      uint64_t k = 0;
-      for (int64_t i = 0; i < (cols + 7) >> 3; i++) k |= (uint64_t)g_nm_bits[m[8 * b + i]] << (8 * i);
+      uint64_t k = nm24_bits(m + 8 * b, (cols + 7) >> 3);
       if (cols < QB) k = _bzhi_u64(k, (unsigned)cols); /* a padded last nibble sets no column */
       PREFETCH(v + b * (QB / 2));
       const __m512i w = _mm512_maskz_expand_epi8(
@@ -1444,7 +1452,8 @@ int hfs_vnni(void) { return HFS_VNNI + HFS_VNNI_EXPAND; }
    convention, cos / sin tables computed by the model's own rotary module), the attention of one query over
    the key / value cache (grouped heads), the SiLU-gated MLP, the residuals, the final norm, the LM head and
    the argmax. One ctypes call per token replaces transformers' ~2000 small torch operations. Float32
-   throughout, in the order transformers computes (the sums of RMSNorm and attention accumulate in double). */
+   throughout, in transformers' order of operations up to the order of sums (the products' and the attention's
+   dot products sum in vector lanes; RMSNorm's and the softmax's sums accumulate in double). */
 typedef struct {
   const prepared_t *q, *k, *v, *o, *gate, *up, *down;
   const float *bq, *bk, *bv, *bo, *bgate, *bup, *bdown;
