@@ -1296,24 +1296,27 @@ void hfs_matmul(int kind, int64_t rows, int64_t in, int64_t chunk, int nthreads,
 void hfs_run(int op, int64_t rows, int64_t in, int64_t chunk, int nthreads, const int64_t* rowptr,
              const void* meta, const void* v, int vbf16, const float* x, float* y, int64_t B,
              const float* bias);
+#if HFS_VNNI
+/* the batch-1 int8 x int8 products by op (0 bitmask, 1 2:4, 2 dense GEMV); NULL: none on this CPU */
+static void (*const Q8_FNS[3])(const job_t*, int64_t, int64_t) = {
+#if HFS_VNNI_EXPAND
+    bm_q8_rows, nm24_q8_rows,
+#else
+    NULL, NULL,
+#endif
+    gemv_q8_rows};
+#endif
 /* value type 3 (op 0-2): see quantize_row */
 static void run_q8(int op, int64_t rows, int64_t in, int64_t chunk, int nthreads, const int64_t* rowptr,
                    const void* meta, const void* v, const float* x, float* y, int64_t B, const float* bias) {
   const int64_t nf = xq_floats(in);
 #if HFS_VNNI
-  static void (*const fns[3])(const job_t*, int64_t, int64_t) = {
-#if HFS_VNNI_EXPAND
-      bm_q8_rows, nm24_q8_rows,
-#else
-      NULL, NULL,
-#endif
-      gemv_q8_rows};
-  if (B == 1 && fns[op]) {
+  if (B == 1 && Q8_FNS[op]) {
     int owned;
     float* buf = work_buf((size_t)nf, &owned);
     if (buf) {
       quantize_row_vnni(x, in, buf);
-      job_t j = {0, 0, rows, chunk, 0, 1, rowptr, meta, (const float*)v, x, y, bias, fns[op], in, 2, buf};
+      job_t j = {0, 0, rows, chunk, 0, 1, rowptr, meta, (const float*)v, x, y, bias, Q8_FNS[op], in, 2, buf};
       run(&j, nthreads);
       if (owned) free(buf);
       return;
@@ -1382,14 +1385,7 @@ static int prepared_job(const prepared_t* p, const float* x, float* y, const flo
   int vt = (int)p->vbf16;
   if (vt == 3) {
 #if HFS_VNNI
-    static void (*const q8[3])(const job_t*, int64_t, int64_t) = {
-#if HFS_VNNI_EXPAND
-        bm_q8_rows, nm24_q8_rows,
-#else
-        NULL, NULL,
-#endif
-        gemv_q8_rows};
-    fn = q8[p->op];
+    fn = Q8_FNS[p->op];
     work = xq;
     vt = 2;
     if (!fn || !xq) return 0;
