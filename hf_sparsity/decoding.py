@@ -209,7 +209,8 @@ class NativeDecoder:
         heads, kv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
         _refuse(_window_reason(cfg, total))  # the rest of native_step_reason holds since __init__
         self._keep = []
-        if n > PROMPT_STEPS:  # the prompt: the model's own forward (batched products); its cache seeds ours
+        short = n <= PROMPT_STEPS  # through the native step, token by token; else the model's forward
+        if not short:  # batched products; its cache seeds ours
             cache = DynamicCache(config=cfg)
             out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
             first = int(out.logits[0, -1].argmax())
@@ -221,7 +222,7 @@ class NativeDecoder:
         for i, layer in enumerate(base.layers):
             kc = torch.zeros(kv, total, hd)
             vc = torch.zeros(kv, total, hd)
-            if n > PROMPT_STEPS:
+            if not short:
                 kc[:, :n] = cache.layers[i].keys[0]
                 vc[:, :n] = cache.layers[i].values[0]
             caches += [kc, vc]
@@ -250,10 +251,10 @@ class NativeDecoder:
         lib = _native.load()
         work = torch.empty(int(lib.hfs_decode_work_floats(ctypes.byref(dec))))
         dec.work = work.data_ptr()
-        if n <= PROMPT_STEPS:  # a short prompt: the native step, token by token (the LM head for the last)
+        if short:  # the LM head for its last token only
             prompt = input_ids[0].to(torch.int64).contiguous()
             rows = base.embed_tokens.weight.shape[0]
-            if n and not 0 <= int(prompt.min()) <= int(prompt.max()) < rows:
+            if not 0 <= int(prompt.min()) <= int(prompt.max()) < rows:
                 raise SparsityError(f"Prompt token ids must lie in [0, {rows}): the model's embedding rows.")
             first = int(lib.hfs_decode_prompt(ctypes.byref(dec), prompt.data_ptr(), n, 0))
         new = [first]
@@ -290,8 +291,10 @@ def greedy_decode(
 
     if step not in STEPS:
         raise SparsityError(f"step={step!r}: use one of {', '.join(STEPS)}.")
-    if input_ids.ndim != 2 or input_ids.shape[0] != 1:
-        raise SparsityError(f"greedy_decode takes one prompt, [1, n] token ids; got {list(input_ids.shape)}.")
+    if input_ids.ndim != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
+        raise SparsityError(
+            f"greedy_decode takes one prompt, [1, n] token ids with n >= 1; got {list(input_ids.shape)}."
+        )
     if max_new_tokens < 1:
         raise SparsityError("max_new_tokens must be at least 1.")
     eos = _eos_ids(model, eos_token_id)

@@ -150,6 +150,8 @@ def test_native_step_refuses_prompt_ids_outside_the_embedding():
     model = _llama_family("llama")
     with pytest.raises(SparsityError, match="Prompt token ids"):
         greedy_decode(model, torch.tensor([[3, 500]]), 4, step="native")
+    with pytest.raises(SparsityError, match="one prompt"):  # empty: no token to decode from
+        greedy_decode(model, torch.zeros(1, 0, dtype=torch.long), 4, step="native")
 
 
 @pytest.mark.parametrize("backend,structure", [("bitmask", None), ("nm24", "2:4"), ("auto", None)])

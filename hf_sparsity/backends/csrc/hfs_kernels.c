@@ -606,7 +606,6 @@ static inline __attribute__((always_inline)) void q8_store2(const job_t* j, int6
   j->y[r + 1] = j->bias ? s1 + j->bias[r + 1] : s1;
 }
 
-#define PAIR_BLOCKS 16 /* rows of up to 1024 columns run two at a time (see bm_q8_rows) */
 static void gemv_q8_rows(const job_t* j, int64_t r0, int64_t r1) {
   Q8_SETUP;
   for (int64_t r = r0; r < r1; r++) {
@@ -637,6 +636,7 @@ static inline __attribute__((always_inline)) __m512i bm_q8_weights(const uint8_t
   *o += pc;
   return w;
 }
+#define PAIR_BLOCKS 16 /* rows of up to 1024 columns run two at a time */
 static void bm_q8_rows(const job_t* j, int64_t r0, int64_t r1) {
   Q8_SETUP;
   const int64_t mb = (in + 7) >> 3;
@@ -1296,6 +1296,9 @@ void hfs_matmul(int kind, int64_t rows, int64_t in, int64_t chunk, int nthreads,
 void hfs_run(int op, int64_t rows, int64_t in, int64_t chunk, int nthreads, const int64_t* rowptr,
              const void* meta, const void* v, int vbf16, const float* x, float* y, int64_t B,
              const float* bias);
+/* the row kernels by op: 0 bitmask, 1 2:4, 2 dense GEMV, 3 bitmask unpack, 4 2:4 unpack */
+static void (*const ROW_FNS[5])(const job_t*, int64_t, int64_t) = {bm_rows, nm24_rows, gemv_rows, bm_unpack_rows,
+                                                                   nm24_unpack_rows};
 #if HFS_VNNI
 /* the batch-1 int8 x int8 products by op (0 bitmask, 1 2:4, 2 dense GEMV); NULL: none on this CPU */
 static void (*const Q8_FNS[3])(const job_t*, int64_t, int64_t) = {
@@ -1336,8 +1339,6 @@ static void run_q8(int op, int64_t rows, int64_t in, int64_t chunk, int nthreads
 void hfs_run(int op, int64_t rows, int64_t in, int64_t chunk, int nthreads, const int64_t* rowptr,
              const void* meta, const void* v, int vbf16, const float* x, float* y, int64_t B,
              const float* bias) {
-  static void (*const fns[5])(const job_t*, int64_t, int64_t) = {bm_rows, nm24_rows, gemv_rows, bm_unpack_rows,
-                                                                 nm24_unpack_rows};
   if (op < 0 || op > 4) return;
   if (vbf16 == 3) { /* int8 activations: the VNNI products at batch 1, else the dequantized activations */
     if (op >= 3) {
@@ -1349,7 +1350,7 @@ void hfs_run(int op, int64_t rows, int64_t in, int64_t chunk, int nthreads, cons
   }
   if (op <= 1 && B >= SPMM_MIN_B && hfs_spmm(op + 2, rows, in, nthreads, rowptr, meta, v, vbf16, x, y, B, bias) == 0)
     return;
-  job_t j = {0, 0, rows, chunk, 0, B, rowptr, meta, (const float*)v, x, y, bias, fns[op], in, vbf16, NULL};
+  job_t j = {0, 0, rows, chunk, 0, B, rowptr, meta, (const float*)v, x, y, bias, ROW_FNS[op], in, vbf16, NULL};
   run(&j, nthreads);
 }
 
@@ -1377,24 +1378,19 @@ void hfs_run_prepared(const prepared_t* p, const float* x, float* y, const float
    gate / up): their chunks are claimed from one pool, so the threads wait once instead of once per product,
    and int8 activations are quantized once for all of them. Products a fused call cannot take (CSR, or int8
    activations without the VNNI kernel) make the whole call fall back to one call per product. */
-static int prepared_job(const prepared_t* p, const float* x, float* y, const float* bias, float* xq, job_t* j) {
-  static void (*const fns[3])(const job_t*, int64_t, int64_t) = {bm_rows, nm24_rows, gemv_rows};
+static int prepared_job(const prepared_t* p, const float* x, float* y, const float* bias, job_t* j) {
   if (p->op < 0 || p->op > 2) return 0;
-  void (*fn)(const job_t*, int64_t, int64_t) = fns[p->op];
-  float* work = NULL;
-  int vt = (int)p->vbf16;
-  if (vt == 3) {
+  void (*fn)(const job_t*, int64_t, int64_t) = ROW_FNS[p->op];
+  if (p->vbf16 == 3) { /* the int8 x int8 kernel; its `work` (the quantized x) is set by the caller */
 #if HFS_VNNI
     fn = Q8_FNS[p->op];
-    work = xq;
-    vt = 2;
-    if (!fn || !xq) return 0;
 #else
-    return 0;
+    fn = NULL;
 #endif
+    if (!fn) return 0;
   }
   const job_t jj = {0, 0, p->rows, p->chunk, 0, 1, p->rowptr, p->meta, (const float*)p->v, x, y, bias, fn,
-                    p->in, vt, work};
+                    p->in, p->vbf16 == 3 ? 2 : (int)p->vbf16, NULL};
   *j = jj;
   return 1;
 }
@@ -1403,15 +1399,20 @@ void hfs_run_fused(const prepared_t* const* ps, int n, const float* x, float* co
   job_t js[MAX_JOBS];
   int ok = n > 0 && n <= MAX_JOBS, q8 = 0, nthreads = 1, owned = 0;
   for (int k = 0; ok && k < n; k++) {
-    ok = ps[k]->in == ps[0]->in;
+    ok = ps[k]->in == ps[0]->in && prepared_job(ps[k], x, ys[k], bs[k], js + k);
     q8 |= ps[k]->vbf16 == 3;
     if (ps[k]->nthreads > nthreads) nthreads = (int)ps[k]->nthreads;
   }
   float* xq = NULL;
 #if HFS_VNNI
-  if (ok && q8 && (xq = work_buf((size_t)xq_floats(ps[0]->in), &owned)) != NULL) quantize_row_vnni(x, ps[0]->in, xq);
+  if (ok && q8) { /* quantized once for every int8 x int8 product */
+    xq = work_buf((size_t)xq_floats(ps[0]->in), &owned);
+    ok = xq != NULL;
+    if (ok) quantize_row_vnni(x, ps[0]->in, xq);
+    for (int k = 0; ok && k < n; k++)
+      if (ps[k]->vbf16 == 3) js[k].work = xq;
+  }
 #endif
-  for (int k = 0; ok && k < n; k++) ok = prepared_job(ps[k], x, ys[k], bs[k], xq, js + k);
   if (ok)
     run_jobs(js, n, nthreads);
   else
