@@ -632,7 +632,9 @@ static inline __attribute__((always_inline)) __m512i bm_q8_weights(const uint8_t
   memcpy(&k, m, (size_t)bytes);
   const unsigned pc = (unsigned)__builtin_popcountll(k);
   PREFETCH(v + *o);
-  const __m512i w = _mm512_maskz_expand_epi8(k, _mm512_maskz_loadu_epi8(_bzhi_u64(~0ULL, pc), v + *o));
+  /* a whole 64-byte load: the expand takes the first pc bytes only (the values are padded by 64 bytes, see
+     formats.BitmaskBackend); a load masked to pc bytes cost ~5% of the int8 decoding step */
+  const __m512i w = _mm512_maskz_expand_epi8(k, _mm512_loadu_si512((const void*)(v + *o)));
   *o += pc;
   return w;
 }
@@ -710,8 +712,11 @@ static void nm24_q8_rows(const job_t* j, int64_t r0, int64_t r1) {
       uint64_t k = nm24_bits(m + 8 * b, (cols + 7) >> 3);
       if (cols < QB) k = _bzhi_u64(k, (unsigned)cols); /* a padded last nibble sets no column */
       PREFETCH(v + b * (QB / 2));
-      const __m512i w = _mm512_maskz_expand_epi8(
-          k, _mm512_maskz_loadu_epi8(_bzhi_u64(~0ULL, (unsigned)(cols / 2)), v + b * (QB / 2)));
+      /* a whole block's 32 codes by a plain 256-bit load (a masked load cost ~5% of the int8 decoding step) */
+      const __m512i vals =
+          cols == QB ? _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)(v + b * (QB / 2))))
+                     : _mm512_maskz_loadu_epi8(_bzhi_u64(~0ULL, (unsigned)(cols / 2)), v + b * (QB / 2));
+      const __m512i w = _mm512_maskz_expand_epi8(k, vals);
       Q8_ACC(b, w, q + b * QB);
     }
     Q8_STORE(r);
