@@ -19,7 +19,10 @@ Rows (every model decodes the same prompt; masks by magnitude on the model's own
 Our rows decode with :func:`hf_sparsity.decoding.greedy_decode` (the same tokens as ``generate``): its
 native step, one call into the kernel library per token (``--loop forward``: its loop over the model's
 forward; ``--loop generate``: ``model.generate``). Rounds are interleaved (every row once per round);
-the table gives the median tok/s, the ratio to each baseline, the bytes of weights one token reads, the bound
+the table gives the median decoding tok/s (the tokens after the first new one over their time: the prompt's
+processing excluded, as llama.cpp's ``eval time`` and ``llama-bench``'s ``tg`` count it; every ratio and the
+fraction of the bound use it), the median end-to-end tok/s (the new tokens over the whole call, prompt
+included), the ratio to each baseline, the bytes of weights one token reads, the bound
 (the machine's read bandwidth over those bytes: per round the faster of a STREAM-like sum over a buffer larger
 than the LLC and the native bitmask kernel's prefetched read of an 84 MB weight, the median of the rounds
 taken), the
@@ -90,20 +93,41 @@ def _masked(dense, level):
     return model, {n: m.clone() for n, m in eng.masks.items()}
 
 
+def _decode_rate(stamps: list[float]) -> float:
+    """Decoded tokens/s after the first new token (the prompt's processing excluded, as llama.cpp's
+    ``eval time`` and ``llama-bench``'s ``tg`` count it): the tokens after the first over their time."""
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else float("nan")
+
+
+class _Stamps:
+    """A ``generate`` streamer that only timestamps each new token (its first ``put`` is the prompt)."""
+
+    def __init__(self) -> None:
+        self.calls: list[float] = []
+
+    def put(self, value) -> None:
+        self.calls.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
 def _llama_cpp_runner(path: str, threads: int, prompt_ids: list[int], n: int):
     from llama_cpp import Llama  # optional benchmark dependency
 
     llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False)
 
-    def run() -> tuple[float, list[int]]:
+    def run() -> tuple[float, float, list[int]]:
         llm.reset()
         out: list[int] = []
+        stamps: list[float] = []
         t = time.perf_counter()
         for tok in llm.generate(prompt_ids, top_k=1, temp=0.0, reset=True):
+            stamps.append(time.perf_counter())
             out.append(int(tok))
             if len(out) == n:
                 break
-        return n / (time.perf_counter() - t), out
+        return n / (time.perf_counter() - t), _decode_rate(stamps), out
 
     return run
 
@@ -173,22 +197,29 @@ def main(argv=None) -> int:
         if loop == "generate":
 
             def run_generate():
+                stamps = _Stamps()
                 t = time.perf_counter()
                 with torch.inference_mode():
                     out = model.generate(
                         ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.tokens,
-                        min_new_tokens=args.tokens, do_sample=False, pad_token_id=0,
+                        min_new_tokens=args.tokens, do_sample=False, pad_token_id=0, streamer=stamps,
                     )  # fmt: skip
-                return args.tokens / (time.perf_counter() - t), out[0, ids.shape[1] :].tolist()
+                e2e = args.tokens / (time.perf_counter() - t)
+                return e2e, _decode_rate(stamps.calls[1:]), out[0, ids.shape[1] :].tolist()
 
             return run_generate
 
         step = "auto" if loop == "native" else "model"
 
         def run():
+            stamps: list[float] = []
             t = time.perf_counter()
-            out = greedy_decode(model, ids, args.tokens, eos_token_id=[], step=step)
-            return args.tokens / (time.perf_counter() - t), out[0, ids.shape[1] :].tolist()
+            out = greedy_decode(
+                model, ids, args.tokens, eos_token_id=[], step=step,
+                on_token=lambda _: stamps.append(time.perf_counter()),
+            )  # fmt: skip
+            e2e = args.tokens / (time.perf_counter() - t)
+            return e2e, _decode_rate(stamps), out[0, ids.shape[1] :].tolist()
 
         return run
 
@@ -211,23 +242,26 @@ def main(argv=None) -> int:
                 )
                 ppl[k] = res["perplexity"]
         ppl["dense, ours"] = ppl["transformers"]
-    speeds: dict[str, list[float]] = {k: [] for k in runs}
+    speeds: dict[str, list[float]] = {k: [] for k in runs}  # decoding only (after the first new token)
+    e2es: dict[str, list[float]] = {k: [] for k in runs}  # prompt included
     outs: dict[str, list[int] | None] = {}
     bws: list[float] = []  # per round: the faster of a sum and the bitmask kernel's read of 84 MB
     sums: list[float] = []
     kernels: list[float] = []
     for k, fn in runs.items():  # warm-up
-        outs[k] = fn()[1]
+        outs[k] = fn()[2]
     for _ in range(args.rounds):  # the bandwidth too, once per round: on a shared machine it moves
         sums.append(read_bandwidth_gbs(threads=args.threads, fresh=True))
         kernels.append(kernel_read_gbs(args.threads) or 0.0)
         bws.append(max(sums[-1], kernels[-1]))
         for k, fn in runs.items():
-            s, o = fn()
+            e, s, o = fn()
             speeds[k].append(s)
+            e2es[k].append(e)
             outs[k] = o if o is not None else outs[k]
     bw = statistics.median(bws)
     med = {k: statistics.median(v) for k, v in speeds.items()}
+    med_e2e = {k: statistics.median(v) for k, v in e2es.items()}
     results = []
     base, ours_dense = med["transformers"], med["dense, ours"]
     print(
@@ -238,7 +272,7 @@ def main(argv=None) -> int:
         f"interleaved rounds; our rows: {args.loop} loop; load average before {load0[0]:.1f}, after "
         f"{os.getloadavg()[0]:.1f}"
     )
-    head = (f"{'row':<16} {'tok/s':>7} {'x transformers':>14} {'x dense ours':>12} {'MB/token':>8} "
+    head = (f"{'row':<16} {'tok/s':>7} {'e2e tok/s':>9} {'x transformers':>14} {'x dense ours':>12} {'MB/token':>8} "
             f"{'bound':>6} {'of bound':>8} {'same tokens':>11} {'ppl':>7} {'convert s':>9}")  # fmt: skip
     print(head)
     for k in runs:
@@ -249,7 +283,8 @@ def main(argv=None) -> int:
         ref = outs.get(k.replace("+int8", "")) if k.endswith("+int8") else want  # int8: vs its fp32 row
         same = sum(a == b for a, b in zip(o, ref)) if o and ref else None
         row = {
-            "row": k, "tok_s": med[k], "rounds": speeds[k], "vs_transformers": med[k] / base,
+            "row": k, "tok_s": med[k], "rounds": speeds[k], "e2e_tok_s": med_e2e[k], "e2e_rounds": e2es[k],
+            "vs_transformers": med[k] / base,
             "vs_dense_ours": med[k] / ours_dense, "mb_per_token": nbytes / 1e6 if nbytes else None,
             "bound_tok_s": bound, "of_bound": med[k] / bound if bound else None,
             "same_tokens": same, "ppl": ppl.get(k), "convert_s": rows.get(k, {}).get("convert_s"),
@@ -261,7 +296,7 @@ def main(argv=None) -> int:
             f"{f'{same}/{len(want)}' if same is not None else '-':>11}", _cell(ppl.get(k), "7.2f"),
             _cell(row["convert_s"], "9.1f"),
         ]  # fmt: skip
-        print(f"{k:<16} {med[k]:7.1f} " + " ".join(cells))
+        print(f"{k:<16} {med[k]:7.1f} {med_e2e[k]:9.1f} " + " ".join(cells))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
