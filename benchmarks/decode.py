@@ -272,8 +272,9 @@ def main(argv=None) -> int:
         f"interleaved rounds; our rows: {args.loop} loop; load average before {load0[0]:.1f}, after "
         f"{os.getloadavg()[0]:.1f}"
     )
-    head = (f"{'row':<16} {'tok/s':>7} {'e2e tok/s':>9} {'x transformers':>14} {'x dense ours':>12} {'MB/token':>8} "
-            f"{'bound':>6} {'of bound':>8} {'same tokens':>11} {'ppl':>7} {'convert s':>9}")  # fmt: skip
+    head = (f"{'row':<16} {'tok/s':>7} {'e2e tok/s':>9} {'x transformers':>14} {'x dense ours':>12} "
+            f"{'MB/token':>8} {'bound':>6} {'of bound':>8} {'same tokens':>11} {'ppl':>7} "
+            f"{'convert s':>9}")  # fmt: skip
     print(head)
     for k in runs:
         model = rows.get(k, {}).get("model")

@@ -391,7 +391,8 @@ class BitmaskBackend(_PackedBackend):
         counts = m.sum(1, dtype=torch.int64)
         self.rowptr = torch.zeros(self.out_features + 1, dtype=torch.int64)
         torch.cumsum(counts, 0, out=self.rowptr[1:])
-        self.values = self._store(w[m], 64 if self.int8 else 16)  # the kernels read 16 values / 64 codes at a time
+        # the kernels read 16 values, or 64 int8 codes, at a time
+        self.values = self._store(w[m], 64 if self.int8 else 16)
 
     def _tensors(self):
         return (self.bits, self.rowptr, self.values)
