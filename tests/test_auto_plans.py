@@ -35,14 +35,15 @@ def _layers(n=4, out_f=64, in_f=128, seed=0):
     }
 
 
-def _noisy(true_ms: dict[str, float], rng: random.Random, busy: float):
+def _noisy(true_ms: dict[str, float], rng: random.Random, busy: float, unpack: float = 1.3):
     """A stand-in for measure.interleaved_ms: each round of each candidate takes its true time plus, with
-    probability ``busy``, a competing job's slice (1-4x the time more); noise only ever adds time."""
+    probability ``busy``, a competing job's slice (1-4x the time more); noise only ever adds time. A
+    prefill's unpack path takes ``unpack`` times its format's own."""
 
     def fake(fns, rounds, inner=1, device=None, stat="median"):
         out = {}
         for k in fns:
-            base = true_ms.get(k.split(":")[0], 1.0) * (1.3 if k.endswith(":unpack") else 1.0)
+            base = true_ms.get(k.split(":")[0], 1.0) * (unpack if k.endswith(":unpack") else 1.0)
             runs = [base * (1 + (rng.uniform(1, 4) if rng.random() < busy else rng.uniform(0, 0.02)))
                     for _ in range(rounds)]  # fmt: skip
             out[k] = min(runs) if stat == "min" else sorted(runs)[len(runs) // 2]
@@ -63,6 +64,19 @@ def test_same_plan_under_injected_noise(monkeypatch, busy):
         plans.append({n: (p[3]["decode"], p[3]["prefill"]) for n, p in plan.items()})
     assert all(p == plans[0] for p in plans)
     assert plans[0]["l0"] == ("bitmask", "own")
+
+
+def test_prefill_choice_holds_beside_a_competing_job(monkeypatch):
+    # own 10% faster than unpack (past the 5% tie): a competing job in half the rounds must not flip
+    # the prefill choice in any of five conversions (each path keeps its fastest round, as decoding does)
+    true_ms = {"dense": 1.0, "native_dense": 0.9, "bitmask": 0.6, "csr": 1.4}
+    plans = []
+    for seed in range(5):
+        monkeypatch.setattr(auto, "interleaved_ms", _noisy(true_ms, random.Random(seed), 0.5, unpack=1.1))
+        plan = auto.plan_layers(_layers(), rounds=7, plan_cache=False, stream_bytes=0)
+        plans.append({n: (p[3]["decode"], p[3]["prefill"], p[3]["prefill_large"]) for n, p in plan.items()})
+    assert all(p == plans[0] for p in plans)
+    assert plans[0]["l0"] == ("bitmask", "own", "own")
 
 
 def test_a_measurement_the_cost_model_cannot_explain_is_rejected(monkeypatch):
