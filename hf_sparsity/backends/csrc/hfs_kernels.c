@@ -190,7 +190,8 @@ struct job {
 
 /* ---- Bitmask, 2:4 and dense GEMV kernels (x: [B, in] row-major, y: [B, rows]) -----------
    Bitmask: per row ceil(in/8) mask bytes (bit i of byte g = column 8g+i kept) and the row's
-   kept values packed in column order from rowptr[r] (values array padded by 16 at the end).
+   kept values packed in column order from rowptr[r] (values array padded by 16 values at the end; int8
+   codes by 64 bytes, which the int8 product loads whole).
    For eight columns: load eight packed values, move value k to the lane of the k-th set bit
    (vpermps; lane indices from a 256-entry table), zero the other lanes (vblendvps), one
    FMA against eight contiguous x. ~2.125 bytes per weight at 50% (fp32), 1.125 (bf16).
