@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from .backends import LayerTarget, SparseBackend, get_backend
+from .backends.arena import pack_weights
 from .modeling import is_conv1d as _is_conv1d
 from .modeling import replace_module
 from .targeting import unwrap_model
@@ -208,6 +209,7 @@ def sparsify_for_inference(
     swaps = plan.swaps
     for module_name, new in swaps:  # every layer prepared: now swap them all
         replace_module(model_u, module_name, new)
+    pack_weights(model_u)  # the native formats' tensors into one huge-page buffer, in reading order
     if plan.choices:
         model_u._hf_sparsity_auto = plan.choices
         if verbose:

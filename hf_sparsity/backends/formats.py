@@ -171,15 +171,43 @@ class _PackedBackend(SparseBackend):
         if self.int8:  # pack the int8 codes; the kernels apply the row scales
             self.scales, w = quantize_rows(w * m)
         self._pack(w, m)
+        self._bind()
+
+    def _bind(self) -> None:
         if self.int8:  # a view of the scales inside the values buffer (no second copy)
             sb = _native.scale_bytes(self.out_features)
             self.scales = self.values[:sb].view(torch.float32)[: self.out_features]
         self._batch1 = None  # the batch-1 call's fixed arguments, built on first use (see linear)
 
-    def __getstate__(self):  # copies and pickles rebuild the batch-1 call (it holds raw pointers)
+    _TENSORS: tuple[str, ...] = ()
+    """The attributes holding the packed tensors, in :meth:`storage_tensors` order."""
+
+    def _tensors(self):
+        return tuple(getattr(self, a) for a in self._TENSORS)
+
+    def _place(self, place) -> None:
+        """Keep ``place(t)`` (a copy of ``t`` elsewhere) for each packed tensor ``t``: see
+        :func:`hf_sparsity.backends.arena.pack_weights`."""
+        for a in self._TENSORS:
+            setattr(self, a, place(getattr(self, a)))
+        self._bind()
+
+    def __getstate__(self):
+        # copies and pickles rebuild the batch-1 call (it holds raw pointers) and the scales' view; each
+        # packed tensor goes out on its own (torch.save refuses views of one buffer as different dtypes,
+        # as the huge-page buffer of arena.pack_weights holds them)
         state = self.__dict__.copy()
         state["_batch1"] = None
+        state.pop("scales", None)
+        for a in self._TENSORS:
+            if a in state:
+                state[a] = state[a].clone()
         return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        if "values" in state:
+            self._bind()
 
     def refresh(self) -> None:
         raise SparsityError(
@@ -394,8 +422,7 @@ class BitmaskBackend(_PackedBackend):
         # the kernels read 16 values, or 64 int8 codes, at a time
         self.values = self._store(w[m], 64 if self.int8 else 16)
 
-    def _tensors(self):
-        return (self.bits, self.rowptr, self.values)
+    _TENSORS = ("bits", "rowptr", "values")
 
     def _native_mm(self, x2d, bias):
         return _native.run_op(
@@ -449,8 +476,7 @@ class NM24Backend(_PackedBackend):
         nib = nib.view(out_f, -1, 2)
         self.meta = (nib[..., 0] | (nib[..., 1] << 4)).contiguous()  # [out, ceil(in/8)]
 
-    def _tensors(self):
-        return (self.meta, self.values)
+    _TENSORS = ("meta", "values")
 
     def _positions(self) -> torch.Tensor:
         out_f, groups = self.out_features, self.in_features // 4
@@ -514,8 +540,7 @@ class NativeDenseBackend(_PackedBackend):
             (w * m).to(self.dtype).contiguous() if not bool(m.all()) else w.to(self.dtype).contiguous()
         )
 
-    def _tensors(self):
-        return (self.values,)
+    _TENSORS = ("values",)
 
     def _native_mm(self, x2d, bias):
         return _native.run_op(

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from .arena import huge_buffer, pack_backends
+
 
 def decode_tok_s(model, ids: torch.Tensor, new_tokens: int, **generate_kwargs: Any) -> float:
     """Tokens/s of greedy ``generate`` producing exactly ``new_tokens`` tokens after the prompt
@@ -63,17 +65,19 @@ def read_bandwidth_gbs(
     nbytes: int = 256 << 20, repeats: int = 5, threads: int | None = None, fresh: bool = False
 ) -> float:
     """The memory read bandwidth in GB/s with ``threads`` (default ``torch.get_num_threads()``): a
-    STREAM-like sum over a float32 buffer of ``nbytes`` (larger than the last-level cache), the fastest of
-    ``repeats`` passes. Measured once per process and thread count (``fresh=True``: measured again; on a
-    shared machine it moves with the neighbours' load)."""
+    STREAM-like sum over a float32 buffer of ``nbytes`` (larger than the last-level cache; on transparent
+    huge pages where available, as :func:`~hf_sparsity.backends.arena.pack_weights` puts the weights),
+    the fastest of ``repeats`` passes. Measured once per process and thread count (``fresh=True``:
+    measured again; on a shared machine it moves with the neighbours' load)."""
     nt = threads or torch.get_num_threads()
     if nt in _BANDWIDTH and not fresh:
         return _BANDWIDTH[nt]
     old = torch.get_num_threads()
     torch.set_num_threads(nt)
     try:
-        buf = torch.ones(nbytes // 4, dtype=torch.float32)
-        buf.sum()  # fault the pages in
+        # on huge pages where the kernel gives them, as the packed weights are (backends.arena)
+        buf = huge_buffer(nbytes // 4 * 4).view(torch.float32)
+        buf.fill_(1.0)  # fault the pages in
         best = float("inf")
         for _ in range(repeats):
             t = time.perf_counter()
@@ -108,6 +112,7 @@ def kernel_read_gbs(
         _KERNEL_READ[key] = get_backend("bitmask").from_dense(
             w, torch.rand(rows, cols, generator=g) < 0.5, values="int8"
         )
+        pack_backends([_KERNEL_READ[key]])  # where a converted model's weights live
     weight = _KERNEL_READ[key]
     nbytes = sum(t.numel() * t.element_size() for t in weight.storage_tensors())
     x = torch.randn(1, cols)

@@ -1,0 +1,90 @@
+"""One contiguous, huge-page-backed buffer for a model's packed weights.
+
+A decoded token reads every packed weight once, layer after layer. Held as hundreds of separate tensors on
+4 KiB pages, that read takes a TLB miss every 4 KiB and the hardware prefetchers stop at every page
+boundary, so each core streams well below what memory delivers. :func:`pack_weights` copies the packed
+tensors of every native format (``bitmask``, ``nm24``, ``native_dense``, and the decode format of
+``auto``) into one buffer, in module order (the order a token reads them), on an anonymous mapping that
+asks the kernel for transparent huge pages (``madvise(MADV_HUGEPAGE)``), and points the backends at views
+of it. :func:`~hf_sparsity.inference.sparsify_for_inference` calls it after converting a model.
+
+What it buys is measured in ``docs/results/backends.md`` (decoding with and without it). Where
+transparent huge pages are disabled, or on a platform without ``madvise``, the buffer is ordinary memory
+and the weights are still contiguous.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+HUGE_PAGE = 2 << 20
+_ALIGN = 64  # each tensor starts on a cache line (the kernels' vector loads)
+
+
+def huge_buffer(nbytes: int) -> torch.Tensor:
+    """A zeroed uint8 tensor of ``nbytes`` starting on a 2 MiB boundary, on an anonymous mapping advised
+    for transparent huge pages (ordinary memory where the platform has no such advice). The mapping lives
+    as long as the tensor or a view of it."""
+    size = max(int(nbytes), 1) + HUGE_PAGE
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None and hasattr(buf, "madvise"):
+        try:
+            buf.madvise(advice)
+        except OSError:  # THP unsupported by this kernel: ordinary pages
+            pass
+    start = (-torch.frombuffer(buf, dtype=torch.uint8, count=1).data_ptr()) % HUGE_PAGE
+    # a storage of exactly nbytes (what resident-memory counts see); it holds a reference to the mapping,
+    # whose slack before and after is never touched, so never backed by memory
+    return torch.frombuffer(buf, dtype=torch.uint8, count=max(int(nbytes), 1), offset=start)[: int(nbytes)]
+
+
+def _packed_backends(model: nn.Module) -> list:
+    """The native packed backends of ``model``'s converted layers, in module order, each once."""
+    from .formats import _PackedBackend
+
+    found, seen = [], set()
+    for m in model.modules():
+        b = getattr(m, "backend", None)
+        b = getattr(b, "decode", b)  # auto: the format its decoding runs on
+        if isinstance(b, _PackedBackend) and b.kernel == "native" and id(b) not in seen:
+            seen.add(id(b))
+            found.append(b)
+    return found
+
+
+def _span(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in tensors)
+
+
+def pack_weights(model: nn.Module) -> int:
+    """Move the packed weights of ``model``'s native layers into one huge-page buffer (see the module
+    docstring); returns the bytes moved (0 when there is nothing to move). Values and outputs are
+    unchanged; calling it again repacks into a fresh buffer."""
+    return pack_backends(_packed_backends(model))
+
+
+def pack_backends(backends: list) -> int:
+    """:func:`pack_weights` for a list of packed backends (their tensors in list order)."""
+    total = sum(_span(b.storage_tensors()) for b in backends)
+    if total == 0:
+        return 0
+    arena = huge_buffer(total)
+    offset = 0
+
+    def place(t: torch.Tensor) -> torch.Tensor:
+        nonlocal offset
+        n = t.numel() * t.element_size()
+        view = arena[offset : offset + n].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        offset += -(-n // _ALIGN) * _ALIGN
+        return view
+
+    with torch.no_grad():
+        for b in backends:
+            b._place(place)
+    return total
