@@ -127,3 +127,16 @@ def test_a_packed_model_copies_and_pickles():
 def test_nothing_to_pack():
     model = tiny_model("gpt2")
     assert pack_weights(model) == 0
+
+
+@needs_native
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_bytes_per_token_count_each_packed_tensor(arch):
+    from hf_sparsity.tools.bench import decode_bytes_per_token
+
+    model, eng = _masked(arch)
+    sparsify_for_inference(model, "bitmask", masks=eng.masks, values="int8")
+    packed = sum(t.numel() * t.element_size() for b in _packed_backends(model) for t in b.storage_tensors())
+    got = decode_bytes_per_token(model)
+    assert got > packed  # + the LM head and one embedding row
+    assert decode_bytes_per_token(copy.deepcopy(model)) == got  # the same count off the shared buffer

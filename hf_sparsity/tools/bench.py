@@ -400,12 +400,13 @@ def decode_bytes_per_token(model) -> int:
     seen: set[int] = set()
     total = 0
 
-    def add(t: torch.Tensor, nbytes: int | None = None) -> None:
+    def add(t: torch.Tensor) -> None:
+        # each tensor once by its own address: tied weights share one, while the packed formats' tensors
+        # are views of one buffer (backends.arena) at different addresses
         nonlocal total
-        key = t.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            total += t.numel() * t.element_size() if nbytes is None else nbytes
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
 
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     for m in model.modules():
@@ -416,7 +417,7 @@ def decode_bytes_per_token(model) -> int:
                 add(t)
         elif isinstance(m, nn.Linear) or is_conv1d(m):
             add(m.weight)
-    if emb is not None and emb.weight.untyped_storage().data_ptr() not in seen:
+    if emb is not None and emb.weight.data_ptr() not in seen:
         w = emb.weight
         total += w.shape[1] * w.element_size()  # one row
     return total
