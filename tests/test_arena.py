@@ -140,3 +140,38 @@ def test_bytes_per_token_count_each_packed_tensor(arch):
     got = decode_bytes_per_token(model)
     assert got > packed  # + the LM head and one embedding row
     assert decode_bytes_per_token(copy.deepcopy(model)) == got  # the same count off the shared buffer
+
+
+@needs_native
+@pytest.mark.parametrize("tied", [False, True])
+def test_an_fp32_head_on_the_native_gemv_is_not_held_twice(tied):
+    # as auto converts an fp32 LM head when its GEMV is faster: native_dense over the head's own weight,
+    # the dense module kept for restore_dense
+    from hf_sparsity.backends import get_backend
+    from hf_sparsity.inference import SparseLinear, resident_weight_bytes
+    from hf_sparsity.modeling import replace_module
+
+    model, eng = _masked("llama")
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    sparsify_for_inference(model, "bitmask", masks=eng.masks)
+    head = model.lm_head
+    gemv = get_backend("native_dense").from_dense(
+        head.weight.detach(), torch.ones_like(head.weight, dtype=torch.uint8)
+    )
+    assert gemv.values.data_ptr() == head.weight.data_ptr()
+    replace_module(model, "lm_head", SparseLinear(head, gemv, keep_dense=True))
+    ids = torch.randint(2, 128, (1, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = model(ids).logits
+    before = resident_weight_bytes(model)
+    pack_weights(model)
+    # moved with the head's weight (and the embedding it is tied to): one place, on the buffer
+    assert gemv.values.data_ptr() == head.weight.data_ptr()
+    assert len(_storages(model)) == 1
+    if tied:
+        assert model.model.embed_tokens.weight.data_ptr() == gemv.values.data_ptr()
+        assert model.model.embed_tokens.weight is head.weight  # still one parameter
+    assert resident_weight_bytes(model) <= before
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, want, rtol=0, atol=0)

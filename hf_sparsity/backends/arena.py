@@ -63,25 +63,61 @@ def _span(tensors: Iterable[torch.Tensor]) -> int:
 
 def pack_weights(model: nn.Module) -> int:
     """Move the packed weights of ``model``'s native layers into one huge-page buffer (see the module
-    docstring); returns the bytes moved (0 when there is nothing to move). Values and outputs are
-    unchanged; calling it again repacks into a fresh buffer."""
-    return pack_backends(_packed_backends(model))
+    docstring); returns the bytes moved (0 when there is nothing to move). A packed tensor that is also a
+    parameter or buffer of the model, or of a dense module a converted layer keeps (an fp32 LM head on
+    ``native_dense`` runs on the head's own weight, which may be tied to the input embedding), moves with
+    them: they become views of the same place, so nothing is held twice; where they share its memory
+    only in part, it stays. Values and outputs are unchanged; calling it again repacks into a fresh
+    buffer."""
+    held = [*model.parameters(), *model.buffers()]
+    for m in model.modules():  # dense originals a converted layer keeps for restore_dense
+        original = (getattr(m, "_original", None) or [None])[0]
+        if isinstance(original, nn.Module):
+            held += [*original.parameters(), *original.buffers()]
+    return pack_backends(_packed_backends(model), held=held)
 
 
-def pack_backends(backends: list) -> int:
-    """:func:`pack_weights` for a list of packed backends (their tensors in list order)."""
-    total = sum(_span(b.storage_tensors()) for b in backends)
+def pack_backends(backends: list, held: Iterable[torch.Tensor] = ()) -> int:
+    """:func:`pack_weights` for a list of packed backends (their tensors in list order); ``held``: other
+    tensors that may share their memory (moved along as views, or keeping a tensor in place)."""
+    holders: dict[int, list[torch.Tensor]] = {}
+    for h in held:
+        group = holders.setdefault(h.untyped_storage().data_ptr(), [])
+        if not any(h is g for g in group):
+            group.append(h)
+
+    def same(h: torch.Tensor, t: torch.Tensor) -> bool:
+        return (
+            h.data_ptr() == t.data_ptr() and h.shape == t.shape and h.dtype == t.dtype and h.is_contiguous()
+        )
+
+    def movable(t: torch.Tensor) -> bool:
+        return all(same(h, t) for h in holders.get(t.untyped_storage().data_ptr(), ()))
+
+    seen: dict[int, torch.Tensor] = {}  # a tensor two backends share moves once
+    total = sum(
+        _span(t for t in b.storage_tensors() if movable(t) and seen.setdefault(t.data_ptr(), t) is t)
+        for b in backends
+    )
     if total == 0:
         return 0
     arena = huge_buffer(total)
     offset = 0
+    placed: dict[int, torch.Tensor] = {}
 
     def place(t: torch.Tensor) -> torch.Tensor:
         nonlocal offset
+        if not movable(t):
+            return t
+        if t.data_ptr() in placed:
+            return placed[t.data_ptr()]
         n = t.numel() * t.element_size()
         view = arena[offset : offset + n].view(t.dtype).view(t.shape)
         view.copy_(t)
         offset += -(-n // _ALIGN) * _ALIGN
+        placed[t.data_ptr()] = view
+        for h in holders.get(t.untyped_storage().data_ptr(), ()):
+            h.data = view  # a parameter / buffer sharing it: the same memory still
         return view
 
     with torch.no_grad():
