@@ -206,15 +206,19 @@ def sparsify_for_inference(
         return SparseLinear(module, prepared, keep_dense=keep_dense)
 
     plan = klass.plan_model(model_u, targets, wrap, **backend_options)
-    swaps = plan.swaps
+    swaps, choices = plan.swaps, plan.choices
     for module_name, new in swaps:  # every layer prepared: now swap them all
         replace_module(model_u, module_name, new)
-    pack_weights(model_u)  # the native formats' tensors into one huge-page buffer, in reading order
-    if plan.choices:
-        model_u._hf_sparsity_auto = plan.choices
+    n_swapped = len(swaps)
+    # the dense weights the targets and the plan still reference go before the packed tensors are copied
+    # into one huge-page buffer in reading order (each original freed as its copy lands: no second model)
+    del plan, swaps, targets, found
+    pack_weights(model_u)
+    if choices:
+        model_u._hf_sparsity_auto = choices
         if verbose:
             print(auto_report(model_u))
-    logger.info("sparsify_for_inference: %d layers now run on %s.", len(swaps), klass.name)
+    logger.info("sparsify_for_inference: %d layers now run on %s.", n_swapped, klass.name)
     return model
 
 
