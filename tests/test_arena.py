@@ -175,3 +175,23 @@ def test_an_fp32_head_on_the_native_gemv_is_not_held_twice(tied):
     assert resident_weight_bytes(model) <= before
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, want, rtol=0, atol=0)
+
+
+@needs_native
+def test_no_buffer_leaves_the_converted_model_working(monkeypatch, caplog):
+    import hf_sparsity.backends.arena as arena
+
+    def refuse(nbytes):
+        raise OSError("Cannot allocate memory")
+
+    monkeypatch.setattr(arena, "huge_buffer", refuse)
+    model, eng = _masked("llama")
+    ids = torch.randint(2, 128, (1, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = model(ids).logits
+    with caplog.at_level("WARNING"):
+        sparsify_for_inference(model, "bitmask", masks=eng.masks)
+    assert "stay where they are" in caplog.text
+    assert len(_storages(model)) == 3 * len(eng.masks)  # each tensor its own, as converted
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, want, rtol=1e-4, atol=1e-4)

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import mmap
 from collections.abc import Iterable
 
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 _ALIGN = 64  # each tensor starts on a cache line (the kernels' vector loads)
@@ -32,7 +35,8 @@ def huge_buffer(nbytes: int) -> torch.Tensor:
     for transparent huge pages (ordinary memory where the platform has no such advice). The mapping lives
     as long as the tensor or a view of it."""
     size = max(int(nbytes), 1) + HUGE_PAGE
-    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    buf = mmap.mmap(-1, size, flags=flags) if flags else mmap.mmap(-1, size)  # (Windows: no flags)
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is not None and hasattr(buf, "madvise"):
         try:
@@ -103,7 +107,11 @@ def pack_backends(backends: list, held: Iterable[torch.Tensor] = ()) -> int:
     )
     if total == 0:
         return 0
-    arena = huge_buffer(total)
+    try:
+        arena = huge_buffer(total)
+    except (OSError, ValueError, OverflowError) as e:  # packing only speeds reading up: keep the tensors
+        logger.warning("The packed weights stay where they are: no buffer of %d bytes (%s).", total, e)
+        return 0
     offset = 0
     placed: dict[int, torch.Tensor] = {}
 
