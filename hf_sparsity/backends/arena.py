@@ -16,7 +16,6 @@ and the weights are still contiguous.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import mmap
 from collections.abc import Iterable
@@ -143,10 +142,8 @@ def _trim_heap() -> None:
     ``benchmarks/decode.py`` on the 1B shape (four converted copies of the model in one process), memory
     in use while decoding was 19-20 GB without the trim and 15 GB with it: the 4 GB went back to the file
     cache, which llama.cpp's memory-mapped GGUF rows of the same run need."""
-    name = ctypes.util.find_library("c")
     try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # not glibc
-        trim = None
-    if trim is not None:
-        trim(0)
+        trim = ctypes.CDLL(None).malloc_trim  # the process's own C library
+    except (OSError, AttributeError, TypeError):  # not glibc
+        return
+    trim(0)
