@@ -99,11 +99,7 @@ def pack_backends(backends: list, held: Iterable[torch.Tensor] = ()) -> int:
     def movable(t: torch.Tensor) -> bool:
         return all(same(h, t) for h in holders.get(t.untyped_storage().data_ptr(), ()))
 
-    seen: dict[int, torch.Tensor] = {}  # a tensor two backends share moves once
-    total = sum(
-        _span(t for t in b.storage_tensors() if movable(t) and seen.setdefault(t.data_ptr(), t) is t)
-        for b in backends
-    )
+    total = sum(_span(t for t in b.storage_tensors() if movable(t)) for b in backends)
     if total == 0:
         return 0
     try:
@@ -112,19 +108,15 @@ def pack_backends(backends: list, held: Iterable[torch.Tensor] = ()) -> int:
         logger.warning("The packed weights stay where they are: no buffer of %d bytes (%s).", total, e)
         return 0
     offset = 0
-    placed: dict[int, torch.Tensor] = {}
 
     def place(t: torch.Tensor) -> torch.Tensor:
         nonlocal offset
         if not movable(t):
             return t
-        if t.data_ptr() in placed:
-            return placed[t.data_ptr()]
         n = t.numel() * t.element_size()
         view = arena[offset : offset + n].view(t.dtype).view(t.shape)
         view.copy_(t)
         offset += -(-n // _ALIGN) * _ALIGN
-        placed[t.data_ptr()] = view
         for h in holders.get(t.untyped_storage().data_ptr(), ()):
             h.data = view  # a parameter / buffer sharing it: the same memory still
         return view

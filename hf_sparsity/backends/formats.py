@@ -206,8 +206,7 @@ class _PackedBackend(SparseBackend):
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        if "values" in state:
-            self._bind()
+        self._bind()
 
     def refresh(self) -> None:
         raise SparsityError(
