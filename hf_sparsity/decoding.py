@@ -89,9 +89,18 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def _window_reason(cfg, length: int) -> str | None:
+    """Why a generation reaching ``length`` tokens cannot run natively (the limits that depend on it)."""
     window = getattr(cfg, "sliding_window", None)
     if window is not None and getattr(cfg, "use_sliding_window", True) and length > window:
         return f"a sliding window of {window} tokens, and the generation reaches {length} (it attends to all)"
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    original = rope.get("original_max_position_embeddings")
+    if rope.get("rope_type") == "longrope" and original is not None and length > original:
+        # transformers switches from the short to the long factors past it; our tables are built once
+        return (
+            f"longrope rotary scaling past original_max_position_embeddings ({original}), and the "
+            f"generation reaches {length} (its factors change with the length)"
+        )
     return None
 
 
