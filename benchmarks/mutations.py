@@ -2,6 +2,7 @@
 
     python benchmarks/mutations.py              # every mutation
     python benchmarks/mutations.py finalize     # the ones whose name contains "finalize"
+    python benchmarks/mutations.py --before decode   # without the newest test files (NEW_TEST_FILES)
 
 Each mutation is a text substitution applied to a temporary copy of the repository (the
 working tree as git sees it); the listed test files then run against that copy. A
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,6 +34,8 @@ class Mutation:
 
 PRUNING_TESTS = ("tests/test_pruning.py", "tests/test_pruning_definitions.py")
 LORA_TESTS = ("tests/test_lora.py",)
+DECODE_TESTS = ("tests/test_decoding.py", "tests/test_realistic_decode.py")
+REFIT_TESTS = ("tests/test_prune_refit.py", "tests/test_bad_branches.py", "tests/test_exact_internals.py")
 
 MUTATIONS = (
     Mutation(
@@ -200,7 +203,293 @@ MUTATIONS = (
         (("hf_sparsity/lora/merge.py", "    apply_masks(merged, mask_dict)\n", "    pass\n"),),
         LORA_TESTS,
     ),
+    # ---- the newest code: each with the test written from its definition that catches it
+    Mutation(
+        "decode-norm2-is-input-norm",
+        "the native step's norm before the MLP uses the input norm's weight, not the post-attention one's",
+        (
+            (
+                "hf_sparsity/decoding.py",
+                "entry.norm2 = layer.post_attention_layernorm.weight.data_ptr()",
+                "entry.norm2 = layer.input_layernorm.weight.data_ptr()",
+            ),
+        ),
+        DECODE_TESTS,
+    ),
+    Mutation(
+        "decode-gelu-accepted",
+        "native_step_reason no longer refuses a GELU / ReLU MLP (the native step runs SiLU)",
+        (
+            (
+                "hf_sparsity/decoding.py",
+                'if getattr(cfg, "hidden_act", None) != "silu":',
+                'if getattr(cfg, "hidden_act", None) not in ("silu", "gelu", "gelu_pytorch_tanh", "relu"):',
+            ),
+        ),
+        DECODE_TESTS,
+    ),
+    Mutation(
+        "decode-longrope-accepted",
+        "longrope past original_max_position_embeddings runs natively (its tables are built once)",
+        (
+            (
+                "hf_sparsity/decoding.py",
+                'if rope.get("rope_type") == "longrope" and original is not None and length > original:',
+                "if False:",
+            ),
+        ),
+        DECODE_TESTS,
+    ),
+    Mutation(
+        "decode-window-off-by-one",
+        "a generation reaching exactly the sliding window is refused (>= instead of >)",
+        (
+            (
+                "hf_sparsity/decoding.py",
+                'getattr(cfg, "use_sliding_window", True) and length > window:',
+                'getattr(cfg, "use_sliding_window", True) and length >= window:',
+            ),
+        ),
+        DECODE_TESTS,
+    ),
+    Mutation(
+        "decode-final-norm-unchecked",
+        "a final norm whose weight is not contiguous float32 is read by the native step as if it were",
+        (
+            (
+                "hf_sparsity/decoding.py",
+                "if not _f32(base.embed_tokens.weight.detach()) or not _f32(base.norm.weight):",
+                "if not _f32(base.embed_tokens.weight.detach()):",
+            ),
+        ),
+        DECODE_TESTS,
+    ),
+    Mutation(
+        "kernel-decode-final-norm-weight",
+        "the C decode step applies layer 0's input-norm weight as the final norm's",
+        (
+            (
+                "hf_sparsity/backends/csrc/hfs_kernels.c",
+                "rms_norm(x, d->final_norm, h, d->hidden, d->eps);",
+                "rms_norm(x, d->layers[0].norm1, h, d->hidden, d->eps);",
+            ),
+        ),
+        DECODE_TESTS,
+    ),
+    Mutation(
+        "kernel-fused-qkv-bias",
+        "the fused q / k / v products of the C decode step add q's bias to all three",
+        (
+            (
+                "hf_sparsity/backends/csrc/hfs_kernels.c",
+                "const float* bs[3] = {L->bq, L->bk, L->bv};",
+                "const float* bs[3] = {L->bq, L->bq, L->bq};",
+            ),
+        ),
+        DECODE_TESTS,
+    ),
+    Mutation(
+        "kernel-decode-down-bias",
+        "the C decode step drops the down projection's bias (Llama with mlp_bias)",
+        (
+            (
+                "hf_sparsity/backends/csrc/hfs_kernels.c",
+                "hfs_run_prepared(L->down, g, o, L->bdown);",
+                "hfs_run_prepared(L->down, g, o, NULL);",
+            ),
+        ),
+        DECODE_TESTS,
+    ),
+    Mutation(
+        "arena-part-shared-moved",
+        "the arena moves a tensor a parameter shares only in part (same start, other shape)",
+        (
+            (
+                "hf_sparsity/backends/arena.py",
+                "h.data_ptr() == t.data_ptr() and h.shape == t.shape and h.dtype == t.dtype",
+                "h.data_ptr() == t.data_ptr() and h.dtype == t.dtype",
+            ),
+        ),
+        ("tests/test_arena.py", "tests/test_exact_internals.py"),
+    ),
+    Mutation(
+        "arena-unaligned",
+        "the arena packs tensors back to back, not each on a 64-byte boundary",
+        (("hf_sparsity/backends/arena.py", "offset += -(-n // _ALIGN) * _ALIGN", "offset += n"),),
+        ("tests/test_arena.py", "tests/test_exact_internals.py"),
+    ),
+    Mutation(
+        "auto-cache-key-no-dtype",
+        "auto's plan cache ignores the dtype: a bfloat16 group reuses the float32 decision",
+        (
+            (
+                "hf_sparsity/backends/auto.py",
+                'cache.key("layer", shape, dtype, level, is24, cands, threads, settings)',
+                'cache.key("layer", shape, level, is24, cands, threads, settings)',
+            ),
+        ),
+        ("tests/test_auto_plans.py", "tests/test_exact_internals.py"),
+    ),
+    Mutation(
+        "auto-cache-key-no-values",
+        "auto's plan cache ignores values='int8': an int8 group reuses the float32 decision",
+        (
+            (
+                "hf_sparsity/backends/auto.py",
+                "stream_bytes, keep_dense_for_prefill, values)",
+                "stream_bytes, keep_dense_for_prefill)",
+            ),
+        ),
+        ("tests/test_auto_plans.py", "tests/test_exact_internals.py"),
+    ),
+    Mutation(
+        "auto-predicted-not-per-layer",
+        "auto's predicted whole-model ratio counts a pass over all timed copies as one layer's saving",
+        (
+            (
+                "hf_sparsity/backends/auto.py",
+                'saved += (ms["dense"] - ms[c["decode"]]) / per',
+                'saved += ms["dense"] - ms[c["decode"]]',
+            ),
+        ),
+        ("tests/test_auto_plans.py", "tests/test_exact_internals.py"),
+    ),
+    Mutation(
+        "decode-tok-s-stops-at-eos",
+        "decode_tok_s lets generate stop at EOS: fewer than new_tokens tokens, counted as new_tokens",
+        (("hf_sparsity/backends/measure.py", "            min_new_tokens=new_tokens,\n", ""),),
+        ("tests/test_auto_plans.py", "tests/test_exact_internals.py"),
+    ),
+    Mutation(
+        "zero-offload-param-accepted",
+        "DeepSpeed ZeRO-3 offload_param is accepted (the masks never reach the offloaded parameters)",
+        (
+            (
+                "hf_sparsity/zero.py",
+                'offload = offload or bool(getattr(inner, "offload_param", False))',
+                "offload = offload",
+            ),
+        ),
+        ("tests/test_deepspeed.py", "tests/test_bad_branches.py"),
+    ),
+    Mutation(
+        "refit-accepts-unconverged",
+        "refit accepts a CG solve that ran out of iterations",
+        (
+            (
+                "hf_sparsity/pruning/refit.py",
+                "    return W, bool((R.norm(dim=1) <= tol * bnorm).all())",
+                "    return W, True",
+            ),
+        ),
+        REFIT_TESTS,
+    ),
+    Mutation(
+        "reconstruct-not-undone",
+        "a block reconstruction that raised the error is kept (the weights before it are not put back)",
+        (("hf_sparsity/pruning/oneshot.py", "            p.copy_(saved[n])", "            pass"),),
+        REFIT_TESTS,
+    ),
+    Mutation(
+        "reconstruct-lr-shifted",
+        "the reconstruction's cosine runs one step ahead: its last step runs at learning rate 0",
+        (
+            (
+                "hf_sparsity/pruning/reconstruct.py",
+                "math.cos(math.pi * step / steps)",
+                "math.cos(math.pi * (step + 1) / steps)",
+            ),
+        ),
+        REFIT_TESTS,
+    ),
+    Mutation(
+        "stream-drops-unknown-tensor",
+        "streamed pruning drops the shard tensors the model class does not hold",
+        (("hf_sparsity/pruning/streaming.py", "        if leftover:\n", "        if False:\n"),),
+        REFIT_TESTS,
+    ),
+    Mutation(
+        "tokens-local-times-world",
+        "token counts under DDP multiply the local count by the world size instead of summing",
+        (
+            (
+                "hf_sparsity/callback.py",
+                "    dist.all_reduce(total)\n    return int(total)",
+                "    return int(total) * dist.get_world_size()",
+            ),
+        ),
+        ("tests/test_flops.py", "tests/test_ddp.py", "tests/test_bad_branches.py"),
+    ),
+    Mutation(
+        "tokens-resume-recounts",
+        "a resumed run whose Trainer counts tokens counts every earlier token again",
+        (
+            (
+                "hf_sparsity/callback.py",
+                '        self.seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)\n'
+                "        self.pending = 0",
+                "        self.seen = 0\n        self.pending = 0",
+            ),
+        ),
+        ("tests/test_flops.py", "tests/test_bad_branches.py"),
+    ),
+    Mutation(
+        "resume-order-by-name",
+        "resume orders checkpoints by name: checkpoint-9 is taken for newer than checkpoint-10",
+        (
+            (
+                "hf_sparsity/storage/resume.py",
+                "key=lambda p: int(_CHECKPOINT_RE.match(p.name).group(1))",
+                "key=lambda p: p.name",
+            ),
+        ),
+        ("tests/test_resume_after_crash.py", "tests/test_bad_branches.py"),
+    ),
+    Mutation(
+        "checksum-without-names",
+        "the mask checksum leaves out the mask names (two masks swapped under their names pass)",
+        (
+            (
+                "hf_sparsity/storage/masks_file.py",
+                'h.update(name.encode("utf-8") + b"\\0")',
+                'h.update(b"\\0")',
+            ),
+        ),
+        ("tests/test_serialization.py", "tests/test_exact_internals.py"),
+    ),
+    Mutation(
+        "lora-masked-first-adapter-only",
+        "lora: masked masks only the first adapter of a layer; a second one applies plain B·A",
+        (
+            (
+                "hf_sparsity/lora/masked.py",
+                "        for adapter in layer.lora_A:\n",
+                "        for adapter in list(layer.lora_A)[:1]:\n",
+            ),
+        ),
+        (*LORA_TESTS, "tests/test_exact_internals.py"),
+    ),
+    Mutation(
+        "lora-masked-delta-of-active-adapter",
+        "lora: masked computes every adapter's update from the first active adapter's B·A",
+        (
+            (
+                "hf_sparsity/lora/masked.py",
+                "            delta = module.get_delta_weight(adapter)\n",
+                "            delta = module.get_delta_weight(module.active_adapters[0])\n",
+            ),
+        ),
+        (*LORA_TESTS, "tests/test_exact_internals.py"),
+    ),
 )
+
+NEW_TEST_FILES = (
+    "tests/test_realistic_decode.py",
+    "tests/test_bad_branches.py",
+    "tests/test_exact_internals.py",
+)
+"""The test files written with the last mutations above; ``--before`` leaves them out (what the suite caught
+without them)."""
 
 
 def _copy_tree(dst: Path) -> None:
@@ -234,9 +523,10 @@ def run(m: Mutation) -> tuple[bool, str, float]:
         env.update(HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         # The copy has no ../shared beside it; point the data fixture at the real one.
         env.setdefault("HF_SPARSITY_SHARED_DATA", str(ROOT.parent / "shared" / "data"))
+        tests = sorted(m.tests, key=lambda t: t not in NEW_TEST_FILES)  # the targeted files first (-x)
         t0 = time.perf_counter()
         proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *m.tests],
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
             cwd=tmp,
             env=env,
             capture_output=True,
@@ -255,7 +545,12 @@ def run(m: Mutation) -> tuple[bool, str, float]:
 
 
 def main() -> int:
-    chosen = [m for m in MUTATIONS if not sys.argv[1:] or any(a in m.name for a in sys.argv[1:])]
+    args = sys.argv[1:]
+    before = "--before" in args
+    args = [a for a in args if a != "--before"]
+    chosen = [m for m in MUTATIONS if not args or any(a in m.name for a in args)]
+    if before:  # the same mutations against the tests that existed before the new files
+        chosen = [replace(m, tests=tuple(t for t in m.tests if t not in NEW_TEST_FILES)) for m in chosen]
     missed = 0
     for m in chosen:
         caught, detail, secs = run(m)

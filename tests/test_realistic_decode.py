@@ -332,3 +332,36 @@ def test_longrope_past_its_original_length_falls_back_to_the_forward_loop():
     with pytest.raises(SparsityError, match="longrope"):
         greedy_decode(model, ids, 12, step="native")
     _same_as_generate(model, ids, 31)
+
+
+# ------------------------------------------------------------------------------------------ property sweep
+def _drawn_case(seed: int):
+    """A random point of the grid: architecture, head layout, head dim, vocabulary, layers, biases, format,
+    prompt length (either side of PROMPT_STEPS) and new tokens."""
+    import random
+
+    r = random.Random(seed)
+    arch = r.choice(LLAMA_FAMILY)
+    heads = r.choice((1, 2, 3, 4, 6, 8))
+    kv = r.choice([k for k in range(1, heads + 1) if heads % k == 0])
+    head_dim = r.choice((4, 6, 8, 12, 16))
+    kw = dict(
+        heads=heads, kv_heads=kv, head_dim=head_dim, hidden=heads * r.choice((4, 6, 8)),
+        vocab=r.choice((61, 97, 101, 127, 203)), layers=r.choice((1, 2, 3)), ffn=r.choice((20, 36, 64)),
+    )  # fmt: skip
+    if arch == "llama":
+        kw.update(attention_bias=r.random() < 0.5, mlp_bias=r.random() < 0.5)
+    fmt = r.choice((None, "bitmask", "csr", "native_dense", "nm24"))
+    return arch, kw, fmt, r.randint(1, 24), r.randint(1, 30), seed
+
+
+@pytest.mark.parametrize("case", [_drawn_case(s) for s in range(16)], ids=lambda c: f"seed{c[-1]}")
+def test_native_step_equals_generate_on_random_grid_points(case):
+    arch, kw, fmt, n, new, seed = case
+    model = realistic_model(arch, seed=seed, **kw)
+    if fmt is not None:
+        if fmt == "nm24" and kw["hidden"] % 4:
+            fmt = "bitmask"
+        _sparse(model, fmt, "2:4" if fmt == "nm24" else None)
+    assert native_step_reason(model) is None
+    _same_as_generate(model, prompt(n, kw["vocab"], seed=seed), new, step="native")
