@@ -205,6 +205,18 @@ MUTATIONS = (
     ),
     # ---- the newest code: each with the test written from its definition that catches it
     Mutation(
+        "cli-context-off-by-one",
+        "generate's context check counts the last new token as fed back: a run that fits is refused",
+        (
+            (
+                "hf_sparsity/cli/_checks.py",
+                "if limit and n + max_new_tokens - 1 > limit:",
+                "if limit and n + max_new_tokens > limit:",
+            ),
+        ),
+        ("tests/test_cli_errors.py", "tests/test_refusals.py"),
+    ),
+    Mutation(
         "decode-norm2-is-input-norm",
         "the native step's norm before the MLP uses the input norm's weight, not the post-attention one's",
         (
@@ -485,6 +497,7 @@ MUTATIONS = (
 
 NEW_TEST_FILES = (
     "tests/test_realistic_decode.py",
+    "tests/test_refusals.py",
     "tests/test_bad_branches.py",
     "tests/test_exact_internals.py",
 )
