@@ -334,6 +334,18 @@ def test_longrope_past_its_original_length_falls_back_to_the_forward_loop():
     _same_as_generate(model, ids, 31)
 
 
+def test_longrope_tables_built_once_would_give_other_tokens():
+    """Why the refusal: tables built once for the whole length (the long factors at every position, as a
+    single forward over all 36 tokens has them) predict other tokens than generate, which rotated the first
+    16 positions with the short factors."""
+    model = _longrope()
+    ids = prompt(5, seed=11)
+    out = generate_greedy(model, ids, 31)
+    with torch.no_grad():
+        at_once = model(out[:, :-1]).logits.argmax(-1)[0, ids.shape[1] - 1 :]
+    assert not torch.equal(at_once, out[0, ids.shape[1] :])
+
+
 # ------------------------------------------------------------------------------------------ property sweep
 def _drawn_case(seed: int):
     """A random point of the grid: architecture, head layout, head dim, vocabulary, layers, biases, format,
