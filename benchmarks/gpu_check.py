@@ -149,6 +149,8 @@ def run_check(check: Check, out: Path, device: str, tiny: bool, limit: int, extr
         cmd += ["--backend", check.name]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if tiny:  # tiny shapes gain nothing from threads; on a small shared machine they only contend
+        env.setdefault("OMP_NUM_THREADS", "1")
     t0 = time.perf_counter()
     with open(folder / "log.txt", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
