@@ -32,6 +32,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -53,15 +54,16 @@ class Check:
 
 
 CHECKS = (
-    Check("a", "pytest_gpu", "check_pytest.py", ("pytest",), 75, 120, "tests marked gpu / skipping for CUDA"),
-    Check("b", "train", "check_train.py", ("accelerate", "safetensors"), 80, 150, "Trainer bf16 end to end"),
+    Check("a", "pytest_gpu", "check_pytest.py", ("pytest",), 60, 120, "tests marked gpu / skipping for CUDA"),
+    Check("b", "train", "check_train.py", ("accelerate", "safetensors"), 75, 150, "Trainer bf16 end to end"),
     Check("c", "overhead", "check_overhead.py", (), 75, 120, "callback step-time overhead"),
     Check("d", "fsdp2", "check_launch.py", ("accelerate",), 40, 120, "accelerate launch, fsdp2_gpu.yaml"),
     Check("d", "zero3", "check_launch.py", ("accelerate", "deepspeed"), 60, 300, "accelerate launch, zero3"),
-    Check("e", "inference", "check_inference.py", (), 40, 90, "backends vs emulator; 2:4 speed"),
-    Check("f", "prune", "check_prune.py", ("tokenizers", "safetensors"), 100, 120, "prune: cuda vs cpu"),
+    Check("e", "inference", "check_inference.py", (), 35, 90, "backends vs emulator; 2:4 speed"),
+    Check("f", "prune", "check_prune.py", ("tokenizers", "safetensors"), 95, 120, "prune: cuda vs cpu"),
 )  # fmt: skip
 ALWAYS = ("torch", "transformers", "numpy")
+MARKER = "HF_SPARSITY_GPU_CHECK"
 
 
 @dataclass
@@ -111,29 +113,27 @@ def environment(device: str) -> dict:
 
 
 def install_from_wheels(wheels: Path, log: list[str]) -> None:
-    """``pip install --no-index`` DeepSpeed from ``wheels`` when it is missing and the folder is there."""
+    """Install DeepSpeed from ``wheels`` (``download_wheels.sh``) with ``--no-index`` when it is missing.
+
+    DeepSpeed comes as its source distribution, built here against this machine's torch
+    (``--no-build-isolation``: setuptools and wheel first, from the same folder, if missing).
+    """
     if importlib.util.find_spec("deepspeed") is not None or not wheels.is_dir():
         return
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "install",
-        "-q",
-        "--no-index",
-        "--find-links",
-        str(wheels),
-        "deepspeed",
-    ]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-        ok = proc.returncode == 0
-        log.append(
-            f"deepspeed from {wheels}: {'installed' if ok else 'FAILED: ' + proc.stderr.strip()[-300:]}"
-        )
-    except subprocess.TimeoutExpired:
-        log.append(f"deepspeed from {wheels}: pip timed out after 180 s")
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels)]
+    build = [p for p in ("setuptools", "wheel") if importlib.util.find_spec(p) is None]
+    steps = ([build] if build else []) + [["--no-build-isolation", "deepspeed"]]
+    for args in steps:
+        try:
+            proc = subprocess.run([*pip, *args], capture_output=True, text=True, timeout=240)
+        except subprocess.TimeoutExpired:
+            log.append(f"pip install {' '.join(args)} from {wheels}: timed out after 240 s")
+            return
+        if proc.returncode:
+            log.append(f"pip install {' '.join(args)} from {wheels} FAILED: {proc.stderr.strip()[-300:]}")
+            return
     importlib.invalidate_caches()
+    log.append(f"installed deepspeed from {wheels} (--no-index)")
 
 
 def run_check(check: Check, out: Path, device: str, tiny: bool, limit: int, extra: list[str]) -> Outcome:
@@ -146,9 +146,10 @@ def run_check(check: Check, out: Path, device: str, tiny: bool, limit: int, extr
     if tiny:
         cmd.append("--tiny")
     if check.script == "check_launch.py":
-        cmd += ["--backend", check.name]
+        cmd += ["--backend", check.name, "--launch-timeout", str(max(limit - 15, 5))]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    marker = env[MARKER] = uuid.uuid4().hex  # every process this check starts inherits it
     if tiny:  # tiny shapes gain nothing from threads; on a small shared machine they only contend
         env.setdefault("OMP_NUM_THREADS", "1")
     t0 = time.perf_counter()
@@ -160,16 +161,21 @@ def run_check(check: Check, out: Path, device: str, tiny: bool, limit: int, extr
             kill_group(proc)
             rc = None
         finally:
-            kill_group(proc)  # whatever the check left behind (launchers, compile workers)
+            kill_group(proc)  # whatever the check left in its group (compile workers, pytest)
+            swept = sweep(marker)  # and in sessions of their own (torchrun's workers)
     seconds = round(time.perf_counter() - t0, 1)
     outcome = Outcome(check.letter, check.name, "fail", "", seconds, limit)
-    if rc is None:
-        outcome.summary = f"timed out after {limit} s (process group killed); see {check.name}/log.txt"
-    elif result.is_file():
+    if swept:
+        outcome.notes.append(f"killed {swept} leftover processes of this check")
+    if result.is_file():
         r = json.loads(result.read_text())
         outcome.status, outcome.summary = r["status"], r["summary"]
-        outcome.figures, outcome.notes = r.get("figures", {}), r.get("notes", [])
-    else:
+        outcome.figures, outcome.notes = r.get("figures", {}), r.get("notes", []) + outcome.notes
+    if rc is None:
+        partial = f"; {outcome.summary}" if outcome.summary else ""
+        outcome.status = "fail"
+        outcome.summary = f"timed out after {limit} s (processes killed){partial}"
+    elif not result.is_file():
         tail = (folder / "log.txt").read_text(errors="replace").strip().splitlines()[-1:] or [""]
         outcome.summary = f"exited {rc} without a result: {tail[0][:200]}"
     return outcome
@@ -191,6 +197,20 @@ def kill_group(proc: subprocess.Popen) -> None:
             except ProcessLookupError:
                 pass
             return
+
+
+def sweep(marker: str) -> int:
+    """SIGKILL every process still carrying this check's marker in its environment (Linux ``/proc``)."""
+    killed = 0
+    needle = f"{MARKER}={marker}".encode()
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed += 1
+        except (OSError, ValueError):
+            continue  # gone, or not ours to read
+    return killed
 
 
 def line(o: Outcome) -> str:
@@ -247,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="--device cpu --tiny: every check's path, tiny")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes and the tiny time limits")
     ap.add_argument("--only", default="", help="comma-separated letters or names, e.g. a,b or zero3")
-    ap.add_argument("--budget", type=float, default=470, help="seconds for all checks together (default 470)")
+    ap.add_argument("--budget", type=float, help="seconds for all checks (default 440; tiny: sum of limits)")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every check's time limit")
     ap.add_argument("--wheels", default=str(WHEELS), help="folder of pre-downloaded wheels (default wheels/)")
     a = ap.parse_args(argv)
@@ -259,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(
             "gpu_check: --device cuda but torch sees no CUDA device; run with --dry-run on a CPU machine."
         )
+    budget = a.budget or (sum(c.tiny_limit for c in CHECKS) * a.scale if tiny else 440)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     setup: list[str] = []
@@ -276,13 +297,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu_check on {header['env'].get('gpu', device)}{' (tiny shapes)' if tiny else ''} -> {out}")
     outcomes: list[Outcome] = []
     for check in select(a.only):
-        left = a.budget - (time.perf_counter() - t0)
+        left = budget - (time.perf_counter() - t0)
         limit = int(min((check.tiny_limit if tiny else check.limit) * a.scale, left))
         missing = missing_packages(check.needs)
         if missing:
             o = Outcome(check.letter, check.name, "skip", f"needs {', '.join(missing)} (not installed)")
         elif limit < 5:
-            o = Outcome(check.letter, check.name, "skip", f"no time left in the {a.budget:.0f} s budget")
+            o = Outcome(check.letter, check.name, "skip", f"no time left in the {budget:.0f} s budget")
         else:
             o = run_check(check, out, device, tiny, limit, [])
         outcomes.append(o)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -55,16 +54,19 @@ def run(report: common.Report, args) -> tuple[str, str]:
         env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     report.figures["config"] = f"recipes/configs/{cfg.name}, --num_processes 1"
     with open(report.out / "launch.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # In this check's process group: gpu_check.py ends the group, and sweeps torchrun's workers
+        # (sessions of their own) by the marker in their environment.
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             rc = proc.wait(timeout=args.launch_timeout)
         except subprocess.TimeoutExpired:
             rc = None
-        finally:
+            proc.terminate()  # torchrun passes it on to its workers
             try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     if rc != 0:
         tail = (report.out / "launch.log").read_text(errors="replace").strip().splitlines()[-3:]
         why = f"timed out after {args.launch_timeout} s" if rc is None else f"exited {rc}"
