@@ -237,7 +237,8 @@ def write_reports(out: Path, header: dict, outcomes: list[Outcome]) -> None:
     md.append(f"- started {header['started']}, wall {header['wall_s']:.0f} s")
     md += ["", "| check | status | seconds | limit | summary |", "|---|---|---:|---:|---|"]
     for o in outcomes:
-        md.append(f"| {o.letter} {o.name} | {o.status} | {o.seconds:.1f} | {o.limit} | {o.summary} |")
+        summary = o.summary.replace("|", "\\|").replace("\n", " ")
+        md.append(f"| {o.letter} {o.name} | {o.status} | {o.seconds:.1f} | {o.limit} | {summary} |")
     for o in outcomes:
         if o.figures or o.notes:
             md += ["", f"## {o.letter} {o.name}", ""]

@@ -21,7 +21,9 @@ import time
 
 import common
 
-FP32_TOL, BF16_TOL = 1e-4, 3e-2  # largest |logit difference| / largest |reference logit|
+# Largest |logit difference| / largest |reference logit|. bfloat16 keeps 8 bits of mantissa (2^-8 =
+# 0.4% per rounding), and every layer, attention and norm included, rounds in bfloat16.
+FP32_TOL, BF16_TOL = 1e-4, 5e-2
 
 
 def model_and_masks(tiny: bool):
