@@ -3,7 +3,7 @@
 * :func:`finalize_checkpoint`: bake masks into exact zeros and drop the sparsity files
   and ``config.json`` section -> a vanilla checkpoint for the Hub.
 * :func:`to_sentinel` / :func:`from_sentinel`: Cerebras' in-band format, where a NaN
-  marks a masked weight (seed ``002_*``), to and from our mask file.
+  marks a masked weight (the Cerebras Model Zoo's weight-sparsity format), to and from our mask file.
 """
 
 from __future__ import annotations
