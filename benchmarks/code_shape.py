@@ -40,7 +40,7 @@ LAYERS = (
     ("mask engine", "config schedules targeting mask_state events enforcement engine lora"),
     (
         "training adapters, pruning, inference",
-        "callback flops ift ift_models pruning backends inference decoding evaluation tools",
+        "callback flops ift pruning backends inference decoding evaluation tools",
     ),
     ("presenters", "export"),
     ("CLI and recipes", "cli __main__ hf_sparsity recipes"),
