@@ -252,7 +252,7 @@ class _Printer(TrainerCallback):
 
 def finalize(model_dir: str, out_dir: str) -> str:
     """Bake the masks into zeros (``hf_sparsity convert --finalize``): a vanilla checkpoint to fine-tune."""
-    from hf_sparsity.storage.finalize import finalize_checkpoint
+    from hf_sparsity.export.finalize import finalize_checkpoint
 
     if is_main_process() and not os.path.isdir(out_dir):
         finalize_checkpoint(model_dir, out_dir)

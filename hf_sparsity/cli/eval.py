@@ -7,6 +7,8 @@ Examples::
     hf_sparsity eval --compare results/dense results/sparse50 --out results/compare
 """
 
+# Lazy imports: a subcommand imports the library when it runs, so `--help` and the others start fast.
+
 from __future__ import annotations
 
 import argparse

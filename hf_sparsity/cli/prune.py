@@ -10,6 +10,8 @@ Examples::
 Every input is checked by the library (``prune_folder``); this module only parses.
 """
 
+# Lazy imports: a subcommand imports the library when it runs, so `--help` and the others start fast.
+
 from __future__ import annotations
 
 import argparse

@@ -16,6 +16,8 @@
 The command line is ``hf_sparsity eval`` (see ``hf_sparsity eval --help``).
 """
 
+# Lazy imports: EvalCallback imports transformers' Trainer machinery; it loads on first use.
+
 from .harness import HARNESS7, run_harness, write_offline_tasks
 from .models import apply_masks, load_model_for_eval, sparsity_summary
 from .perplexity import (

@@ -22,7 +22,7 @@ from ..loading import (
     resolve_dtype,
 )
 from ..utils import SparsityError, library_version
-from .harness import HARNESS7, run_harness
+from .harness import HARNESS7, find_stock_yaml, harness_averages, resolve_tasks_dir, run_harness
 from .models import load_model_for_eval, sparsity_summary
 from .perplexity import pile_loss, wikitext103_perplexity
 from .wikitext2 import DEFAULT_WIKITEXT2, wikitext2_perplexity
@@ -156,8 +156,6 @@ def _check_limit(spec: str | None) -> None:
 def check_suites(spec: str, data_dir: str | None = None) -> None:
     """Every name in ``--suite`` is a named suite, a harness7 task, or a task the data folder (or lm-eval)
     has."""
-    from .harness import HARNESS7, resolve_tasks_dir
-
     known = set(SUITES) | set(HARNESS7)
     unknown = [s for s in parse_suites(spec) if s not in known]
     if not unknown:
@@ -172,7 +170,6 @@ def check_suites(spec: str, data_dir: str | None = None) -> None:
                 f"tasks in {str(tasks_dir)!r}: {', '.join(local) or 'none'}."
             )
         return
-    from .harness import find_stock_yaml
 
     for s in unknown:
         try:
@@ -382,8 +379,6 @@ def evaluate(
             lam = out["tasks"]["lambada_openai"]
             metrics["lambada"] = {k: lam.get(k) for k in ("acc", "acc_stderr", "perplexity", "samples")}
         if "harness7" in suites:
-            from .harness import harness_averages
-
             metrics["harness7"] = harness_averages(out["tasks"])
     results["wall_time_s"]["total"] = round(time.time() - t_start, 2)
     return results

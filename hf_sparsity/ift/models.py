@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..modeling import linear_dims as _dims
+from ..modeling import register_architecture
 from ..utils import SparsityError
 
 TRANSFORMS = ("wide", "parallel", "factorized", "doped")
@@ -197,6 +198,9 @@ def build_ift_model(config: Any) -> nn.Module:
     if section:
         apply_ift_section(model, section)
     return model
+
+
+register_architecture(IFT_SECTION, build_ift_model)
 
 
 MODELING_TEMPLATE = '''"""Sparse-IFT ({transform}) {base}: written by `hf_sparsity ift`;
