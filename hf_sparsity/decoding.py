@@ -1,33 +1,42 @@
-"""Greedy decoding loops for batch-1 generation: a lean loop over the model's forward, and a native step.
+"""Decoding loops for batch-1 generation: the native step behind ``model.generate``, and a lean greedy loop.
 
 ``model.generate`` runs, per token, logits processors, stopping criteria, cache bookkeeping and input
 preparation around the forward; and transformers' forward itself runs about two thousand small torch
 operations per token of a 30-layer model. On a CPU, for a small model, that is milliseconds per token:
-more than the sparse products themselves read from memory. Two loops here cut it:
+more than the sparse products themselves read from memory. Here:
 
 * the **native step** (:class:`NativeDecoder`), for Llama-family models (Llama, Mistral, Qwen2) whose
   projections run on the native kernels (any ``SparseLinear`` on ``bitmask``, ``nm24``, ``csr``,
   ``native_dense`` or ``auto``; a plain float32 ``nn.Linear`` runs on the native dense GEMV in place): each
   new token is one call into the compiled kernel library, which runs every layer (norms, rotary embedding,
-  attention over the cache, MLP, LM head, argmax); a prompt of up to :data:`PROMPT_STEPS` tokens runs
-  through the same call token by token, a longer one through the model's own forward;
-* the **forward loop**, for every other model: the model's forward with a KV cache, logits for the last
-  position only, and an argmax.
+  attention over the cache, MLP, LM head) and leaves the last position's logits; a prompt of up to
+  :data:`PROMPT_STEPS` tokens runs through the same call token by token, a longer one through the model's
+  own forward;
+* :func:`native_generate`, the decoding loop ``model.generate`` and the text-generation ``pipeline`` run on
+  the native step when passed as ``custom_generate`` (transformers' public extension point): greedy and
+  sampling, with transformers' own logits processors, stopping criteria and streamers; ``generate``'s own
+  loop (and one logged line naming why) where the native step does not run the call;
+* :func:`greedy_decode`, a greedy loop without ``generate``'s preparation: the native step, or for every
+  other model the **forward loop** (the model's forward with a KV cache, logits for the last position
+  only, and an argmax).
 
-Both produce the tokens ``generate(do_sample=False)`` produces (the native step computes in float32 in
+All produce the tokens ``generate(do_sample=False)`` produces (the native step computes in float32 in
 transformers' order of operations up to the order of sums, so its logits agree to rounding; the tests
-compare tokens) and stop at
-the end-of-sequence token as ``generate`` does.
+compare tokens) and stop at the end-of-sequence token as ``generate`` does.
 
 ::
 
-    from hf_sparsity.decoding import greedy_decode
+    from hf_sparsity.decoding import greedy_decode, native_generate
+    out = model.generate(**inputs, max_new_tokens=128, custom_generate=native_generate)
+    out = model.generate(**inputs, do_sample=True, top_p=0.9, custom_generate=native_generate)
     out = greedy_decode(model, input_ids, max_new_tokens=128)   # [1, prompt + new] token ids
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
+import sys
 from collections.abc import Callable
 
 import torch
@@ -188,43 +197,26 @@ class NativeDecoder:
         bias = mod.bias.detach() if mod.bias is not None else None
         return addr, _ptr(bias)
 
-    @torch.inference_mode()
-    def generate(
-        self,
-        input_ids: torch.Tensor,
-        max_new_tokens: int,
-        eos: set[int] = frozenset(),
-        on_token: Callable[[int], None] | None = None,
-    ) -> torch.Tensor:
-        """Greedy decoding: ``[1, n]`` prompt ids -> ``[1, n + generated]``."""
-        from transformers import DynamicCache
-
+    def _build(self, total: int, n: int = 0, old: list | None = None) -> None:
+        """The C structures for generations up to ``total`` tokens; ``old`` caches' first ``n`` positions are
+        copied into the new ones (a longer generation than the cache first allocated)."""
         from .backends import _native
 
         model, cfg = self.model, self.model.config
         base = model.model
-        n = int(input_ids.shape[1])
-        total = n + max_new_tokens
         hd = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         heads, kv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
-        _refuse(_window_reason(cfg, total))  # the rest of native_step_reason holds since __init__
-        self._keep = []
-        short = n <= PROMPT_STEPS  # through the native step, token by token; else the model's forward
-        if not short:  # batched products; its cache seeds ours
-            cache = DynamicCache(config=cfg)
-            out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
-            first = int(out.logits[0, -1].argmax())
         pos_ids = torch.arange(total)[None]
         cos, sin = base.rotary_emb(torch.zeros(1, dtype=torch.float32), position_ids=pos_ids)
-        cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
+        self._rope = (cos[0].float().contiguous(), sin[0].float().contiguous())
         layers = (_Layer * len(base.layers))()
         caches = []
         for i, layer in enumerate(base.layers):
             kc = torch.zeros(kv, total, hd)
             vc = torch.zeros(kv, total, hd)
-            if not short:
-                kc[:, :n] = cache.layers[i].keys[0]
-                vc[:, :n] = cache.layers[i].values[0]
+            if old is not None:
+                kc[:, :n] = old[2 * i][:, :n]
+                vc[:, :n] = old[2 * i + 1][:, :n]
             caches += [kc, vc]
             entry = layers[i]
             for name in _PROJ:
@@ -238,37 +230,88 @@ class NativeDecoder:
         head = model.get_output_embeddings()
         head_addr, head_bias = self._call(head)
         vocab = int(head.out_features)
-        logits = torch.empty(vocab)
+        self.logits = torch.empty(vocab)
         attn0 = base.layers[0].self_attn
         dec = _Decoder(
             len(base.layers), int(cfg.hidden_size), heads, kv, hd, int(cfg.intermediate_size), total, vocab,
             torch.get_num_threads(),
             float(base.layers[0].input_layernorm.variance_epsilon), float(attn0.scaling),
             ctypes.addressof(layers), head_addr, head_bias, base.norm.weight.data_ptr(),
-            base.embed_tokens.weight.detach().data_ptr(), cos.data_ptr(), sin.data_ptr(), None,
-            logits.data_ptr(),
+            base.embed_tokens.weight.detach().data_ptr(), self._rope[0].data_ptr(), self._rope[1].data_ptr(),
+            None, self.logits.data_ptr(),
         )  # fmt: skip
-        lib = _native.load()
-        work = torch.empty(int(lib.hfs_decode_work_floats(ctypes.byref(dec))))
-        dec.work = work.data_ptr()
-        if short:  # the LM head for its last token only
-            prompt = input_ids[0].to(torch.int64).contiguous()
-            rows = base.embed_tokens.weight.shape[0]
-            if not 0 <= int(prompt.min()) <= int(prompt.max()) < rows:
-                raise SparsityError(f"Prompt token ids must lie in [0, {rows}): the model's embedding rows.")
-            first = int(lib.hfs_decode_prompt(ctypes.byref(dec), prompt.data_ptr(), n, 0))
+        self._lib = _native.load()
+        self._work = torch.empty(int(self._lib.hfs_decode_work_floats(ctypes.byref(dec))))
+        dec.work = self._work.data_ptr()
+        self._dec, self._layers, self._caches, self.total = dec, layers, caches, total
+
+    @torch.inference_mode()
+    def start(self, input_ids: torch.Tensor, total: int) -> torch.Tensor:
+        """Run the prompt (``[1, n]`` ids) with room for ``total`` tokens; returns the last position's logits
+        (float32 ``[vocab]``, a buffer the next :meth:`step` overwrites). :meth:`step` grows the cache past
+        ``total`` when asked for a later position."""
+        from transformers import DynamicCache
+
+        cfg = self.model.config
+        base = self.model.model
+        n = int(input_ids.shape[1])
+        total = max(total, n + 1)
+        _refuse(_window_reason(cfg, total))  # the rest of native_step_reason holds since __init__
+        self._keep = []
+        self._build(total)
+        self.pos = n
+        if n > PROMPT_STEPS:  # the model's forward: batched products; its cache seeds ours
+            cache = DynamicCache(config=cfg)
+            out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+            for i in range(len(base.layers)):
+                self._caches[2 * i][:, :n] = cache.layers[i].keys[0]
+                self._caches[2 * i + 1][:, :n] = cache.layers[i].values[0]
+            self.logits.copy_(out.logits[0, -1])
+            return self.logits
+        prompt = input_ids[0].to(torch.int64).contiguous()  # one token at a time; the LM head for the last
+        rows = base.embed_tokens.weight.shape[0]
+        if not 0 <= int(prompt.min()) <= int(prompt.max()) < rows:
+            raise SparsityError(f"Prompt token ids must lie in [0, {rows}): the model's embedding rows.")
+        self._lib.hfs_decode_prompt(ctypes.byref(self._dec), prompt.data_ptr(), n, 0)
+        return self.logits
+
+    def step(self, token: int) -> int:
+        """Decode ``token`` at the next position; the next token's greedy id (:attr:`logits` holds the
+        logits, float32 ``[vocab]``)."""
+        if self.pos >= self.total:
+            _refuse(_window_reason(self.model.config, 2 * self.total))
+            self._keep = []
+            self._build(2 * self.total, self.pos, self._caches)
+        best = int(self._lib.hfs_decode_step(ctypes.byref(self._dec), token, self.pos))
+        self.pos += 1
+        return best
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        eos: set[int] = frozenset(),
+        on_token: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Greedy decoding: ``[1, n]`` prompt ids -> ``[1, n + generated]``."""
+        logits = self.start(input_ids, int(input_ids.shape[1]) + max_new_tokens)
+        first = int(logits.argmax())
         new = [first]
         if on_token is not None:
             on_token(first)
-        tok, pos = first, n
+        tok = first
         while tok not in eos and len(new) < max_new_tokens:
-            tok = int(lib.hfs_decode_step(ctypes.byref(dec), tok, pos))
-            pos += 1
+            tok = self.step(tok)
             new.append(tok)
             if on_token is not None:
                 on_token(tok)
-        del caches, layers
+        self.close()
         return torch.cat([input_ids, torch.tensor([new], dtype=input_ids.dtype)], dim=1)
+
+    def close(self) -> None:
+        """Drop the cache and the C structures (the model's tensors are untouched)."""
+        self._keep, self._caches, self._layers, self._dec = [], [], None, None
 
 
 @torch.inference_mode()
@@ -319,3 +362,174 @@ def greedy_decode(
             break
         out = model(input_ids=nxt, cache=cache, use_cache=True, logits_to_keep=1)
     return torch.cat([ids, *new], dim=1)
+
+
+# ------------------------------------------------------------------ model.generate(custom_generate=...)
+NATIVE_STEPS = ("auto", "native")
+"""``native_step=`` of :func:`native_generate`: ``auto`` (the native step where it runs this generation, else
+transformers' own loop and one logged line naming why), ``native`` (an error where it does not run)."""
+
+_CACHE_STEP = 256  # positions the native cache is allocated for beyond the prompt at first (it grows)
+
+logger = logging.getLogger(__name__)
+
+
+def _mode_name(generation_config) -> str:
+    return generation_config.get_generation_mode().name.lower().replace("_", " ")
+
+
+def generation_reason(model, input_ids: torch.Tensor, generation_config, model_kwargs: dict) -> str | None:
+    """Why :func:`native_generate` cannot run this ``generate`` call on the native step (``None``: it can)."""
+    from transformers.generation.configuration_utils import GenerationMode
+
+    mode = generation_config.get_generation_mode()
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        return f"{_mode_name(generation_config)} (the native step runs greedy decoding and sampling)"
+    if input_ids.ndim != 2 or input_ids.shape[0] != 1:
+        return f"a batch of {input_ids.shape[0]} sequences (the native step decodes one)"
+    if input_ids.shape[1] == 0 or model_kwargs.get("inputs_embeds") is not None:
+        return "inputs_embeds instead of token ids"
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and not bool((mask == 1).all()):
+        return "padding in the attention mask"
+    cache = model_kwargs.get("cache")
+    if cache is not None and hasattr(cache, "get_seq_length") and int(cache.get_seq_length()) > 0:
+        return "a cache passed in that already holds positions"
+    if generation_config.return_dict_in_generate and (
+        generation_config.output_attentions or generation_config.output_hidden_states
+    ):
+        return "output_attentions / output_hidden_states (scores and logits are returned)"
+    return native_step_reason(model, int(generation_config.max_length or 0) or None)
+
+
+def _caller_streamer():
+    """The ``streamer`` transformers' ``generate`` was called with: its callable ``custom_generate`` is not
+    handed the streamer (``generate`` gives it the prompt, then keeps it), so it is read from the caller's
+    frame."""
+    frame = sys._getframe(2)
+    for _ in range(3):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "generate" and "streamer" in frame.f_locals:
+            return frame.f_locals["streamer"]
+        frame = frame.f_back
+    return None
+
+
+@torch.no_grad()
+def native_generate(
+    model,
+    input_ids: torch.Tensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus: bool = False,
+    streamer=None,
+    native_step: str = "auto",
+    **model_kwargs,
+):
+    """The decoding loop of ``model.generate`` on the native step: pass it as ``custom_generate``.
+
+    ::
+
+        from hf_sparsity.decoding import native_generate
+        out = model.generate(**inputs, max_new_tokens=128, custom_generate=native_generate)
+        out = model.generate(**inputs, do_sample=True, temperature=0.7, top_p=0.9,
+                             custom_generate=native_generate)
+        pipe = pipeline("text-generation", model=model, tokenizer=tok)
+        pipe(prompt, custom_generate=native_generate)
+
+    ``generate`` prepares everything as usual (generation config, logits processors, stopping criteria,
+    ``max_new_tokens`` / ``eos_token_id``, the streamer's prompt) and hands the loop to this function, which
+    computes each token's logits with one native call (:class:`NativeDecoder`) and then runs transformers'
+    own logits processors, sampling (``torch.multinomial`` of the softmax) or argmax, stopping criteria and
+    streamer, as ``generate``'s sampling loop does. Greedy gives ``generate``'s tokens; sampled runs draw
+    from the same processed probabilities (up to float rounding). ``return_dict_in_generate`` returns the
+    sequences, and the scores / logits when asked for.
+
+    Where the native step does not run the call (:func:`generation_reason`: architecture, rope, dtype,
+    backend, training mode, beam search, a batch, padding, ...) ``generate``'s own loop runs and one line
+    is logged naming why; ``native_step="native"`` (a ``generate`` keyword) raises instead.
+    """
+    from transformers.generation.utils import GENERATION_MODES_MAPPING, GenerateDecoderOnlyOutput
+
+    if native_step not in NATIVE_STEPS:
+        raise SparsityError(f"native_step={native_step!r}: use one of {', '.join(NATIVE_STEPS)}.")
+    if streamer is None:
+        streamer = _caller_streamer()
+    reason = generation_reason(model, input_ids, generation_config, model_kwargs)
+    if synced_gpus:
+        reason = "synced_gpus"
+    if reason is not None:
+        if native_step == "native":
+            raise SparsityError(
+                f"The native decoding step does not run this generation: {reason}. Drop "
+                "native_step='native' (generate's own loop runs), or custom_generate altogether."
+            )
+        logger.warning("hf_sparsity: generate's own loop runs (not the native step): %s.", reason)
+        mode = generation_config.get_generation_mode()
+        method = GENERATION_MODES_MAPPING.get(mode)
+        if method not in ("_sample", "_beam_search"):
+            raise SparsityError(
+                f"{_mode_name(generation_config)} with custom_generate=native_generate: drop custom_generate."
+            )
+        extra = {"streamer": streamer} if method == "_sample" else {}
+        return getattr(type(model), method)(
+            model, input_ids, logits_processor, stopping_criteria, generation_config,
+            synced_gpus=synced_gpus, **extra, **model_kwargs,
+        )  # fmt: skip
+    want_dict = generation_config.return_dict_in_generate
+    keep_scores = want_dict and generation_config.output_scores
+    keep_logits = want_dict and generation_config.output_logits
+    scores, raw = [], []
+    do_sample = generation_config.do_sample
+    pad = generation_config._pad_token_tensor
+    has_eos = pad is not None and any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+    ids = input_ids
+    unfinished = torch.ones(1, dtype=torch.long, device=ids.device)
+    dec = NativeDecoder(model, check=False)
+    n = int(ids.shape[1])
+    limit = int(generation_config.max_length or n + _CACHE_STEP)
+    logits = dec.start(ids.cpu(), min(limit, n + _CACHE_STEP))
+    try:
+        while True:
+            step_logits = logits[None].clone()
+            step_scores = logits_processor(ids, step_logits)
+            if keep_logits:
+                raw.append(step_logits)
+            if keep_scores:
+                scores.append(step_scores)
+            if do_sample:
+                probs = nn.functional.softmax(step_scores, dim=-1)
+                nxt = torch.multinomial(probs, num_samples=1).squeeze(1)
+            else:
+                nxt = torch.argmax(step_scores, dim=-1)
+            if has_eos:  # as generate: a finished sequence's next token is the pad token
+                nxt = nxt * unfinished + pad * (1 - unfinished)
+            ids = torch.cat([ids, nxt[:, None].to(ids.dtype)], dim=-1)
+            if streamer is not None:
+                streamer.put(nxt.cpu())
+            unfinished = unfinished & ~stopping_criteria(ids, tuple(scores) if keep_scores else None)
+            if int(unfinished.max()) == 0:
+                break
+            dec.step(int(nxt))
+            logits = dec.logits
+    finally:
+        dec.close()
+    if streamer is not None:
+        streamer.end()
+    if want_dict:
+        return GenerateDecoderOnlyOutput(
+            sequences=ids,
+            scores=tuple(scores) if keep_scores else None,
+            logits=tuple(raw) if keep_logits else None,
+        )
+    return ids
+
+
+def native_generate_kwargs(native_step: str = "auto") -> dict:
+    """The keywords that make ``model.generate`` / a text-generation ``pipeline`` call decode on the
+    native step: ``model.generate(**inputs, **native_generate_kwargs())`` (:func:`native_generate`)."""
+    if native_step not in NATIVE_STEPS:
+        raise SparsityError(f"native_step={native_step!r}: use one of {', '.join(NATIVE_STEPS)}.")
+    return {"custom_generate": native_generate, "native_step": native_step}
