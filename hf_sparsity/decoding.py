@@ -37,6 +37,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import sys
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -48,9 +49,13 @@ STEPS = ("auto", "native", "model")
 """``greedy_decode(step=...)``: ``native`` (the one-call native step; an error where it does not apply),
 ``model`` (the forward loop), ``auto`` (native where it applies, else the forward loop)."""
 
-ARCHITECTURES = ("llama", "mistral", "qwen2")
-"""``config.model_type`` values the native step runs: pre-norm decoder blocks with RMSNorm, rotary
-embeddings (rotate-half), grouped-query attention and a SiLU-gated MLP."""
+ARCHITECTURES = ("llama", "mistral", "qwen2", "gpt2")
+"""``config.model_type`` values the native step runs: Llama / Mistral / Qwen2 (pre-norm blocks with RMSNorm,
+rotary embeddings (rotate-half), grouped-query attention, a SiLU-gated MLP) and GPT-2 (learned positions,
+LayerNorm with a bias, one fused q / k / v product, GELU MLP, biases; ``Conv1D`` weights)."""
+
+GPT2_ACTIVATIONS = {"gelu_new": 0, "gelu_pytorch_tanh": 0, "gelu": 1}
+"""GPT-2 ``activation_function`` values the native step runs (0: GELU's tanh approximation, 1: erf)."""
 
 PROMPT_STEPS = 16
 """Prompts up to this many tokens run through the native step one token at a time (each token reads the
@@ -72,7 +77,7 @@ class _Layer(ctypes.Structure):  # hfs_layer_t in csrc/hfs_kernels.c
     _fields_ = [
         *[(f"p_{n}", ctypes.c_void_p) for n in _PROJ],
         *[(f"b_{n}", ctypes.c_void_p) for n in _PROJ],
-        *[(n, ctypes.c_void_p) for n in ("norm1", "norm2", "kc", "vc")],
+        *[(n, ctypes.c_void_p) for n in ("norm1", "norm2", "kc", "vc", "nbias1", "nbias2")],
     ]
 
 
@@ -86,6 +91,10 @@ class _Decoder(ctypes.Structure):  # hfs_decoder_t in csrc/hfs_kernels.c
         ("eps", ctypes.c_double),
         ("scale", ctypes.c_double),
         *[(n, ctypes.c_void_p) for n in _POINTERS],
+        ("arch", ctypes.c_int64),
+        ("act", ctypes.c_int64),
+        ("pos_embed", ctypes.c_void_p),
+        ("final_norm_bias", ctypes.c_void_p),
     ]
 
 
@@ -104,18 +113,88 @@ def _window_reason(cfg, length: int) -> str | None:
     return None
 
 
-def native_step_reason(model: nn.Module, length: int | None = None) -> str | None:
-    """Why :class:`NativeDecoder` cannot run ``model`` (``None``: it can), for generations reaching
-    ``length`` tokens (prompt included) when given."""
-    from .backends import _native
-    from .inference import SparseLinear
+class _Parts:
+    """The pieces of a supported model the native step points at (:func:`_parts`)."""
 
-    if _native.load() is None:
-        return f"the native kernel library is unavailable: {_native.error()}"
-    cfg = getattr(model, "config", None)
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _parts(model: nn.Module) -> _Parts | str:
+    """The model's blocks as the native step sees them, or why it cannot (a module tree it does not know).
+    Each block: ``proj`` (hfs_layer_t's slot -> module; GPT-2's fused c_attn in ``q_proj``, c_fc in
+    ``up_proj``) and ``norms`` (two (weight, bias) pairs; bias ``None``: RMSNorm)."""
+    cfg = model.config
+    if cfg.model_type == "gpt2":
+        base = getattr(model, "transformer", None)
+        blocks = getattr(base, "h", None)
+        if blocks is None or not all(hasattr(base, n) for n in ("wte", "wpe", "ln_f")):
+            return "not a GPT-2 module tree (model.transformer.h / wte / wpe / ln_f)"
+        out = []
+        for i, blk in enumerate(blocks):
+            attn, mlp = getattr(blk, "attn", None), getattr(blk, "mlp", None)
+            if attn is None or mlp is None or hasattr(attn, "q_attn") or getattr(blk, "crossattention", None):
+                return f"block {i} is not a GPT-2 decoder block (cross-attention?)"
+            proj = {
+                "q_proj": attn.c_attn,
+                "o_proj": attn.c_proj,
+                "up_proj": mlp.c_fc,
+                "down_proj": mlp.c_proj,
+            }
+            norms = [(blk.ln_1.weight, blk.ln_1.bias), (blk.ln_2.weight, blk.ln_2.bias)]
+            out.append({"proj": proj, "norms": norms})
+        heads = int(cfg.n_head)
+        hd = int(cfg.n_embd) // heads
+        return _Parts(
+            arch=1, blocks=out, embed=base.wte.weight, pos_embed=base.wpe.weight, rotary=None,
+            final=(base.ln_f.weight, base.ln_f.bias), eps=float(blocks[0].ln_1.eps),
+            scale=float(blocks[0].attn.scaling), hidden=int(cfg.n_embd), heads=heads, kv=heads, hd=hd,
+            ffn=int(blocks[0].mlp.c_fc.weight.shape[1] if type(blocks[0].mlp.c_fc).__name__ == "Conv1D"
+                    else blocks[0].mlp.c_fc.out_features),
+            act=GPT2_ACTIVATIONS.get(cfg.activation_function, -1),
+        )  # fmt: skip
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if layers is None or not hasattr(base, "rotary_emb") or not hasattr(base, "embed_tokens"):
+        return "not a decoder-only Llama-style module tree (model.model.layers / rotary_emb / embed_tokens)"
+    out = []
+    for i, layer in enumerate(layers):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if attn is None or mlp is None or type(layer.input_layernorm).__name__.endswith("LayerNorm"):
+            return f"layer {i} is not a Llama-style block"
+        proj = {n: getattr(attn if n in _PROJ[:4] else mlp, n, None) for n in _PROJ}
+        norms = [(layer.input_layernorm.weight, None), (layer.post_attention_layernorm.weight, None)]
+        out.append({"proj": proj, "norms": norms})
+    heads, kv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+    return _Parts(
+        arch=0, blocks=out, embed=base.embed_tokens.weight, pos_embed=None, rotary=base.rotary_emb,
+        final=(base.norm.weight, None), eps=float(layers[0].input_layernorm.variance_epsilon),
+        scale=float(layers[0].self_attn.scaling), hidden=int(cfg.hidden_size), heads=heads, kv=kv,
+        hd=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads), ffn=int(cfg.intermediate_size),
+        act=0,
+    )  # fmt: skip
+
+
+def _is_conv1d(mod) -> bool:
+    return type(mod).__name__ == "Conv1D" and hasattr(mod, "nf")
+
+
+def _config_reason(cfg, length: int | None) -> str | None:
+    """Why the native step cannot run a model of this config (architecture and options only)."""
     kind = getattr(cfg, "model_type", None)
     if kind not in ARCHITECTURES:
         return f"model type {kind!r} (the native step runs {', '.join(ARCHITECTURES)})"
+    if kind == "gpt2":
+        act = getattr(cfg, "activation_function", None)
+        if act not in GPT2_ACTIVATIONS:
+            return f"activation {act!r} (the native step runs {', '.join(GPT2_ACTIVATIONS)} for GPT-2)"
+        if getattr(cfg, "scale_attn_by_inverse_layer_idx", False):
+            return "scale_attn_by_inverse_layer_idx (attention scaled per layer)"
+        if getattr(cfg, "add_cross_attention", False):
+            return "cross-attention"
+        if length is not None and length > int(cfg.n_positions):
+            return f"the generation reaches {length} tokens, beyond its {cfg.n_positions} positions"
+        return None
     if getattr(cfg, "hidden_act", None) != "silu":
         return f"activation {getattr(cfg, 'hidden_act', None)!r} (the native step runs silu)"
     rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
@@ -125,36 +204,62 @@ def native_step_reason(model: nn.Module, length: int | None = None) -> str | Non
         return "pretraining_tp > 1"
     if length is not None and _window_reason(cfg, length):
         return _window_reason(cfg, length)
-    base = getattr(model, "model", None)
-    layers = getattr(base, "layers", None)
-    if layers is None or not hasattr(base, "rotary_emb") or not hasattr(base, "embed_tokens"):
-        return "not a decoder-only Llama-style module tree (model.model.layers / rotary_emb / embed_tokens)"
-    head = model.get_output_embeddings()
+    return None
+
+
+def native_step_reason(model: nn.Module, length: int | None = None) -> str | None:
+    """Why :class:`NativeDecoder` cannot run ``model`` (``None``: it can), for generations reaching
+    ``length`` tokens (prompt included) when given."""
+    from .backends import _native
+    from .inference import SparseLinear
+
+    if _native.load() is None:
+        return f"the native kernel library is unavailable: {_native.error()}"
+    cfg = getattr(model, "config", None)
+    reason = _config_reason(cfg, length)
+    if reason is not None:
+        return reason
+    parts = _parts(model)
+    if isinstance(parts, str):
+        return parts
     if model.training:
         return "the model is in training mode (call model.eval())"
-    for i, layer in enumerate(layers):
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if attn is None or mlp is None or type(layer.input_layernorm).__name__.endswith("LayerNorm"):
-            return f"layer {i} is not a Llama-style block"
-        for name in _PROJ:
-            mod = getattr(attn if name in _PROJ[:4] else mlp, name, None)
+    head = model.get_output_embeddings()
+    for i, blk in enumerate(parts.blocks):
+        for name, mod in blk["proj"].items():
             if isinstance(mod, SparseLinear):
                 if mod.backend.decode_call() is None:
                     return f"layer {i} {name}: backend {mod.backend.name!r} has no native batch-1 call"
-            elif type(mod) is not nn.Linear or not _f32(mod.weight.detach()):
+            elif not (type(mod) is nn.Linear or _is_conv1d(mod)) or not _f32(mod.weight.detach()):
                 return (
-                    f"layer {i} {name}: {type(mod).__name__} (native step: SparseLinear or float32 nn.Linear)"
+                    f"layer {i} {name}: {type(mod).__name__} (native step: SparseLinear, or nn.Linear / "
+                    "Conv1D in float32)"
                 )
             if not _f32(mod.bias):
                 return f"layer {i} {name}: a bias that is not float32 on the CPU"
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            if not _f32(getattr(norm, "weight", None)):
+        for w, b in blk["norms"]:
+            if not _f32(w) or not _f32(b):
                 return f"layer {i}: a norm whose weight is not float32 on the CPU"
     if not (isinstance(head, SparseLinear) or (type(head) is nn.Linear and _f32(head.weight.detach()))):
         return f"LM head {type(head).__name__} (native step: SparseLinear or float32 nn.Linear)"
-    if not _f32(base.embed_tokens.weight.detach()) or not _f32(base.norm.weight):
+    if not all(_f32(t if t is None else t.detach()) for t in (parts.embed, parts.pos_embed, *parts.final)):
         return "embeddings or final norm not float32 on the CPU"
     return None
+
+
+_TRANSPOSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _transposed(conv: nn.Module) -> torch.Tensor:
+    """A Conv1D's weight ``[in, out]`` as ``[out, in]`` (contiguous), kept while the module lives and its
+    weight is unchanged."""
+    weight = conv.weight
+    hit = _TRANSPOSED.get(conv)
+    key = (weight.data_ptr(), weight._version)
+    if hit is None or hit[0] != key:
+        hit = (key, weight.detach().t().contiguous())
+        _TRANSPOSED[conv] = hit
+    return hit[1]
 
 
 def _refuse(reason: str | None) -> None:
@@ -169,7 +274,9 @@ class NativeDecoder:
     """Greedy decoding of one prompt with one native call per token (module docstring).
 
     Built per generation (cheap: it points at the model's tensors, nothing is copied); plain float32
-    ``nn.Linear`` layers run on the native dense GEMV over their own weight. Raises
+    ``nn.Linear`` layers run on the native dense GEMV over their own weight; a plain GPT-2 ``Conv1D`` (stored
+    ``[in, out]``) on a transposed copy, made once per weight and kept while the weight lives and is unchanged
+    (``sparsify_for_inference`` converts them, and then nothing is copied). Raises
     :class:`~hf_sparsity.utils.SparsityError` with the reason when the model is not supported
     (:func:`native_step_reason`).
     """
@@ -189,11 +296,11 @@ class NativeDecoder:
             prep, addr = mod.backend.decode_call()
             self._keep.append(prep)
         else:  # float32 nn.Linear: the dense GEMV over its own weight (no copy: full mask, contiguous)
-            w = mod.weight.detach()
+            w = _transposed(mod) if _is_conv1d(mod) else mod.weight.detach()
             full = torch.ones((), dtype=torch.uint8).expand(w.shape)
             backend = get_backend("native_dense").from_dense(w, full)
             prep, addr = backend.decode_call()
-            self._keep += [backend, prep]
+            self._keep += [backend, prep, w]
         bias = mod.bias.detach() if mod.bias is not None else None
         return addr, _ptr(bias)
 
@@ -202,16 +309,17 @@ class NativeDecoder:
         copied into the new ones (a longer generation than the cache first allocated)."""
         from .backends import _native
 
-        model, cfg = self.model, self.model.config
-        base = model.model
-        hd = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-        heads, kv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
-        pos_ids = torch.arange(total)[None]
-        cos, sin = base.rotary_emb(torch.zeros(1, dtype=torch.float32), position_ids=pos_ids)
-        self._rope = (cos[0].float().contiguous(), sin[0].float().contiguous())
-        layers = (_Layer * len(base.layers))()
+        parts = _parts(self.model)
+        heads, kv, hd = parts.heads, parts.kv, parts.hd
+        if parts.rotary is not None:
+            pos_ids = torch.arange(total)[None]
+            cos, sin = parts.rotary(torch.zeros(1, dtype=torch.float32), position_ids=pos_ids)
+            self._rope = (cos[0].float().contiguous(), sin[0].float().contiguous())
+        else:
+            self._rope = (None, None)
+        layers = (_Layer * len(parts.blocks))()
         caches = []
-        for i, layer in enumerate(base.layers):
+        for i, blk in enumerate(parts.blocks):
             kc = torch.zeros(kv, total, hd)
             vc = torch.zeros(kv, total, hd)
             if old is not None:
@@ -219,31 +327,33 @@ class NativeDecoder:
                 vc[:, :n] = old[2 * i + 1][:, :n]
             caches += [kc, vc]
             entry = layers[i]
-            for name in _PROJ:
-                mod = getattr(layer.self_attn if name in _PROJ[:4] else layer.mlp, name)
+            for name, mod in blk["proj"].items():
                 addr, bias = self._call(mod)
                 setattr(entry, f"p_{name}", addr)
                 setattr(entry, f"b_{name}", bias)
-            entry.norm1 = layer.input_layernorm.weight.data_ptr()
-            entry.norm2 = layer.post_attention_layernorm.weight.data_ptr()
+            (w1, b1), (w2, b2) = blk["norms"]
+            entry.norm1, entry.norm2 = _ptr(w1.detach()), _ptr(w2.detach())
+            entry.nbias1 = _ptr(b1 if b1 is None else b1.detach())
+            entry.nbias2 = _ptr(b2 if b2 is None else b2.detach())
             entry.kc, entry.vc = kc.data_ptr(), vc.data_ptr()
-        head = model.get_output_embeddings()
+        head = self.model.get_output_embeddings()
         head_addr, head_bias = self._call(head)
         vocab = int(head.out_features)
         self.logits = torch.empty(vocab)
-        attn0 = base.layers[0].self_attn
+        fw, fb = parts.final
         dec = _Decoder(
-            len(base.layers), int(cfg.hidden_size), heads, kv, hd, int(cfg.intermediate_size), total, vocab,
-            torch.get_num_threads(),
-            float(base.layers[0].input_layernorm.variance_epsilon), float(attn0.scaling),
-            ctypes.addressof(layers), head_addr, head_bias, base.norm.weight.data_ptr(),
-            base.embed_tokens.weight.detach().data_ptr(), self._rope[0].data_ptr(), self._rope[1].data_ptr(),
-            None, self.logits.data_ptr(),
+            len(parts.blocks), parts.hidden, heads, kv, hd, parts.ffn, total, vocab, torch.get_num_threads(),
+            parts.eps, parts.scale, ctypes.addressof(layers), head_addr, head_bias, _ptr(fw.detach()),
+            parts.embed.detach().data_ptr(), _ptr(self._rope[0]), _ptr(self._rope[1]), None,
+            self.logits.data_ptr(), parts.arch, parts.act,
+            _ptr(parts.pos_embed if parts.pos_embed is None else parts.pos_embed.detach()),
+            _ptr(fb if fb is None else fb.detach()),
         )  # fmt: skip
         self._lib = _native.load()
         self._work = torch.empty(int(self._lib.hfs_decode_work_floats(ctypes.byref(dec))))
         dec.work = self._work.data_ptr()
         self._dec, self._layers, self._caches, self.total = dec, layers, caches, total
+        self._embed_rows = int(parts.embed.shape[0])
 
     @torch.inference_mode()
     def start(self, input_ids: torch.Tensor, total: int) -> torch.Tensor:
@@ -253,23 +363,22 @@ class NativeDecoder:
         from transformers import DynamicCache
 
         cfg = self.model.config
-        base = self.model.model
         n = int(input_ids.shape[1])
         total = max(total, n + 1)
-        _refuse(_window_reason(cfg, total))  # the rest of native_step_reason holds since __init__
+        _refuse(_config_reason(cfg, total))  # the rest of native_step_reason holds since __init__
         self._keep = []
         self._build(total)
         self.pos = n
         if n > PROMPT_STEPS:  # the model's forward: batched products; its cache seeds ours
             cache = DynamicCache(config=cfg)
             out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
-            for i in range(len(base.layers)):
+            for i in range(len(self._caches) // 2):
                 self._caches[2 * i][:, :n] = cache.layers[i].keys[0]
                 self._caches[2 * i + 1][:, :n] = cache.layers[i].values[0]
             self.logits.copy_(out.logits[0, -1])
             return self.logits
         prompt = input_ids[0].to(torch.int64).contiguous()  # one token at a time; the LM head for the last
-        rows = base.embed_tokens.weight.shape[0]
+        rows = self._embed_rows
         if not 0 <= int(prompt.min()) <= int(prompt.max()) < rows:
             raise SparsityError(f"Prompt token ids must lie in [0, {rows}): the model's embedding rows.")
         self._lib.hfs_decode_prompt(ctypes.byref(self._dec), prompt.data_ptr(), n, 0)
@@ -279,7 +388,7 @@ class NativeDecoder:
         """Decode ``token`` at the next position; the next token's greedy id (:attr:`logits` holds the
         logits, float32 ``[vocab]``)."""
         if self.pos >= self.total:
-            _refuse(_window_reason(self.model.config, 2 * self.total))
+            _refuse(_config_reason(self.model.config, 2 * self.total))
             self._keep = []
             self._build(2 * self.total, self.pos, self._caches)
         best = int(self._lib.hfs_decode_step(ctypes.byref(self._dec), token, self.pos))

@@ -49,11 +49,36 @@ def _model(arch: str = "llama", layout: str = "gqa", vocab: int = 128, **kw):
     return model
 
 
-def _sparse(model, backend: str = "bitmask"):
+GPT2_LAYOUTS = {"h4-hd16": (64, 4), "h2-hd32": (64, 2), "h8-hd4": (32, 8)}  # hidden, heads
+
+
+def _gpt2(layout: str = "h4-hd16", act: str = "gelu_new", vocab: int = 128):
+    """A tiny GPT-2 with realistic random weights: LayerNorm weights away from 1, random biases."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    hidden, heads = GPT2_LAYOUTS[layout]
+    cfg = GPT2Config(
+        n_layer=2, n_embd=hidden, n_head=heads, n_positions=256, vocab_size=vocab, bos_token_id=0,
+        eos_token_id=1, pad_token_id=1, activation_function=act,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.3)
+            elif ".ln_" in name and name.endswith("weight"):
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 0.1)
+    return model
+
+
+def _sparse(model, backend: str = "bitmask", **options):
     eng = SparsityEngine(model, SparsityConfig(sparsity=0.5, init_method="topk"))
     eng.build_masks()
     eng.apply()
-    sparsify_for_inference(model, backend, masks=eng.masks)
+    sparsify_for_inference(model, backend, masks=eng.masks, **options)
     return model
 
 
@@ -80,6 +105,42 @@ def test_greedy_is_token_identical_to_generate(arch, layout, backend):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize(
+    "backend,options",
+    [(None, {}), ("bitmask", {}), ("csr", {}), ("bitmask", {"values": "int8"}), ("native_dense", {})],
+)
+@pytest.mark.parametrize("layout,act", [("h4-hd16", "gelu_new"), ("h2-hd32", "gelu"), ("h8-hd4", "gelu_new")])
+def test_gpt2_greedy_is_token_identical_to_generate(layout, act, backend, options):
+    """GPT-2 on the native step (learned positions, LayerNorm with a bias, fused Conv1D q / k / v, GELU,
+    biases): plain Conv1D layers and every native format give generate's greedy tokens (int8 values:
+    the forward loop's, on the same kernels)."""
+    from hf_sparsity.decoding import greedy_decode, native_step_reason
+
+    model = _gpt2(layout, act)
+    if backend:
+        _sparse(model, backend, **options)
+    assert native_step_reason(model) is None
+    model.generation_config.eos_token_id = None
+    for seed, n in enumerate((4, 19)):  # the prompt token by token, and through the model's forward
+        ids = _ids(n, seed)
+        want = model.generate(ids, max_new_tokens=40, do_sample=False)
+        got = model.generate(ids, max_new_tokens=40, do_sample=False, custom_generate=native_generate)
+        assert torch.equal(got, want)
+        assert torch.equal(greedy_decode(model, ids, 40, step="native"), want)
+
+
+def test_gpt2_plain_conv1d_weights_are_transposed_once_and_follow_changes():
+    from hf_sparsity.decoding import greedy_decode
+
+    model = _gpt2()
+    model.generation_config.eos_token_id = None
+    ids = _ids(5, 8)
+    assert torch.equal(greedy_decode(model, ids, 10, step="native"), model.generate(ids, max_new_tokens=10))
+    with torch.no_grad():  # a changed weight: the native step sees the change
+        model.transformer.h[0].mlp.c_fc.weight.mul_(-1.5)
+    assert torch.equal(greedy_decode(model, ids, 10, step="native"), model.generate(ids, max_new_tokens=10))
+
+
 def test_greedy_stops_at_eos_and_pads_like_generate():
     model = _model()
     ids = _ids(6, 1)
@@ -92,12 +153,12 @@ def test_greedy_stops_at_eos_and_pads_like_generate():
     assert int(got[0, -1]) == eos and got.shape[1] == ids.shape[1] + 4 and torch.equal(got, want)
 
 
-@pytest.mark.parametrize("arch,layout", [("llama", "gqa"), ("qwen2", "mqa-wide-heads")])
+@pytest.mark.parametrize("arch,layout", [("llama", "gqa"), ("qwen2", "mqa-wide-heads"), ("gpt2", "h4-hd16")])
 def test_sampling_draws_from_generates_processed_probabilities(arch, layout):
     """At every step of a sampled run (temperature, top-k, top-p, repetition penalty) the processed
     probabilities equal those transformers' own loop computes for the same prefix, within float rounding;
     every drawn token has positive probability there."""
-    model = _sparse(_model(arch, layout))
+    model = _sparse(_gpt2(layout) if arch == "gpt2" else _model(arch, layout))
     model.generation_config.eos_token_id = None
     ids = _ids(7, 2)
     torch.manual_seed(0)
@@ -199,7 +260,7 @@ def test_pipeline_forwards_it(shared_data):
         ("beam", "beam search"),
         ("batch", "batch of 2"),
         ("padding", "padding"),
-        ("gpt2", "model type 'gpt2'"),
+        ("gpt_neox", "model type 'gpt_neox'"),
         ("bf16", "float32"),
         ("masked_dense", "no native batch-1 call"),
         ("train", "training mode"),
@@ -218,8 +279,8 @@ def test_what_the_native_step_does_not_run_takes_generates_loop(case, match, cap
         ids = torch.cat([ids, _ids(5, 7)])
     elif case == "padding":
         kw["attention_mask"] = torch.tensor([[0, 1, 1, 1, 1]])
-    elif case == "gpt2":
-        model = tiny_model("gpt2").eval()
+    elif case == "gpt_neox":
+        model = tiny_model("gpt_neox").eval()
     elif case == "bf16":
         model = model.to(torch.bfloat16)
     elif case == "masked_dense":
@@ -238,6 +299,19 @@ def test_what_the_native_step_does_not_run_takes_generates_loop(case, match, cap
     with pytest.raises(SparsityError, match=match) as err:
         model.generate(ids, **kw, custom_generate=native_generate, native_step="native")
     assert "\n" not in str(err.value) and "custom_generate" in str(err.value)
+
+
+def test_gpt2_reasons():
+    from hf_sparsity.decoding import native_step_reason
+
+    gpt2 = tiny_model("gpt2").eval()  # 64 learned positions
+    assert native_step_reason(gpt2, 64) is None
+    assert "beyond its 64 positions" in native_step_reason(gpt2, 65)
+    gpt2.config.activation_function = "relu"
+    assert "activation 'relu'" in native_step_reason(gpt2)
+    gpt2.config.activation_function = "gelu_new"
+    gpt2.config.scale_attn_by_inverse_layer_idx = True
+    assert "scale_attn_by_inverse_layer_idx" in native_step_reason(gpt2)
 
 
 def test_bad_native_step_value():
