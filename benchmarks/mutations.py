@@ -3,6 +3,7 @@
     python benchmarks/mutations.py              # every mutation
     python benchmarks/mutations.py finalize     # the ones whose name contains "finalize"
     python benchmarks/mutations.py --before decode   # without the newest test files (NEW_TEST_FILES)
+    python benchmarks/mutations.py --not-slow zero   # leaving out the tests marked slow (launchers)
 
 Each mutation is a text substitution applied to a temporary copy of the repository (the
 working tree as git sees it); the listed test files then run against that copy. A
@@ -588,6 +589,9 @@ def _new(test: str) -> bool:
     return test.split("::")[0] in NEW_TEST_FILES
 
 
+PYTEST_MARKS: tuple[str, ...] = ()  # ("-m", "not slow") with --not-slow
+
+
 def _copy_tree(dst: Path) -> None:
     files = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
@@ -622,7 +626,7 @@ def run(m: Mutation) -> tuple[bool, str, float]:
         tests = sorted(m.tests, key=lambda t: not _new(t))  # the targeted tests first (-x stops there)
         t0 = time.perf_counter()
         proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *PYTEST_MARKS, *tests],
             cwd=tmp,
             env=env,
             capture_output=True,
@@ -643,7 +647,10 @@ def run(m: Mutation) -> tuple[bool, str, float]:
 def main() -> int:
     args = sys.argv[1:]
     before = "--before" in args
-    args = [a for a in args if a != "--before"]
+    global PYTEST_MARKS
+    if "--not-slow" in args:
+        PYTEST_MARKS = ("-m", "not slow")
+    args = [a for a in args if a not in ("--before", "--not-slow")]
     chosen = [m for m in MUTATIONS if not args or any(a in m.name for a in args)]
     if before:  # the same mutations against the tests that existed before the new files
         chosen = [replace(m, tests=tuple(t for t in m.tests if not _new(t))) for m in chosen]
