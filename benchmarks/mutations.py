@@ -3,6 +3,7 @@
     python benchmarks/mutations.py              # every mutation
     python benchmarks/mutations.py finalize     # the ones whose name contains "finalize"
     python benchmarks/mutations.py --before decode   # without the newest test files (NEW_TEST_FILES)
+    python benchmarks/mutations.py --not-slow zero   # leaving out the tests marked slow (launchers)
 
 Each mutation is a text substitution applied to a temporary copy of the repository (the
 working tree as git sees it); the listed test files then run against that copy. A
@@ -34,8 +35,6 @@ class Mutation:
 
 PRUNING_TESTS = ("tests/test_pruning.py", "tests/test_pruning_definitions.py")
 LORA_TESTS = ("tests/test_lora.py",)
-DECODE_TESTS = ("tests/test_decoding.py", "tests/test_realistic_decode.py")
-REFIT_TESTS = ("tests/test_prune_refit.py", "tests/test_bad_branches.py", "tests/test_exact_internals.py")
 
 MUTATIONS = (
     Mutation(
@@ -214,7 +213,10 @@ MUTATIONS = (
                 "if limit and n + max_new_tokens > limit:",
             ),
         ),
-        ("tests/test_cli_errors.py", "tests/test_refusals.py"),
+        (
+            "tests/test_cli_errors.py",
+            "tests/test_refusals.py::test_generation_that_uses_exactly_the_context_is_accepted_and_one_more_token_is_not",
+        ),
     ),
     Mutation(
         "decode-norm2-is-input-norm",
@@ -226,7 +228,10 @@ MUTATIONS = (
                 "entry.norm2 = layer.input_layernorm.weight.data_ptr()",
             ),
         ),
-        DECODE_TESTS,
+        (
+            "tests/test_decoding.py",
+            "tests/test_realistic_decode.py::test_native_step_matches_generate_over_head_layouts",
+        ),
     ),
     Mutation(
         "decode-gelu-accepted",
@@ -238,7 +243,10 @@ MUTATIONS = (
                 'if getattr(cfg, "hidden_act", None) not in ("silu", "gelu", "gelu_pytorch_tanh", "relu"):',
             ),
         ),
-        DECODE_TESTS,
+        (
+            "tests/test_decoding.py",
+            "tests/test_realistic_decode.py::test_refuses_other_activations",
+        ),
     ),
     Mutation(
         "decode-longrope-accepted",
@@ -250,7 +258,10 @@ MUTATIONS = (
                 "if False:",
             ),
         ),
-        DECODE_TESTS,
+        (
+            "tests/test_decoding.py",
+            "tests/test_realistic_decode.py::test_longrope_past_its_original_length_falls_back_to_the_forward_loop",
+        ),
     ),
     Mutation(
         "decode-window-off-by-one",
@@ -262,7 +273,10 @@ MUTATIONS = (
                 'getattr(cfg, "use_sliding_window", True) and length >= window:',
             ),
         ),
-        DECODE_TESTS,
+        (
+            "tests/test_decoding.py",
+            "tests/test_realistic_decode.py::test_sliding_window_at_the_limit_runs_natively_and_one_past_falls_back",
+        ),
     ),
     Mutation(
         "decode-final-norm-unchecked",
@@ -274,7 +288,10 @@ MUTATIONS = (
                 "if not _f32(base.embed_tokens.weight.detach()):",
             ),
         ),
-        DECODE_TESTS,
+        (
+            "tests/test_decoding.py",
+            "tests/test_realistic_decode.py::test_refuses_each_unreadable_tensor_and_the_forward_loop_runs_it",
+        ),
     ),
     Mutation(
         "kernel-decode-final-norm-weight",
@@ -286,7 +303,10 @@ MUTATIONS = (
                 "rms_norm(x, d->layers[0].norm1, h, d->hidden, d->eps);",
             ),
         ),
-        DECODE_TESTS,
+        (
+            "tests/test_decoding.py",
+            "tests/test_realistic_decode.py::test_native_step_matches_generate_over_head_layouts",
+        ),
     ),
     Mutation(
         "kernel-fused-qkv-bias",
@@ -298,7 +318,11 @@ MUTATIONS = (
                 "const float* bs[3] = {L->bq, L->bq, L->bq};",
             ),
         ),
-        DECODE_TESTS,
+        (
+            "tests/test_decoding.py",
+            "tests/test_realistic_decode.py::test_native_step_matches_generate_over_head_layouts",
+            "tests/test_realistic_decode.py::test_native_step_matches_the_model_on_every_format",
+        ),
     ),
     Mutation(
         "kernel-decode-down-bias",
@@ -310,7 +334,10 @@ MUTATIONS = (
                 "hfs_run_prepared(L->down, g, o, NULL);",
             ),
         ),
-        DECODE_TESTS,
+        (
+            "tests/test_decoding.py",
+            "tests/test_realistic_decode.py::test_native_step_matches_the_model_on_every_format",
+        ),
     ),
     Mutation(
         "arena-part-shared-moved",
@@ -322,13 +349,19 @@ MUTATIONS = (
                 "h.data_ptr() == t.data_ptr() and h.dtype == t.dtype",
             ),
         ),
-        ("tests/test_arena.py", "tests/test_exact_internals.py"),
+        (
+            "tests/test_arena.py",
+            "tests/test_exact_internals.py::test_a_tensor_shared_whole_moves_with_its_holder_and_one_shared_in_part_stays",
+        ),
     ),
     Mutation(
         "arena-unaligned",
         "the arena packs tensors back to back, not each on a 64-byte boundary",
         (("hf_sparsity/backends/arena.py", "offset += -(-n // _ALIGN) * _ALIGN", "offset += n"),),
-        ("tests/test_arena.py", "tests/test_exact_internals.py"),
+        (
+            "tests/test_arena.py",
+            "tests/test_exact_internals.py::test_a_tensor_shared_whole_moves_with_its_holder_and_one_shared_in_part_stays",
+        ),
     ),
     Mutation(
         "auto-cache-key-no-dtype",
@@ -340,7 +373,10 @@ MUTATIONS = (
                 'cache.key("layer", shape, level, is24, cands, threads, settings)',
             ),
         ),
-        ("tests/test_auto_plans.py", "tests/test_exact_internals.py"),
+        (
+            "tests/test_auto_plans.py",
+            "tests/test_exact_internals.py::test_a_group_differing_in_one_key_part_is_measured_again",
+        ),
     ),
     Mutation(
         "auto-cache-key-no-values",
@@ -352,7 +388,10 @@ MUTATIONS = (
                 "stream_bytes, keep_dense_for_prefill)",
             ),
         ),
-        ("tests/test_auto_plans.py", "tests/test_exact_internals.py"),
+        (
+            "tests/test_auto_plans.py",
+            "tests/test_exact_internals.py::test_a_group_differing_in_one_key_part_is_measured_again",
+        ),
     ),
     Mutation(
         "auto-predicted-not-per-layer",
@@ -364,13 +403,19 @@ MUTATIONS = (
                 'saved += ms["dense"] - ms[c["decode"]]',
             ),
         ),
-        ("tests/test_auto_plans.py", "tests/test_exact_internals.py"),
+        (
+            "tests/test_auto_plans.py",
+            "tests/test_exact_internals.py::test_predicted_whole_model_ratio_by_hand",
+        ),
     ),
     Mutation(
         "decode-tok-s-stops-at-eos",
         "decode_tok_s lets generate stop at EOS: fewer than new_tokens tokens, counted as new_tokens",
         (("hf_sparsity/backends/measure.py", "            min_new_tokens=new_tokens,\n", ""),),
-        ("tests/test_auto_plans.py", "tests/test_exact_internals.py"),
+        (
+            "tests/test_auto_plans.py",
+            "tests/test_exact_internals.py::test_decode_tok_s_times_exactly_new_tokens_tokens",
+        ),
     ),
     Mutation(
         "zero-offload-param-accepted",
@@ -382,7 +427,10 @@ MUTATIONS = (
                 "offload = offload",
             ),
         ),
-        ("tests/test_deepspeed.py", "tests/test_bad_branches.py"),
+        (
+            "tests/test_deepspeed.py",
+            "tests/test_bad_branches.py::test_each_deepspeed_offload_flag_is_refused",
+        ),
     ),
     Mutation(
         "refit-accepts-unconverged",
@@ -394,13 +442,20 @@ MUTATIONS = (
                 "    return W, True",
             ),
         ),
-        REFIT_TESTS,
+        (
+            "tests/test_prune_refit.py",
+            "tests/test_bad_branches.py::test_refit_retries_a_solve_that_hits_its_iteration_limit_with_more_damping",
+            "tests/test_bad_branches.py::test_refit_refuses_when_every_try_runs_out_of_iterations",
+        ),
     ),
     Mutation(
         "reconstruct-not-undone",
         "a block reconstruction that raised the error is kept (the weights before it are not put back)",
         (("hf_sparsity/pruning/oneshot.py", "            p.copy_(saved[n])", "            pass"),),
-        REFIT_TESTS,
+        (
+            "tests/test_prune_refit.py",
+            "tests/test_bad_branches.py::test_a_reconstruction_that_raises_the_error_is_undone",
+        ),
     ),
     Mutation(
         "reconstruct-lr-shifted",
@@ -412,13 +467,19 @@ MUTATIONS = (
                 "math.cos(math.pi * (step + 1) / steps)",
             ),
         ),
-        REFIT_TESTS,
+        (
+            "tests/test_prune_refit.py",
+            "tests/test_exact_internals.py::test_reconstruction_learning_rate_at_every_step_is_the_cosine",
+        ),
     ),
     Mutation(
         "stream-drops-unknown-tensor",
         "streamed pruning drops the shard tensors the model class does not hold",
         (("hf_sparsity/pruning/streaming.py", "        if leftover:\n", "        if False:\n"),),
-        REFIT_TESTS,
+        (
+            "tests/test_prune_refit.py",
+            "tests/test_bad_branches.py::test_a_shard_tensor_the_model_does_not_hold_is_copied_through_byte_for_byte",
+        ),
     ),
     Mutation(
         "tokens-local-times-world",
@@ -430,7 +491,11 @@ MUTATIONS = (
                 "    return int(total) * dist.get_world_size()",
             ),
         ),
-        ("tests/test_flops.py", "tests/test_ddp.py", "tests/test_bad_branches.py"),
+        (
+            "tests/test_flops.py",
+            "tests/test_ddp.py",
+            "tests/test_bad_branches.py::test_ranks_with_different_real_tokens_are_summed_not_multiplied",
+        ),
     ),
     Mutation(
         "tokens-resume-recounts",
@@ -443,7 +508,10 @@ MUTATIONS = (
                 "        self.seen = 0\n        self.pending = 0",
             ),
         ),
-        ("tests/test_flops.py", "tests/test_bad_branches.py"),
+        (
+            "tests/test_flops.py",
+            "tests/test_bad_branches.py::test_a_resumed_run_with_trainers_count_counts_only_new_tokens",
+        ),
     ),
     Mutation(
         "resume-order-by-name",
@@ -455,7 +523,10 @@ MUTATIONS = (
                 "key=lambda p: p.name",
             ),
         ),
-        ("tests/test_resume_after_crash.py", "tests/test_bad_branches.py"),
+        (
+            "tests/test_resume_after_crash.py",
+            "tests/test_bad_branches.py::test_resume_takes_the_highest_step_not_the_last_name",
+        ),
     ),
     Mutation(
         "checksum-without-names",
@@ -467,7 +538,10 @@ MUTATIONS = (
                 'h.update(b"\\0")',
             ),
         ),
-        ("tests/test_serialization.py", "tests/test_exact_internals.py"),
+        (
+            "tests/test_serialization.py",
+            "tests/test_exact_internals.py::test_mask_checksum_is_sha256_of_names_shapes_and_packed_bits_in_name_order",
+        ),
     ),
     Mutation(
         "lora-masked-first-adapter-only",
@@ -479,7 +553,10 @@ MUTATIONS = (
                 "        for adapter in list(layer.lora_A)[:1]:\n",
             ),
         ),
-        (*LORA_TESTS, "tests/test_exact_internals.py"),
+        (
+            "tests/test_lora.py",
+            "tests/test_exact_internals.py::test_two_adapters_on_masked_layers_each_apply_their_own_masked_update",
+        ),
     ),
     Mutation(
         "lora-masked-delta-of-active-adapter",
@@ -491,7 +568,10 @@ MUTATIONS = (
                 "            delta = module.get_delta_weight(module.active_adapters[0])\n",
             ),
         ),
-        (*LORA_TESTS, "tests/test_exact_internals.py"),
+        (
+            "tests/test_lora.py",
+            "tests/test_exact_internals.py::test_two_adapters_on_masked_layers_each_apply_their_own_masked_update",
+        ),
     ),
 )
 
@@ -501,8 +581,15 @@ NEW_TEST_FILES = (
     "tests/test_bad_branches.py",
     "tests/test_exact_internals.py",
 )
-"""The test files written with the last mutations above; ``--before`` leaves them out (what the suite caught
-without them)."""
+"""The test files written with the last mutations above (their entries name the test that catches each);
+``--before`` leaves them out (what the suite caught without them)."""
+
+
+def _new(test: str) -> bool:
+    return test.split("::")[0] in NEW_TEST_FILES
+
+
+PYTEST_MARKS: tuple[str, ...] = ()  # ("-m", "not slow") with --not-slow
 
 
 def _copy_tree(dst: Path) -> None:
@@ -536,10 +623,10 @@ def run(m: Mutation) -> tuple[bool, str, float]:
         env.update(HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         # The copy has no ../shared beside it; point the data fixture at the real one.
         env.setdefault("HF_SPARSITY_SHARED_DATA", str(ROOT.parent / "shared" / "data"))
-        tests = sorted(m.tests, key=lambda t: t not in NEW_TEST_FILES)  # the targeted files first (-x)
+        tests = sorted(m.tests, key=lambda t: not _new(t))  # the targeted tests first (-x stops there)
         t0 = time.perf_counter()
         proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *PYTEST_MARKS, *tests],
             cwd=tmp,
             env=env,
             capture_output=True,
@@ -560,10 +647,13 @@ def run(m: Mutation) -> tuple[bool, str, float]:
 def main() -> int:
     args = sys.argv[1:]
     before = "--before" in args
-    args = [a for a in args if a != "--before"]
+    global PYTEST_MARKS
+    if "--not-slow" in args:
+        PYTEST_MARKS = ("-m", "not slow")
+    args = [a for a in args if a not in ("--before", "--not-slow")]
     chosen = [m for m in MUTATIONS if not args or any(a in m.name for a in args)]
     if before:  # the same mutations against the tests that existed before the new files
-        chosen = [replace(m, tests=tuple(t for t in m.tests if t not in NEW_TEST_FILES)) for m in chosen]
+        chosen = [replace(m, tests=tuple(t for t in m.tests if not _new(t))) for m in chosen]
     missed = 0
     for m in chosen:
         caught, detail, secs = run(m)
