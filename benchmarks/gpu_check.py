@@ -296,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     t0 = time.perf_counter()
     print(f"gpu_check on {header['env'].get('gpu', device)}{' (tiny shapes)' if tiny else ''} -> {out}")
+    print("packages: " + ", ".join(f"{k} {v}" for k, v in header["env"]["packages"].items()))
+    for entry in setup:
+        print(f"set-up: {entry}")
     outcomes: list[Outcome] = []
     for check in select(a.only):
         left = budget - (time.perf_counter() - t0)
