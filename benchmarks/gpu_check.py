@@ -261,7 +261,29 @@ def select(only: str) -> list[Check]:
     return chosen
 
 
+class Interrupted(Exception):
+    """SIGTERM or SIGINT (an outer ``timeout``, the lease ending, Ctrl-C) while a check runs."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _interrupt(signum, frame):
+    raise Interrupted(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the checks; on SIGTERM / SIGINT end the running check's processes and keep the report."""
+    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _main(argv)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _main(argv: list[str] | None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", help="report folder (report.json, report.md, one sub-folder per check)")
     ap.add_argument("--device", help="cuda (default where visible) or cpu")
@@ -300,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     for entry in setup:
         print(f"set-up: {entry}")
     outcomes: list[Outcome] = []
+    interrupted: Interrupted | None = None
     for check in select(a.only):
         left = budget - (time.perf_counter() - t0)
         limit = int(min((check.tiny_limit if tiny else check.limit) * a.scale, left))
@@ -309,11 +332,18 @@ def main(argv: list[str] | None = None) -> int:
         elif limit < 5:
             o = Outcome(check.letter, check.name, "skip", f"no time left in the {budget:.0f} s budget")
         else:
-            o = run_check(check, out, device, tiny, limit, [])
+            try:
+                o = run_check(check, out, device, tiny, limit, [])
+            except Interrupted as stop:  # the check's processes are gone (run_check's finally)
+                o = Outcome(check.letter, check.name, "fail", f"interrupted by {stop} (processes killed)")
+                interrupted = stop
         outcomes.append(o)
         print(line(o), flush=True)
         header["wall_s"] = time.perf_counter() - t0
         write_reports(out, header, outcomes)
+        if interrupted is not None:
+            print(f"stopped by {interrupted}; reports: {out / 'report.md'}", flush=True)
+            return 128 + interrupted.signum
     counts = {s: sum(o.status == s for o in outcomes) for s in ("pass", "fail", "skip")}
     tally = f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped"
     print(f"{tally} in {header['wall_s']:.0f} s")
