@@ -136,13 +136,13 @@ def install_from_wheels(wheels: Path, log: list[str]) -> None:
     log.append(f"installed deepspeed from {wheels} (--no-index)")
 
 
-def run_check(check: Check, out: Path, device: str, tiny: bool, limit: int, extra: list[str]) -> Outcome:
+def run_check(check: Check, out: Path, device: str, tiny: bool, limit: int) -> Outcome:
     """The check's script in its own process group, killed with the group when it runs past ``limit``."""
     folder = out / check.name
     folder.mkdir(parents=True, exist_ok=True)
     result = folder / "result.json"
     result.unlink(missing_ok=True)
-    cmd = [sys.executable, str(HERE / check.script), "--out", str(folder), "--device", device, *extra]
+    cmd = [sys.executable, str(HERE / check.script), "--out", str(folder), "--device", device]
     if tiny:
         cmd.append("--tiny")
     if check.script == "check_launch.py":
@@ -285,15 +285,24 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("out", help="report folder (report.json, report.md, one sub-folder per check)")
+    ap.add_argument("out", nargs="?", help="report folder (report.json, report.md, one sub-folder per check)")
     ap.add_argument("--device", help="cuda (default where visible) or cpu")
     ap.add_argument("--dry-run", action="store_true", help="--device cpu --tiny: every check's path, tiny")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes and the tiny time limits")
     ap.add_argument("--only", default="", help="comma-separated letters or names, e.g. a,b or zero3")
     ap.add_argument("--budget", type=float, help="seconds for all checks (default 440; tiny: sum of limits)")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every check's time limit")
+    ap.add_argument("--list", action="store_true", help="list the checks, their limits and needs; run none")
     ap.add_argument("--wheels", default=str(WHEELS), help="folder of pre-downloaded wheels (default wheels/)")
     a = ap.parse_args(argv)
+    if a.list:
+        for c in CHECKS:
+            needs = ", ".join((*ALWAYS, *c.needs))
+            limits = f"{c.limit:>4} s (tiny {c.tiny_limit:>3} s)"
+            print(f"{c.letter} {c.name:<11} {limits}  {c.what}; needs {needs}")
+        return 0
+    if not a.out:
+        ap.error("give the report folder, e.g. gpu_report")
     import torch
 
     device = "cpu" if a.dry_run else a.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -333,7 +342,7 @@ def _main(argv: list[str] | None) -> int:
             o = Outcome(check.letter, check.name, "skip", f"no time left in the {budget:.0f} s budget")
         else:
             try:
-                o = run_check(check, out, device, tiny, limit, [])
+                o = run_check(check, out, device, tiny, limit)
             except Interrupted as stop:  # the check's processes are gone (run_check's finally)
                 o = Outcome(check.letter, check.name, "fail", f"interrupted by {stop} (processes killed)")
                 interrupted = stop

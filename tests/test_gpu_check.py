@@ -113,7 +113,7 @@ def test_a_hanging_check_is_killed_with_every_process_it_started(tmp_path):
     )
     check = gpu_check.Check("h", "hang", hang, (), 4, 4, "hangs")
     t0 = time.perf_counter()
-    outcome = gpu_check.run_check(check, tmp_path / "out", "cpu", True, 4, [])
+    outcome = gpu_check.run_check(check, tmp_path / "out", "cpu", True, 4)
     assert time.perf_counter() - t0 < 30
     assert outcome.status == "fail"
     assert outcome.summary.startswith("timed out after 4 s") and "first half done" in outcome.summary
@@ -131,7 +131,7 @@ def test_a_check_that_dies_without_a_result_is_a_failure_with_its_last_line(tmp_
         "import sys\nprint('loading the model')\nsys.exit('CUDA out of memory at the 7B shape')\n"
     )
     outcome = gpu_check.run_check(
-        gpu_check.Check("d", "dies", str(dies), (), 30, 30, ""), tmp_path, "cpu", True, 30, []
+        gpu_check.Check("d", "dies", str(dies), (), 30, 30, ""), tmp_path, "cpu", True, 30
     )
     assert outcome.status == "fail"
     assert outcome.summary == "exited 1 without a result: CUDA out of memory at the 7B shape"
