@@ -64,6 +64,8 @@ CHECKS = (
 )  # fmt: skip
 ALWAYS = ("torch", "transformers", "numpy")
 MARKER = "HF_SPARSITY_GPU_CHECK"
+BUDGET_S = 465  # the whole run on the GPU, DeepSpeed's install included: under 8 minutes
+INSTALL_S = 90  # per pip step; building DeepSpeed's source distribution took 39 s on a 2-core CPU
 
 
 @dataclass
@@ -125,9 +127,9 @@ def install_from_wheels(wheels: Path, log: list[str]) -> None:
     steps = ([build] if build else []) + [["--no-build-isolation", "deepspeed"]]
     for args in steps:
         try:
-            proc = subprocess.run([*pip, *args], capture_output=True, text=True, timeout=240)
+            proc = subprocess.run([*pip, *args], capture_output=True, text=True, timeout=INSTALL_S)
         except subprocess.TimeoutExpired:
-            log.append(f"pip install {' '.join(args)} from {wheels}: timed out after 240 s")
+            log.append(f"pip install {' '.join(args)} from {wheels}: timed out after {INSTALL_S} s")
             return
         if proc.returncode:
             log.append(f"pip install {' '.join(args)} from {wheels} FAILED: {proc.stderr.strip()[-300:]}")
@@ -136,13 +138,13 @@ def install_from_wheels(wheels: Path, log: list[str]) -> None:
     log.append(f"installed deepspeed from {wheels} (--no-index)")
 
 
-def run_check(check: Check, out: Path, device: str, tiny: bool, limit: int, extra: list[str]) -> Outcome:
+def run_check(check: Check, out: Path, device: str, tiny: bool, limit: int) -> Outcome:
     """The check's script in its own process group, killed with the group when it runs past ``limit``."""
     folder = out / check.name
     folder.mkdir(parents=True, exist_ok=True)
     result = folder / "result.json"
     result.unlink(missing_ok=True)
-    cmd = [sys.executable, str(HERE / check.script), "--out", str(folder), "--device", device, *extra]
+    cmd = [sys.executable, str(HERE / check.script), "--out", str(folder), "--device", device]
     if tiny:
         cmd.append("--tiny")
     if check.script == "check_launch.py":
@@ -261,17 +263,48 @@ def select(only: str) -> list[Check]:
     return chosen
 
 
+class Interrupted(Exception):
+    """SIGTERM or SIGINT (an outer ``timeout``, the lease ending, Ctrl-C) while a check runs."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _interrupt(signum, frame):
+    raise Interrupted(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the checks; on SIGTERM / SIGINT end the running check's processes and keep the report."""
+    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _main(argv)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _main(argv: list[str] | None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("out", help="report folder (report.json, report.md, one sub-folder per check)")
+    ap.add_argument("out", nargs="?", help="report folder (report.json, report.md, one sub-folder per check)")
     ap.add_argument("--device", help="cuda (default where visible) or cpu")
     ap.add_argument("--dry-run", action="store_true", help="--device cpu --tiny: every check's path, tiny")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes and the tiny time limits")
     ap.add_argument("--only", default="", help="comma-separated letters or names, e.g. a,b or zero3")
-    ap.add_argument("--budget", type=float, help="seconds for all checks (default 440; tiny: sum of limits)")
+    ap.add_argument("--budget", type=float, help=f"run's seconds (default {BUDGET_S}; tiny: limits' sum)")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every check's time limit")
+    ap.add_argument("--list", action="store_true", help="list the checks, their limits and needs; run none")
     ap.add_argument("--wheels", default=str(WHEELS), help="folder of pre-downloaded wheels (default wheels/)")
     a = ap.parse_args(argv)
+    if a.list:
+        for c in CHECKS:
+            needs = ", ".join((*ALWAYS, *c.needs))
+            limits = f"{c.limit:>4} s (tiny {c.tiny_limit:>3} s)"
+            print(f"{c.letter} {c.name:<11} {limits}  {c.what}; needs {needs}")
+        return 0
+    if not a.out:
+        ap.error("give the report folder, e.g. gpu_report")
     import torch
 
     device = "cpu" if a.dry_run else a.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -280,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(
             "gpu_check: --device cuda but torch sees no CUDA device; run with --dry-run on a CPU machine."
         )
-    budget = a.budget or (sum(c.tiny_limit for c in CHECKS) * a.scale if tiny else 440)
+    budget = a.budget or (sum(c.tiny_limit for c in CHECKS) * a.scale if tiny else BUDGET_S)
+    t0 = time.perf_counter()  # the budget counts the install too
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     setup: list[str] = []
@@ -294,9 +328,12 @@ def main(argv: list[str] | None = None) -> int:
         "setup": setup,
         "wall_s": 0.0,
     }
-    t0 = time.perf_counter()
     print(f"gpu_check on {header['env'].get('gpu', device)}{' (tiny shapes)' if tiny else ''} -> {out}")
+    print("packages: " + ", ".join(f"{k} {v}" for k, v in header["env"]["packages"].items()))
+    for entry in setup:
+        print(f"set-up: {entry}")
     outcomes: list[Outcome] = []
+    interrupted: Interrupted | None = None
     for check in select(a.only):
         left = budget - (time.perf_counter() - t0)
         limit = int(min((check.tiny_limit if tiny else check.limit) * a.scale, left))
@@ -306,11 +343,18 @@ def main(argv: list[str] | None = None) -> int:
         elif limit < 5:
             o = Outcome(check.letter, check.name, "skip", f"no time left in the {budget:.0f} s budget")
         else:
-            o = run_check(check, out, device, tiny, limit, [])
+            try:
+                o = run_check(check, out, device, tiny, limit)
+            except Interrupted as stop:  # the check's processes are gone (run_check's finally)
+                o = Outcome(check.letter, check.name, "fail", f"interrupted by {stop} (processes killed)")
+                interrupted = stop
         outcomes.append(o)
         print(line(o), flush=True)
         header["wall_s"] = time.perf_counter() - t0
         write_reports(out, header, outcomes)
+        if interrupted is not None:
+            print(f"stopped by {interrupted}; reports: {out / 'report.md'}", flush=True)
+            return 128 + interrupted.signum
     counts = {s: sum(o.status == s for o in outcomes) for s in ("pass", "fail", "skip")}
     tally = f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped"
     print(f"{tally} in {header['wall_s']:.0f} s")

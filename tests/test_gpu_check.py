@@ -113,7 +113,7 @@ def test_a_hanging_check_is_killed_with_every_process_it_started(tmp_path):
     )
     check = gpu_check.Check("h", "hang", hang, (), 4, 4, "hangs")
     t0 = time.perf_counter()
-    outcome = gpu_check.run_check(check, tmp_path / "out", "cpu", True, 4, [])
+    outcome = gpu_check.run_check(check, tmp_path / "out", "cpu", True, 4)
     assert time.perf_counter() - t0 < 30
     assert outcome.status == "fail"
     assert outcome.summary.startswith("timed out after 4 s") and "first half done" in outcome.summary
@@ -131,7 +131,7 @@ def test_a_check_that_dies_without_a_result_is_a_failure_with_its_last_line(tmp_
         "import sys\nprint('loading the model')\nsys.exit('CUDA out of memory at the 7B shape')\n"
     )
     outcome = gpu_check.run_check(
-        gpu_check.Check("d", "dies", str(dies), (), 30, 30, ""), tmp_path, "cpu", True, 30, []
+        gpu_check.Check("d", "dies", str(dies), (), 30, 30, ""), tmp_path, "cpu", True, 30
     )
     assert outcome.status == "fail"
     assert outcome.summary == "exited 1 without a result: CUDA out of memory at the 7B shape"
@@ -193,7 +193,7 @@ def test_dry_run_of_the_pytest_check_collects_the_gpu_tests_and_they_skip_withou
 def test_full_dry_run_every_check_passes_on_cpu(tmp_path):
     """Every check's set-up and code path at tiny shapes on the CPU (minutes on a 2-core machine)."""
     out = tmp_path / "report"
-    rc = gpu_check.main([str(out), "--dry-run"])
+    rc = gpu_check.main([str(out), "--dry-run", "--scale", "2"])  # limits catch hangs, not a loaded machine
     _, by_name, _ = _report(out)
     bad = {n: c["summary"] for n, c in by_name.items() if c["status"] != "pass"}
     if importlib.util.find_spec("deepspeed") is None:
@@ -206,3 +206,49 @@ def test_full_dry_run_every_check_passes_on_cpu(tmp_path):
         assert train[key]["violations_per_step"] == [0, 0, 0] and train[key]["events"] == ["prune"]
     assert train["llama/adamw_torch_fused"]["resume_masks_identical"]
     assert train["llama/adamw_torch_fused"]["finalize_masked_nonzeros"] == 0
+
+
+def test_sigterm_ends_the_running_check_and_keeps_the_report(tmp_path, monkeypatch):
+    """An outer ``timeout`` (SIGTERM) mid-check: the check's processes end, the report says so."""
+    import signal
+    import threading
+
+    pidfile = tmp_path / "child.pid"
+    hang = _script(
+        tmp_path,
+        "hang.py",
+        f"""
+        import subprocess
+        def run(report, args):
+            sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+            child = subprocess.Popen(sleeper, start_new_session=True)
+            open({str(pidfile)!r}, "w").write(str(child.pid))
+            time.sleep(600)
+            return "pass", "never"
+        """,
+    )
+    ok = _script(tmp_path, "ok.py", "def run(report, args):\n    return 'pass', 'fine'")
+    Check = gpu_check.Check
+    checks = (Check("y", "ok", ok, (), 60, 60, ""), Check("h", "hang", hang, (), 60, 60, ""))
+    monkeypatch.setattr(gpu_check, "CHECKS", checks)
+    out = tmp_path / "report"
+
+    def stop_when_started():
+        deadline = time.time() + 60
+        while not pidfile.is_file() and time.time() < deadline:
+            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_when_started, daemon=True).start()
+    before = signal.getsignal(signal.SIGTERM)
+    assert gpu_check.main([str(out), "--dry-run"]) == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
+    _, by_name, _ = _report(out)
+    assert by_name["ok"]["status"] == "pass"
+    assert by_name["hang"]["status"] == "fail"
+    assert by_name["hang"]["summary"].startswith("interrupted by SIGTERM")
+    pid = int(pidfile.read_text())
+    deadline = time.time() + 10
+    while _alive(pid) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid)
