@@ -1,11 +1,12 @@
 # Two commands do all the set-up on a fresh machine:
 #   make run    # the main job: an SPDF run end to end on the embedded default
-#   make test   # the test suite
+#   make test   # the test suite (all of it: what CI runs)
+#   make test-fast  # the inner loop: everything but the tests marked slow
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench gpu-wheels gpu-check
+.PHONY: run test test-fast lint bench gpu-wheels gpu-check
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -20,6 +21,9 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

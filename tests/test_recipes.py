@@ -60,6 +60,7 @@ SMOKE = {
 }
 
 
+@pytest.mark.slow  # a recipe run each
 @pytest.mark.parametrize("name", list(SMOKE))
 def test_recipe_smoke(name, tmp_path):
     res = _run(name, tmp_path, *SMOKE[name])
@@ -132,6 +133,7 @@ def _final_weights(path):
         ),
     ],
 )
+@pytest.mark.slow  # three recipe runs each
 def test_interrupted_and_resumed_run_is_bit_identical(name, args, stop_stage, stop_at, final, tmp_path):
     full = _run(name, tmp_path / "full", *args)
     assert full is not None
