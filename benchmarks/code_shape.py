@@ -35,7 +35,7 @@ LAZY, LAZY_MODULE = "# Lazy:", "# Lazy imports:"
 LAYERS = (
     (
         "utilities and formats",
-        "utils constants import_utils checks hooks masks zero modeling data logging_utils loading storage",
+        "utils constants import_utils checks heap hooks masks zero modeling data logging_utils loading storage",
     ),
     ("mask engine", "config schedules targeting mask_state events enforcement engine lora"),
     (
