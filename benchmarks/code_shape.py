@@ -13,9 +13,10 @@ top-level module or a subpackage of ``hf_sparsity`` (``recipes`` is one unit). A
 *two-way pair* is two units that import each other; an *import against the order* is a
 unit importing one of a higher layer. A module that only keeps an old import path working
 (it says ``# Deprecated import path`` at its top) is left out of both. A function-level
-import of a library module needs a reason: an optional third-party dependency, or a
-``# Lazy:`` comment on its line or the line above (``# Lazy imports:`` near a module's top
-covers the whole module: a package face or a CLI subcommand loading on first use).
+import of a library module needs a reason: an optional third-party dependency, a heavy one
+that ``import hf_sparsity`` does not load (``DEFERRED``), or a ``# Lazy:`` comment on its line
+or the line above (``# Lazy imports:`` near a module's top covers the whole module: a package
+face or a CLI subcommand loading on first use).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ LAZY, LAZY_MODULE = "# Lazy:", "# Lazy imports:"
 LAYERS = (
     (
         "utilities and formats",
-        "utils constants import_utils checks hooks masks zero modeling data logging_utils loading storage",
+        "utils constants import_utils checks heap hooks masks zero modeling data logging_utils loading "
+        "storage",
     ),
     ("mask engine", "config schedules targeting mask_state events enforcement engine lora"),
     (
@@ -50,6 +52,9 @@ LAYER_OF = {unit: i for i, (_, units) in enumerate(LAYERS) for unit in units.spl
 # importing them inside the function that needs them is the reason.
 OPTIONAL = {"peft", "deepspeed", "lm_eval", "datasets", "evaluate", "zstandard", "matplotlib", "gguf"}
 OPTIONAL |= {"tensorboard", "ninja"}
+# Heavy required dependencies that ``import hf_sparsity`` does not load (it imports torch and the
+# package's own modules only): a function that needs one imports it, so the import stays light.
+DEFERRED = {"transformers", "safetensors", "yaml", "tokenizers", "accelerate", "tqdm"}
 
 
 def _files() -> list[Path]:
@@ -132,7 +137,7 @@ def _function_imports(path: Path, tree: ast.AST, lines: list[str]) -> list[str]:
             else:
                 continue
             near = lines[max(0, node.lineno - 2) : node.end_lineno]
-            if top in OPTIONAL or any(LAZY in line for line in near):
+            if top in OPTIONAL or top in DEFERRED or any(LAZY in line for line in near):
                 continue
             own = top == "." or top == "hf_sparsity"
             out.append((str(path.relative_to(ROOT)), node.lineno, "own" if own else top))

@@ -148,9 +148,9 @@ MUTATIONS = (
         "OWL's outlier ratios use |W| without the activation norms",
         (
             (
-                "hf_sparsity/pruning/oneshot.py",
-                "M.wanda_score(_linear_view(model.get_parameter(d.name), d), stats[d.name])",
-                "_linear_view(model.get_parameter(d.name), d).abs()",
+                "hf_sparsity/pruning/levels.py",
+                "wanda_score(linear_view(model.get_parameter(d.name), d), stats[d.name])",
+                "linear_view(model.get_parameter(d.name), d).abs()",
             ),
         ),
         PRUNING_TESTS,

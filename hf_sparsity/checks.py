@@ -7,6 +7,7 @@ can both use it without importing each other.
 
 from __future__ import annotations
 
+import glob
 import math
 import os
 import re
@@ -62,8 +63,6 @@ def check_positive(value: int | float | None, flag: str) -> None:
 
 def check_paths_exist(paths: str | list[str] | None, flag: str) -> None:
     """Every named file / folder / glob matches something."""
-    import glob
-
     for p in [paths] if isinstance(paths, str) else paths or []:
         if not (os.path.exists(p) or glob.glob(p)):
             raise SparsityError(

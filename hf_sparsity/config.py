@@ -21,6 +21,7 @@ A pattern is a regex matched anywhere in the parameter name (``re.search``); a
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import logging
 import os
@@ -366,14 +367,12 @@ def _compile(pattern: str) -> re.Pattern:
 
 
 def _closest(key: str, known: set[str]) -> str | None:
-    import difflib
-
     m = difflib.get_close_matches(key, sorted(known), n=1)
     return m[0] if m else None
 
 
 def _newer(a: str, b: str) -> bool:
-    try:
+    try:  # Lazy: packaging is not a dependency of ours (transformers brings it); without it, not newer
         from packaging.version import Version
 
         return Version(a) > Version(b)

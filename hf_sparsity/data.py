@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import random
 
+import torch
+
 _SUBJECTS = [
     "the engineer",
     "the gardener",
@@ -136,7 +138,5 @@ class BlockDataset:
         return len(self.blocks)
 
     def __getitem__(self, i: int) -> dict:
-        import torch
-
         ids = torch.tensor(self.blocks[i], dtype=torch.long)
         return {"input_ids": ids, "labels": ids.clone()}

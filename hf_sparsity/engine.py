@@ -48,7 +48,7 @@ from .enforcement import ZERO_PRESERVING_OPTIMIZERS, MaskEnforcer
 from .hooks import carry_masks_in_save_pretrained, release_save_pretrained
 from .lora.view import peft_view
 from .mask_state import MaskState, _state_field
-from .modeling import full_shape, full_tensor, sparsity_table
+from .modeling import format_sparsity_report, full_shape, full_tensor, sparsity_table
 from .schedules import Schedule, ScheduledEvent, compile_schedule
 from .storage.folders import check_masks_match_weights
 from .storage.masks_file import check_mask_names, load_masks_for, save_masks
@@ -487,17 +487,5 @@ class SparsityEngine:
         ]
 
     def format_report(self) -> str:
-        rows = self.report()
-        w = max([len(r["name"]) for r in rows] + [9])
-        lines = [f"{'parameter':<{w}}  {'shape':<12} {'mask level':>10} {'weight zeros':>12}"]
-        for r in rows:
-            lines.append(
-                f"{r['name']:<{w}}  {'x'.join(map(str, r['shape'])):<12} {r['mask_level']:>10.4f} "
-                f"{r['weight_level']:>12.4f}"
-            )
-        if self.densified:
-            lines.append(f"densified (no mask): {len(self.densified)} tensors")
-        tn = sum(m.numel() for m in self.masks.values())
-        tz = sum(int((m == 0).sum()) for m in self.masks.values())
-        lines.append(f"total: {len(rows)} tensors, {tn:,} targeted parameters, level {tz / max(tn, 1):.4f}")
-        return "\n".join(lines)
+        """:meth:`report` as a table with the totals (``print_report`` prints it after training)."""
+        return format_sparsity_report(self.report(), self.masks, self.densified)

@@ -54,6 +54,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 TRAINER_FRAMES = ("_inner_training_loop", "train")
@@ -156,6 +157,7 @@ def dtensor_local_shape_and_offset(param: Any) -> tuple[tuple[int, ...], tuple[i
     From ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``, the
     function DTensor itself uses to place shards; nothing public gives the offset.
     """
+    # Lazy: a private torch module, read only when a DTensor is sharded.
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
@@ -216,8 +218,6 @@ def forget_compiled_forward(model: nn.Module) -> None:
     when the ``CompileConfig`` changes; after its layers are swapped (``sparsify_for_inference``)
     the model is another graph. Also resets torch's compiler caches (``torch.compiler.reset``).
     """
-    import torch
-
     torch.compiler.reset()
     model.__dict__.pop("_compiled_call", None)
 

@@ -11,6 +11,8 @@ import importlib.util
 import os
 import shutil
 
+import torch
+
 
 @functools.cache
 def is_scipy_available() -> bool:
@@ -20,8 +22,6 @@ def is_scipy_available() -> bool:
 
 def is_cuda_available() -> bool:
     """True when a CUDA device is visible. Does not initialize the CUDA context."""
-    import torch
-
     return torch.cuda.is_available()
 
 
@@ -32,8 +32,6 @@ def semi_structured_unavailable_reason() -> str | None:
     ``torch.sparse.to_sparse_semi_structured``. Querying the capability initializes
     CUDA, so this is only called when the backend is actually requested.
     """
-    import torch
-
     if not hasattr(torch.sparse, "to_sparse_semi_structured"):
         return (
             f"torch {torch.__version__} has no torch.sparse.to_sparse_semi_structured (needs torch >= 2.1)."

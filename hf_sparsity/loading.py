@@ -7,6 +7,7 @@ through :func:`load_model_folder`, and every ``--dtype`` / ``dtype=`` name throu
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -174,7 +175,6 @@ def check_context_fits(model: str, context: int | None, flag: str = "--context")
     """``--context`` no longer than the positions the model has (else an index error deep in the model)."""
     if not context:
         return
-    import json
 
     cfg = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
     for key in CONTEXT_KEYS:  # the keys and order modeling.context_length reads
@@ -191,8 +191,6 @@ def check_device(name: str | None) -> None:
     """``cpu``, ``cuda``, ``cuda:N``, ``mps``: the device must exist on this machine."""
     if name is None:
         return
-    import torch
-
     try:
         dev = torch.device(name)
     except (RuntimeError, ValueError):

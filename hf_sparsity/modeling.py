@@ -237,3 +237,20 @@ def sparsity_table(
             row["mask_sparsity"] = 1.0 - float(mask.sum(dtype=torch.int64)) / max(mask.numel(), 1)
         rows.append(row)
     return rows
+
+
+def format_sparsity_report(rows: list[dict], masks: dict, densified) -> str:
+    """The engine's per-tensor report (:meth:`SparsityEngine.report` rows) as a table, with the totals."""
+    w = max([len(r["name"]) for r in rows] + [9])
+    lines = [f"{'parameter':<{w}}  {'shape':<12} {'mask level':>10} {'weight zeros':>12}"]
+    for r in rows:
+        lines.append(
+            f"{r['name']:<{w}}  {'x'.join(map(str, r['shape'])):<12} {r['mask_level']:>10.4f} "
+            f"{r['weight_level']:>12.4f}"
+        )
+    if densified:
+        lines.append(f"densified (no mask): {len(densified)} tensors")
+    tn = sum(m.numel() for m in masks.values())
+    tz = sum(int((m == 0).sum()) for m in masks.values())
+    lines.append(f"total: {len(rows)} tensors, {tn:,} targeted parameters, level {tz / max(tn, 1):.4f}")
+    return "\n".join(lines)

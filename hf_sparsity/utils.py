@@ -8,6 +8,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from importlib.metadata import version
 from pathlib import Path
 
 
@@ -20,8 +21,6 @@ __version__ = "0.1.0"  # the package root re-exports it; keep equal to pyproject
 
 def library_version() -> str:
     try:
-        from importlib.metadata import version
-
         return version("hf_sparsity")
     except Exception:  # running from a source tree that was never installed
         return __version__

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .hooks import is_zero12_linked, zero3_optimizer, zero12_fragment
 from .utils import SparsityError
@@ -52,8 +53,6 @@ def full_shape(p: torch.Tensor) -> torch.Size:
 
 def partition_range(p: Any) -> tuple[int, int]:
     """``(start, numel)`` of this rank's ZeRO-3 slice in the flattened parameter (padding included)."""
-    import torch.distributed as dist
-
     size = int(p.ds_tensor.ds_numel)
     rank = dist.get_rank() if dist.is_initialized() else 0
     return rank * size, size

@@ -20,16 +20,14 @@ TensorBoard logs, ``final/``), ``loss.png`` and ``results.json``.
 import os
 
 import _common as C  # the recipes' folder: the script's own, first on sys.path
-import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 
 from hf_sparsity import SparsityCallback, SparsityConfig
-from hf_sparsity.callback import FlopCallback
-from hf_sparsity.data import BlockDataset
+from hf_sparsity.flops.callback import FlopCallback
 from hf_sparsity.schedules import compile_schedule, imp_levels
 
 # ----------------------------------------------------------------------------- defaults
-DEFAULTS = dict(
+DEFAULTS = C.recipe_defaults(
     output_dir="outputs/imp",
     # IMP
     prune_fraction=0.3,  # of the remaining weights, per iteration (0.2-0.33 in the seed)
@@ -39,33 +37,8 @@ DEFAULTS = dict(
     rewind_to=60,  # LR schedule step each iteration restarts from
     dense_baseline_steps=0,  # >0: also train a dense model this long, from the same init
     sparsity_seed=1234,
-    # model: tiny-gpt2 (built here) | a config.json path | an HF model name or path
-    model="tiny-gpt2",
-    n_embd=64,
-    n_layer=2,
-    n_head=4,
-    vocab_size=512,
-    tokenizer="",
-    # data: embedded | a .txt/.jsonl file | an HF dataset name
-    dataset="embedded",
-    text_column="text",
-    max_texts=0,
-    block_size=64,
-    eval_blocks=32,
-    # training
-    batch_size=8,
-    grad_accum=1,
-    learning_rate=3e-3,
-    weight_decay=0.1,
+    # model, data, training, run control: the recipes' shared defaults (recipes/_args.py)
     warmup_steps=10,
-    lr_scheduler="cosine",
-    logging_steps=10,
-    save_steps=0,
-    tensorboard=True,
-    seed=0,
-    # run control
-    resume=False,
-    overwrite=False,
 )
 # ---------------------------------------------------------------------------------------
 
@@ -84,59 +57,12 @@ class RewindingTrainer(Trainer):
         return super().create_scheduler(self.lr_period, optimizer)
 
 
-def train(
-    args,
-    name,
-    model,
-    tokenizer,
-    data,
-    eval_blocks,
-    steps,
-    metrics_cb,
-    callbacks=(),
-    lr_period=None,
-    eval_steps=None,
-):
-    """One stage: its TrainingArguments, Trainer and metrics callback, in plain view."""
-    out = os.path.join(args.output_dir, name)
-    done = C.stage_done(args, out)
-    if done is not None:
-        return done
-    training_args = TrainingArguments(
-        output_dir=out,
-        max_steps=steps,
-        per_device_train_batch_size=args.batch_size,
-        per_device_eval_batch_size=args.batch_size * 2,
-        gradient_accumulation_steps=args.grad_accum,
-        learning_rate=args.learning_rate,
-        weight_decay=args.weight_decay,
-        warmup_steps=args.warmup_steps,
-        lr_scheduler_type=args.lr_scheduler,
-        max_grad_norm=1.0,
-        logging_steps=args.logging_steps,
-        eval_strategy="steps",
-        eval_steps=eval_steps or C.eval_every(steps),
-        save_strategy="steps",
-        save_steps=args.save_steps or max(steps // 2, 1),
-        save_total_limit=2,
-        report_to=["tensorboard"] if args.tensorboard else [],
-        seed=args.seed,
-        use_cpu=not torch.cuda.is_available(),
-        disable_tqdm=True,
-        include_num_input_tokens_seen=True,
-        ddp_find_unused_parameters=False,
-        train_sampling_strategy="sequential",  # the stream's own seeded order (resume-exact)
-    )
-    trainer = RewindingTrainer(
-        model=model,
-        args=training_args,
-        train_dataset=data,
-        eval_dataset=BlockDataset(eval_blocks),
-        processing_class=tokenizer,
-        callbacks=[metrics_cb, *callbacks],
-        lr_period=lr_period or steps,
-    )
-    return C.train_and_save(trainer, metrics_cb, resume=args.resume)
+def train(args, name, model, tokenizer, data, eval_blocks, steps, metrics_cb, callbacks=(), **kw):
+    """One stage under :class:`RewindingTrainer`: the LR schedule's period is ``lr_period`` (default the
+    stage's steps), so a rewind restarts it from the rewind step; ``eval_steps`` as given."""
+    kw.setdefault("lr_period", steps)
+    stage = (args, name, model, tokenizer, data, eval_blocks, steps, metrics_cb, callbacks)
+    return C.train_stage(*stage, trainer_class=RewindingTrainer, **kw)
 
 
 def main(argv=None, callbacks=()):

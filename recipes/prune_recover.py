@@ -207,8 +207,8 @@ def _check_launcher(targs: TrainingArguments) -> None:
         )
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
+def _prepare_output(args) -> Path:
+    """The run's folder, empty (``--overwrite true`` clears it), once the launcher is known to fit."""
     out = Path(args.output_dir)
     _check_launcher(train_args(args, out / "dense_run", max(args.dense_steps, 1), args.dense_lr))
     if out.exists() and any(out.iterdir()):
@@ -218,6 +218,12 @@ def main(argv=None) -> dict:
             shutil.rmtree(out)
     _barrier()
     out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    out = _prepare_output(args)
     tok, texts, train, held_out = load_data(args)
     stages, t0 = [], time.time()
 

@@ -19,106 +19,27 @@ import os
 
 import _common as C  # the recipes' folder: the script's own, first on sys.path
 import torch
-from transformers import Trainer, TrainingArguments
 
-from hf_sparsity.callback import FlopCallback, SparsityCallback
+from hf_sparsity.callback import SparsityCallback
 from hf_sparsity.config import SparsityConfig, get_sparsity_config
-from hf_sparsity.data import BlockDataset
+from hf_sparsity.flops.callback import FlopCallback
 from hf_sparsity.ift import sparse_ift
 
 # ----------------------------------------------------------------------------- defaults
-DEFAULTS = dict(
+DEFAULTS = C.recipe_defaults(
     output_dir="outputs/sparse_ift",
     # Sparse-IFT
     transform="wide",  # wide | parallel | factorized | doped
     sparsity=0.5,
     init_method="random",
     sparsity_seed=1234,
-    # model: tiny-gpt2 (built here) | a config.json path | an HF model name or path (its config is
-    # transformed)
-    model="tiny-gpt2",
-    n_embd=64,
-    n_layer=2,
-    n_head=4,
-    vocab_size=512,
-    tokenizer="",
-    # data: embedded | a .txt/.jsonl file | an HF dataset name
-    dataset="embedded",
-    text_column="text",
-    max_texts=0,
-    block_size=64,
-    eval_blocks=32,
+    # model, data, training, run control: the recipes' shared defaults (recipes/_args.py); the model's
+    # config is the one transformed
     # training (each model)
     max_steps=150,
-    batch_size=8,
-    grad_accum=1,
-    learning_rate=3e-3,
-    weight_decay=0.1,
     warmup_steps=15,
-    lr_scheduler="cosine",
-    logging_steps=10,
-    save_steps=0,
-    tensorboard=True,
-    seed=0,
-    # run control
-    resume=False,
-    overwrite=False,
 )
 # ---------------------------------------------------------------------------------------
-
-
-def train(
-    args,
-    name,
-    model,
-    tokenizer,
-    data,
-    eval_blocks,
-    steps,
-    metrics_cb,
-    callbacks=(),
-    learning_rate=None,
-    warmup_steps=None,
-):
-    """One stage: its TrainingArguments, Trainer and metrics callback, in plain view."""
-    out = os.path.join(args.output_dir, name)
-    done = C.stage_done(args, out)
-    if done is not None:
-        return done
-    training_args = TrainingArguments(
-        output_dir=out,
-        max_steps=steps,
-        per_device_train_batch_size=args.batch_size,
-        per_device_eval_batch_size=args.batch_size * 2,
-        gradient_accumulation_steps=args.grad_accum,
-        learning_rate=learning_rate or args.learning_rate,
-        weight_decay=args.weight_decay,
-        warmup_steps=args.warmup_steps if warmup_steps is None else warmup_steps,
-        lr_scheduler_type=args.lr_scheduler,
-        max_grad_norm=1.0,
-        logging_steps=args.logging_steps,
-        eval_strategy="steps",
-        eval_steps=C.eval_every(steps),
-        save_strategy="steps",
-        save_steps=args.save_steps or max(steps // 2, 1),
-        save_total_limit=2,
-        report_to=["tensorboard"] if args.tensorboard else [],
-        seed=args.seed,
-        use_cpu=not torch.cuda.is_available(),
-        disable_tqdm=True,
-        include_num_input_tokens_seen=True,
-        ddp_find_unused_parameters=False,
-        train_sampling_strategy="sequential",  # the stream's own seeded order (resume-exact)
-    )
-    trainer = Trainer(
-        model=model,
-        args=training_args,
-        train_dataset=data,
-        eval_dataset=BlockDataset(eval_blocks),
-        processing_class=tokenizer,
-        callbacks=[metrics_cb, *callbacks],
-    )
-    return C.train_and_save(trainer, metrics_cb, resume=args.resume)
 
 
 def main(argv=None, callbacks=()):
@@ -142,33 +63,20 @@ def main(argv=None, callbacks=()):
         sparsity = SparsityConfig.from_dict(d)
     C.log(ift.format())
 
-    dense = train(
-        args,
-        "dense",
-        dense_model,
-        tokenizer,
-        C.stage_data(train_blocks, args, args.max_steps, pool),
-        eval_blocks,
-        args.max_steps,
-        FlopCallback(args.block_size),
-        callbacks,
-    )
+    # Both models train on the same stream, for the same steps, with the same settings.
+    def stage(name, model, metrics_cb):
+        data = C.stage_data(train_blocks, args, args.max_steps, pool)
+        return C.train_stage(
+            args, name, model, tokenizer, data, eval_blocks, args.max_steps, metrics_cb, callbacks
+        )
+
+    dense = stage("dense", dense_model, FlopCallback(args.block_size))
     if dense.interrupted:
         return None
     metrics_cb = (
         SparsityCallback(sparsity, seq_len=args.block_size) if sparsity else FlopCallback(args.block_size)
     )
-    sp = train(
-        args,
-        "sparse_ift",
-        ift_model,
-        tokenizer,
-        C.stage_data(train_blocks, args, args.max_steps, pool),
-        eval_blocks,
-        args.max_steps,
-        metrics_cb,
-        callbacks,
-    )
+    sp = stage("sparse_ift", ift_model, metrics_cb)
     if sp.interrupted:
         return None
 

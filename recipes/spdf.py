@@ -24,15 +24,12 @@ fine-tuning stage only ever sees the fine-tuning data. Writes ``OUTPUT_DIR/pretr
 import os
 
 import _common as C  # the recipes' folder: the script's own, first on sys.path
-import torch
-from transformers import Trainer, TrainingArguments
 
 from hf_sparsity import SparsityCallback, SparsityConfig
-from hf_sparsity.callback import FlopCallback
-from hf_sparsity.data import BlockDataset
+from hf_sparsity.flops.callback import FlopCallback
 
 # ----------------------------------------------------------------------------- defaults
-DEFAULTS = dict(
+DEFAULTS = C.recipe_defaults(
     output_dir="outputs/spdf",
     # SPDF
     sparsity=0.75,  # pre-training sparsity (0: dense pre-training, the baseline)
@@ -42,89 +39,9 @@ DEFAULTS = dict(
     finetune_steps=100,
     finetune_learning_rate=1e-3,
     finetune_dataset="embedded-d2t",  # embedded-d2t | a .txt/.jsonl file | an HF dataset name
-    # model: tiny-gpt2 (built here) | a config.json path | an HF model name or path
-    model="tiny-gpt2",
-    n_embd=64,
-    n_layer=2,
-    n_head=4,
-    vocab_size=512,
-    tokenizer="",
-    # data: embedded | a .txt/.jsonl file | an HF dataset name
-    dataset="embedded",
-    text_column="text",
-    max_texts=0,
-    block_size=64,
-    eval_blocks=32,
-    # training
-    batch_size=8,
-    grad_accum=1,
-    learning_rate=3e-3,
-    weight_decay=0.1,
-    warmup_steps=20,
-    lr_scheduler="cosine",
-    logging_steps=10,
-    save_steps=0,
-    tensorboard=True,
-    seed=0,
-    # run control
-    resume=False,
-    overwrite=False,
+    # model, data, training, run control: the recipes' shared defaults (recipes/_args.py)
 )
 # ---------------------------------------------------------------------------------------
-
-
-def train(
-    args,
-    name,
-    model,
-    tokenizer,
-    data,
-    eval_blocks,
-    steps,
-    metrics_cb,
-    callbacks=(),
-    learning_rate=None,
-    warmup_steps=None,
-):
-    """One stage: its TrainingArguments, Trainer and metrics callback, in plain view."""
-    out = os.path.join(args.output_dir, name)
-    done = C.stage_done(args, out)
-    if done is not None:
-        return done
-    training_args = TrainingArguments(
-        output_dir=out,
-        max_steps=steps,
-        per_device_train_batch_size=args.batch_size,
-        per_device_eval_batch_size=args.batch_size * 2,
-        gradient_accumulation_steps=args.grad_accum,
-        learning_rate=learning_rate or args.learning_rate,
-        weight_decay=args.weight_decay,
-        warmup_steps=args.warmup_steps if warmup_steps is None else warmup_steps,
-        lr_scheduler_type=args.lr_scheduler,
-        max_grad_norm=1.0,
-        logging_steps=args.logging_steps,
-        eval_strategy="steps",
-        eval_steps=C.eval_every(steps),
-        save_strategy="steps",
-        save_steps=args.save_steps or max(steps // 2, 1),
-        save_total_limit=2,
-        report_to=["tensorboard"] if args.tensorboard else [],
-        seed=args.seed,
-        use_cpu=not torch.cuda.is_available(),
-        disable_tqdm=True,
-        include_num_input_tokens_seen=True,
-        ddp_find_unused_parameters=False,
-        train_sampling_strategy="sequential",  # the stream's own seeded order (resume-exact)
-    )
-    trainer = Trainer(
-        model=model,
-        args=training_args,
-        train_dataset=data,
-        eval_dataset=BlockDataset(eval_blocks),
-        processing_class=tokenizer,
-        callbacks=[metrics_cb, *callbacks],
-    )
-    return C.train_and_save(trainer, metrics_cb, resume=args.resume)
 
 
 def main(argv=None, callbacks=()):
@@ -146,7 +63,7 @@ def main(argv=None, callbacks=()):
     metrics_cb = (
         SparsityCallback(sparsity, seq_len=args.block_size) if sparsity else FlopCallback(args.block_size)
     )
-    pre = train(
+    pre = C.train_stage(
         args, "pretrain", model, tokenizer, data, eval_blocks, args.pretrain_steps, metrics_cb, callbacks
     )
     if pre.interrupted:
@@ -157,7 +74,7 @@ def main(argv=None, callbacks=()):
         start = C.finalize(pre.model_dir, os.path.join(args.output_dir, "pretrain_finalized"))
     # 3. dense fine-tuning on the second dataset
     ft_data = C.stage_data(ft_train, args, args.finetune_steps, [(0, list(range(len(ft_train))))])
-    ft = train(
+    ft = C.train_stage(
         args,
         "finetune",
         C.load_model(start),

@@ -59,7 +59,7 @@ def test_same_plan_under_injected_noise(monkeypatch, busy):
     plans = []
     for seed in range(5):
         noise = busy if seed != 2 else max(busy, 0.5)
-        monkeypatch.setattr(auto, "interleaved_ms", _noisy(true_ms, random.Random(seed), noise))
+        monkeypatch.setattr(auto.planner, "interleaved_ms", _noisy(true_ms, random.Random(seed), noise))
         plan = auto.plan_layers(_layers(), rounds=7, plan_cache=False, stream_bytes=0)
         plans.append({n: (p[3]["decode"], p[3]["prefill"]) for n, p in plan.items()})
     assert all(p == plans[0] for p in plans)
@@ -72,7 +72,8 @@ def test_prefill_choice_holds_beside_a_competing_job(monkeypatch):
     true_ms = {"dense": 1.0, "native_dense": 0.9, "bitmask": 0.6, "csr": 1.4}
     plans = []
     for seed in range(5):
-        monkeypatch.setattr(auto, "interleaved_ms", _noisy(true_ms, random.Random(seed), 0.5, unpack=1.1))
+        noisy = _noisy(true_ms, random.Random(seed), 0.5, unpack=1.1)
+        monkeypatch.setattr(auto.planner, "interleaved_ms", noisy)
         plan = auto.plan_layers(_layers(), rounds=7, plan_cache=False, stream_bytes=0)
         plans.append({n: (p[3]["decode"], p[3]["prefill"], p[3]["prefill_large"]) for n, p in plan.items()})
     assert all(p == plans[0] for p in plans)
@@ -89,7 +90,7 @@ def test_a_measurement_the_cost_model_cannot_explain_is_rejected(monkeypatch):
         ms = {"dense": 10.0, "native_dense": 9.0, "bitmask": 1.0, "csr": 8.0}
         return {k: ms.get(k.split(":")[0], 1.0) for k in fns}
 
-    monkeypatch.setattr(auto, "interleaved_ms", disturbed)
+    monkeypatch.setattr(auto.planner, "interleaved_ms", disturbed)
     plan = auto.plan_layers(_layers(), plan_cache=False, stream_bytes=0, model_tolerance=3.0)
     c = plan["l0"][3]
     assert c["rejected"] == ["bitmask"]  # csr (8 vs 9 ms) is within its bytes; dense variants never
@@ -117,7 +118,7 @@ def test_a_disturbance_in_one_of_two_measurements_does_not_decide(monkeypatch):
             ms.update(bitmask=6.0)
         return {k: ms.get(k.split(":")[0], 1.0) * (1.3 if k.endswith(":unpack") else 1.0) for k in fns}
 
-    monkeypatch.setattr(auto, "interleaved_ms", flaky)
+    monkeypatch.setattr(auto.planner, "interleaved_ms", flaky)
     c = auto.plan_layers(_layers(), plan_cache=False, stream_bytes=0, model_tolerance=3.0)["l0"][3]
     assert len(passes) == 2 and c["rejected"] == []
     assert c["decode"] == "bitmask" and c["decode_ms"]["dense"] == 1.0 and c["decode_ms"]["bitmask"] == 0.6
@@ -125,14 +126,14 @@ def test_a_disturbance_in_one_of_two_measurements_does_not_decide(monkeypatch):
 
 def test_plan_cache_makes_the_same_plan_without_measuring(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_SPARSITY_PLAN_CACHE", str(tmp_path / "plans.json"))
-    monkeypatch.setattr(auto, "interleaved_ms", _noisy({"bitmask": 0.5}, random.Random(0), 0.0))
+    monkeypatch.setattr(auto.planner, "interleaved_ms", _noisy({"bitmask": 0.5}, random.Random(0), 0.0))
     first = auto.plan_layers(_layers(), stream_bytes=0)
     assert (tmp_path / "plans.json").is_file()
 
     def no_measuring(*a, **k):
         raise AssertionError("a cached plan measures nothing")
 
-    monkeypatch.setattr(auto, "_measure", no_measuring)
+    monkeypatch.setattr(auto.planner, "_measure", no_measuring)
     second = auto.plan_layers(_layers(seed=1), stream_bytes=0)  # other weights, same group: same plan
     assert {n: p[3]["decode"] for n, p in second.items()} == {n: p[3]["decode"] for n, p in first.items()}
     assert all(p[3]["cached"] for p in second.values())
@@ -141,7 +142,7 @@ def test_plan_cache_makes_the_same_plan_without_measuring(monkeypatch, tmp_path)
     with pytest.raises(AssertionError, match="measures nothing"):
         auto.plan_layers(_layers(), stream_bytes=0, margin=0.1)  # other options: another plan
     (tmp_path / "plans.json").write_text("{not json")  # a corrupt cache counts as empty
-    monkeypatch.setattr(auto, "interleaved_ms", _noisy({"bitmask": 0.5}, random.Random(0), 0.0))
+    monkeypatch.setattr(auto.planner, "interleaved_ms", _noisy({"bitmask": 0.5}, random.Random(0), 0.0))
     monkeypatch.undo()
     monkeypatch.setenv("HF_SPARSITY_PLAN_CACHE", str(tmp_path / "plans.json"))
     assert auto.plan_layers(_layers(), stream_bytes=0, rounds=1)
@@ -190,7 +191,7 @@ def test_whole_model_check_measures_again_when_the_layers_predict_a_gain(monkeyp
         return {k: (0.1 if k.startswith("bitmask") else 10.0) for k in fns}
 
     monkeypatch.setattr(auto.measure, "decode_tok_s", flaky)
-    monkeypatch.setattr(auto, "interleaved_ms", fast_layers)
+    monkeypatch.setattr(auto.planner, "interleaved_ms", fast_layers)
     opts = {"formats": ("bitmask",), "model_tolerance": 1e9, "stream_bytes": 0}
     sparsify_for_inference(model, "auto", masks=eng.masks, **opts)
     checks = [c["whole_model_check"] for c in auto_choices(model).values()]

@@ -350,7 +350,7 @@ def test_auto_times_copies_streaming_stream_bytes_and_gives_ties_to_the_compact_
         best = "dense" if times[best] > times["dense"] * (1 - margin) else best
         return best, dict(times), [{"dense": 1.0, f"{best}:own": 2.0, f"{best}:unpack": 1.1}] * 2
 
-    monkeypatch.setattr(auto, "_measure", fake_measure)
+    monkeypatch.setattr(auto.planner, "_measure", fake_measure)
     one = 16 * 32 * 4
     plan = auto.plan_layers(layers, stream_bytes=10 * 3 * one)
     assert len(seen[-1]) == 3 * 10 and plan["l0"][3]["timed_copies"] == 10
@@ -375,10 +375,10 @@ def test_auto_measure_decides_by_the_margin(monkeypatch, bitmask_ms, margin, wan
     def fixed_ms(fns, rounds, stat="median"):  # the decode pass: the fixed times; prefill 1 ms each
         return {k: decode[k] for k in fns} if set(fns) == set(decode) else dict.fromkeys(fns, 1.0)
 
-    monkeypatch.setattr(auto, "interleaved_ms", fixed_ms)
+    monkeypatch.setattr(auto.planner, "interleaved_ms", fixed_ms)
     g = torch.Generator().manual_seed(1)
     layers = {"a": (torch.randn(8, 16, generator=g), torch.rand(8, 16, generator=g) > 0.5)}
-    best, decode_ms, _ = auto._measure(
+    best, decode_ms, _ = auto.planner._measure(
         layers, ["a"], ["dense", "native_dense", "bitmask"], 4, 1, None, margin
     )
     assert best == want and decode_ms["bitmask"] == bitmask_ms
@@ -400,7 +400,7 @@ def test_auto_prefill_chooses_per_batch_size_and_dispatches_by_rows(monkeypatch)
             return {"dense": 1.0, "bitmask:own": 0.8, "bitmask:unpack": 1.2}
         return {"dense": 1.0, "bitmask:own": 1.3, "bitmask:unpack": 1.1}  # 4x the rows: both lose
 
-    monkeypatch.setattr(auto, "interleaved_ms", fixed_ms)
+    monkeypatch.setattr(auto.planner, "interleaved_ms", fixed_ms)
     g = torch.Generator().manual_seed(2)
     w, m = torch.randn(24, 32, generator=g), (torch.rand(24, 32, generator=g) > 0.5).to(torch.uint8)
     for keep in (False, True):

@@ -15,7 +15,6 @@ and the weights are still contiguous.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
 from collections.abc import Iterable
@@ -23,6 +22,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from ..heap import trim_heap
 from .formats import _PackedBackend
 
 logger = logging.getLogger(__name__)
@@ -124,18 +124,10 @@ def pack_backends(backends: list, held: Iterable[torch.Tensor] = ()) -> int:
     with torch.no_grad():
         for b in backends:
             b._place(place)
-    _trim_heap()
+    # The tensors just copied out were mostly below malloc's mmap threshold: freeing them leaves their
+    # pages to the process until the heap is trimmed. In ``benchmarks/decode.py`` on the 1B shape (four
+    # converted copies of the model in one process), memory in use while decoding was 19-20 GB without
+    # the trim and 15 GB with it: the 4 GB went back to the file cache, which llama.cpp's memory-mapped
+    # GGUF rows of the same run need.
+    trim_heap()
     return total
-
-
-def _trim_heap() -> None:
-    """Give the heap's free memory back to the system (glibc ``malloc_trim``). The tensors just copied
-    out were mostly below malloc's mmap threshold, so freeing them leaves their pages to the process. In
-    ``benchmarks/decode.py`` on the 1B shape (four converted copies of the model in one process), memory
-    in use while decoding was 19-20 GB without the trim and 15 GB with it: the 4 GB went back to the file
-    cache, which llama.cpp's memory-mapped GGUF rows of the same run need."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim  # the process's own C library
-    except (OSError, AttributeError, TypeError):  # not glibc
-        return
-    trim(0)

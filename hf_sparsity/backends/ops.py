@@ -183,6 +183,7 @@ def build_cpp_ops() -> bool:
         lib = _native.load()
         if lib is None:
             raise RuntimeError(f"the native kernel is unavailable: {_native.error()}")
+        # Lazy: cpp_extension imports setuptools; needed only when the C++ ops are built.
         from torch.utils import cpp_extension
 
         if not cpp_extension.is_ninja_available():

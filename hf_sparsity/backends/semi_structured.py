@@ -49,6 +49,7 @@ class SemiStructuredBackend(SparseBackend):
         return semi_structured_unavailable_reason()
 
     def _prepare(self) -> None:
+        # Lazy: only a CUDA device runs this backend.
         from torch.sparse import to_sparse_semi_structured
 
         dense = (self.weight.detach() * self.mask.to(self.weight.dtype)).contiguous()

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..checks import check_paths_exist, check_positive
@@ -217,7 +218,6 @@ def _find_under(data_dir: str | os.PathLike | None, rel: str) -> Path | None:
 
 def versions() -> dict[str, str | None]:
     """Versions of the libraries that determine the numbers."""
-    import torch
     import transformers
 
     out = {

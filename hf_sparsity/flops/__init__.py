@@ -33,7 +33,9 @@ and during training, :class:`FlopAccountant`.
 
 Modules, one job each: :mod:`.report` (the figures), :mod:`.counting` (a model's
 modules -> figures), :mod:`.configs` (config-only, on the ``meta`` device),
-:mod:`.chinchilla` (the closed formula) and :mod:`.accounting` (cumulative training FLOPs).
+:mod:`.chinchilla` (the closed formula), :mod:`.accounting` (cumulative training FLOPs) and
+:mod:`.callback` (under Trainer: tokens per step, :class:`FlopCallback` for dense runs, the FLOP count
+in each checkpoint; imported on its own, as it loads transformers' Trainer machinery).
 """
 
 from .accounting import FlopAccountant

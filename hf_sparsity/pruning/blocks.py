@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..modeling import linear_kind
 from ..utils import SparsityError
 
 _COMMON_PATHS = "model.layers, transformer.h, gpt_neox.layers, model.decoder.layers"
@@ -154,3 +155,25 @@ def call_block(block: nn.Module, chunk: BlockInputs, hidden: torch.Tensor | None
 def run_block(block: nn.Module, chunk: BlockInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`call_block` without autograd."""
     return call_block(block, chunk, hidden)
+
+
+def linear_view(param: torch.Tensor, d) -> torch.Tensor:
+    """A targeted weight as a float ``[out, in]`` matrix (GPT-2's Conv1D weights transposed)."""
+    w = param.detach().float()
+    return w.t() if d.input_dim == 0 else w
+
+
+def run_all(block: nn.Module, chunks: list[BlockInputs], hidden: list) -> list[torch.Tensor]:
+    """The block's outputs for every calibration chunk (``hidden``: the chunks' inputs)."""
+    return [run_block(block, c, h) for c, h in zip(chunks, hidden)]
+
+
+def _is_linear_weight(model: nn.Module, d) -> bool:
+    owner = model.get_submodule(d.name.rsplit(".", 1)[0]) if "." in d.name else model
+    return linear_kind(owner) is not None and len(d.shape) == 2 and d.name.endswith("weight")
+
+
+def block_targets(model: nn.Module, prefix: str, i: int, targets: list) -> list:
+    """Block ``i``'s targeted linear weights (other targeted tensors are pruned by magnitude)."""
+    head = f"{prefix}.{i}."
+    return [d for d in targets if d.name.startswith(head) and _is_linear_weight(model, d)]

@@ -16,6 +16,9 @@ import torch
 
 from ..masks import num_zeros
 from ..utils import SparsityError
+from .blocks import block_targets, linear_view, run_all
+from .methods import wanda_score
+from .statistics import InputNorms, StatsHooks
 
 
 @dataclass
@@ -80,3 +83,44 @@ def owl_counts(
         if not moved:
             raise SparsityError("OWL cannot place the requested number of zeros; lower lambda.")
     return counts
+
+
+def owl_ratios(model, blocks, prefix, targets, chunks, hidden, settings, dev, stream) -> dict[int, float]:
+    """One dense pass over the blocks: each block's share of outlier Wanda scores."""
+    ratios = {}
+    for i, block in enumerate(blocks):
+        stream.load(i)
+        home = next(block.parameters()).device
+        block.to(dev)
+        ds = block_targets(model, prefix, i, targets)
+        mods = {d.name: model.get_submodule(d.name.rsplit(".", 1)[0]) for d in ds}
+        hooks = StatsHooks(mods, InputNorms)
+        hidden = run_all(block, chunks, hidden)
+        stats = hooks.result()
+        scores = [wanda_score(linear_view(model.get_parameter(d.name), d), stats[d.name]) for d in ds]
+        ratios[i] = outlier_ratio(scores, settings.outlier_m) if scores else 0.0
+        block.to(home)
+        stream.release(i)
+    return ratios
+
+
+def zero_counts(model, blocks, prefix, targets, chunks, owl, dev=None, stream=None) -> dict[str, int]:
+    """Zeros per targeted tensor: the config's levels exactly, or (``owl`` given) OWL's block levels
+    from one dense calibration pass, each weight outside the blocks at the mean ratio."""
+    levels = {d.name: float(d.sparsity) for d in targets}
+    numels = {d.name: d.numel for d in targets}
+    if owl is None:
+        return uniform_counts(levels, numels)
+    if any(d.structure for d in targets):
+        raise SparsityError("OWL levels apply to unstructured sparsity; drop `structure` or the OWL option.")
+    block_of = {}
+    for i in range(len(blocks)):
+        for d in block_targets(model, prefix, i, targets):
+            block_of[d.name] = i
+    outside = [d.name for d in targets if d.name not in block_of]
+    for j, n in enumerate(outside):  # each weight outside the blocks is its own "block" at the target level
+        block_of[n] = len(blocks) + j
+    ratios = owl_ratios(model, blocks, prefix, targets, chunks, [c.hidden for c in chunks], owl, dev, stream)
+    mean_ratio = sum(ratios.values()) / max(len(ratios), 1)
+    ratios.update({block_of[n]: mean_ratio for n in outside})
+    return owl_counts(levels, numels, block_of, ratios, owl.lam)

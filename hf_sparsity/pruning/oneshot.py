@@ -29,10 +29,20 @@ from ..modeling import linear_kind
 from ..targeting import TargetDecision, plan_sparsity, unwrap_model
 from ..utils import SparsityError
 from . import methods as M
-from .blocks import capture_block_inputs, find_blocks, home_device, run_block, to_device
-from .levels import OWLSettings, outlier_ratio, owl_counts, uniform_counts
+from .algorithms import BlockContext, get_method, needs_calibration
+from .blocks import (
+    block_targets,
+    capture_block_inputs,
+    find_blocks,
+    home_device,
+    linear_view,
+    run_all,
+    to_device,
+)
+from .levels import OWLSettings, zero_counts
 from .reconstruct import DEFAULT_LR, check_steps, reconstruct_block
 from .refit import refit_weights
+from .statistics import StatsHooks
 
 logger = logging.getLogger(__name__)
 
@@ -74,11 +84,6 @@ def _projection_kind(name: str) -> str:
     return ".".join(parts[idx + 1 : -1]) or name
 
 
-def _linear_view(param: torch.Tensor, d: TargetDecision) -> torch.Tensor:
-    w = param.detach().float()
-    return w.t() if d.input_dim == 0 else w
-
-
 def _store(param: torch.Tensor, d: TargetDecision, W: torch.Tensor, pruned: torch.Tensor) -> torch.Tensor:
     """Write the pruned (or updated) weight back; return the uint8 mask in the parameter's layout."""
     keep = (~pruned).to(MASK_DTYPE)
@@ -105,125 +110,17 @@ def _check_nm(model: nn.Module, targets: list[TargetDecision]) -> None:
             )
 
 
-class _StatsHooks:
-    """Forward hooks accumulating Wanda's input norms or SparseGPT's Hessian for a block's linears.
-
-    Linears fed the very same tensor (Q/K/V, gate/up) share one accumulator: the reference
-    computes the same ``XᵀX`` once per linear, which costs as much as the block's forward.
-    """
-
-    def __init__(self, modules: dict[str, nn.Module], kind: str):
-        self.kind, self.stats, self.nseq, self.group = kind, {}, defaultdict(int), {}
-        self._last: tuple[torch.Tensor, str] | None = None  # held, so its storage cannot be reused
-        self.handles = [m.register_forward_hook(self._hook(n)) for n, m in modules.items()]
-
-    def _hook(self, name: str):
-        def hook(module, inputs, output):
-            x = inputs[0]
-            if self._last is not None and self._last[0] is x:
-                self.group.setdefault(name, self._last[1])
-                return
-            group = self.group.setdefault(name, name)
-            self._last = (x, group)
-            self.nseq[group] += x.shape[0] if x.dim() == 3 else 1
-            x = x.detach().reshape(-1, x.shape[-1]).float()
-            add = (x * x).sum(0) if self.kind == "wanda" else x.t() @ x
-            if group in self.stats:
-                self.stats[group].add_(add)
-            else:
-                self.stats[group] = add
-
-        return hook
-
-    def result(self) -> dict[str, torch.Tensor]:
-        for h in self.handles:
-            h.remove()
-        self._last = None
-        # The reference's running averages end at Σ‖x‖²/N (Wanda) and 2/N·ΣxxᵀN (SparseGPT).
-        scale = {"wanda": 1.0, "sparsegpt": 2.0}[self.kind]
-        for g, s in self.stats.items():  # in place: one copy of each Hessian at a time
-            s.mul_(scale / max(self.nseq[g], 1))
-        return {n: self.stats[g] for n, g in self.group.items()}
-
-
-def _run_all(block, chunks, hidden):
-    return [run_block(block, c, h) for c, h in zip(chunks, hidden)]
-
-
-def _is_linear_weight(model, d: TargetDecision) -> bool:
-    owner = model.get_submodule(d.name.rsplit(".", 1)[0]) if "." in d.name else model
-    return linear_kind(owner) is not None and len(d.shape) == 2 and d.name.endswith("weight")
-
-
-def _block_targets(model, prefix, i, targets):
-    """Block ``i``'s targeted linear weights (other targeted tensors are pruned by magnitude)."""
-    head = f"{prefix}.{i}."
-    return [d for d in targets if d.name.startswith(head) and _is_linear_weight(model, d)]
-
-
-def _owl_ratios(model, blocks, prefix, targets, chunks, hidden, settings, dev, stream) -> dict[int, float]:
-    """One dense pass over the blocks: each block's share of outlier Wanda scores."""
-    ratios = {}
-    for i, block in enumerate(blocks):
-        stream.load(i)
-        home = next(block.parameters()).device
-        block.to(dev)
-        ds = _block_targets(model, prefix, i, targets)
-        mods = {d.name: model.get_submodule(d.name.rsplit(".", 1)[0]) for d in ds}
-        hooks = _StatsHooks(mods, "wanda")
-        hidden = _run_all(block, chunks, hidden)
-        stats = hooks.result()
-        scores = [M.wanda_score(_linear_view(model.get_parameter(d.name), d), stats[d.name]) for d in ds]
-        ratios[i] = outlier_ratio(scores, settings.outlier_m) if scores else 0.0
-        block.to(home)
-        stream.release(i)
-    return ratios
-
-
-def _zero_counts(model, blocks, prefix, targets, chunks, owl, dev=None, stream=None) -> dict[str, int]:
-    levels = {d.name: float(d.sparsity) for d in targets}
-    numels = {d.name: d.numel for d in targets}
-    if owl is None:
-        return uniform_counts(levels, numels)
-    if any(d.structure for d in targets):
-        raise SparsityError("OWL levels apply to unstructured sparsity; drop `structure` or the OWL option.")
-    block_of = {}
-    for i in range(len(blocks)):
-        for d in _block_targets(model, prefix, i, targets):
-            block_of[d.name] = i
-    outside = [d.name for d in targets if d.name not in block_of]
-    for j, n in enumerate(outside):  # each weight outside the blocks is its own "block" at the target level
-        block_of[n] = len(blocks) + j
-    ratios = _owl_ratios(model, blocks, prefix, targets, chunks, [c.hidden for c in chunks], owl, dev, stream)
-    mean_ratio = sum(ratios.values()) / max(len(ratios), 1)
-    ratios.update({block_of[n]: mean_ratio for n in outside})
-    return owl_counts(levels, numels, block_of, ratios, owl.lam)
-
-
-def _prune_one(method, W, stat, k, nm, blocksize, percdamp, name, hinv=None):
-    if method == "magnitude":
-        return W, M.magnitude_prune(W, k, nm)
-    if method == "wanda":
-        return W, M.wanda_prune(W, stat, k, nm)
-    return M.sparsegpt_prune(W, stat, k, nm, blocksize=blocksize, percdamp=percdamp, name=name, hinv=hinv)
-
-
-def _needs_calibration(method: str, refit: bool, reconstruct_steps: int, masks) -> bool:
-    return (masks is None and method != "magnitude") or refit or bool(reconstruct_steps)
-
-
 def _check_args(method, calibration, targets, model, refit=False, reconstruct_steps=0, masks=None) -> None:
-    if method not in M.METHODS:
-        raise SparsityError(f"Unknown pruning method {method!r}; use one of {', '.join(M.METHODS)}.")
+    get_method(method)  # an unknown name: a one-line error listing the known ones
     check_steps(reconstruct_steps or None)
     if not targets:
         raise SparsityError(
             f"The sparsity config selects no weight of {type(model).__name__}; nothing to prune. "
             "Check `param_name_patterns` (`hf_sparsity validate` lists the parameter names)."
         )
-    if _needs_calibration(method, refit, reconstruct_steps, masks):
+    if needs_calibration(method, refit, reconstruct_steps, masks):
         if calibration is None or calibration.dim() != 2 or calibration.shape[0] == 0:
-            what = method if masks is None and method != "magnitude" else "--refit / --reconstruct"
+            what = method if masks is None and get_method(method).calibrated else "--refit / --reconstruct"
             raise SparsityError(
                 f"{what} needs calibration token ids of shape (nsamples, seqlen) with nsamples >= 1; "
                 "build them with hf_sparsity.pruning.sample_calibration (--nsamples 128 is the reference)."
@@ -355,7 +252,7 @@ def prune_oneshot(
 
 @dataclass
 class _Options:
-    method: str
+    method: str  # what the result says: a method's name, or "masks"
     blocksize: int
     percdamp: float
     owl: OWLSettings | None
@@ -368,21 +265,20 @@ class _Options:
     masks: dict[str, torch.Tensor] | None
     stream: Any
 
-
-def _stats_kind(o: _Options) -> str | None:
-    if o.refit or o.method == "sparsegpt":
-        return "sparsegpt"  # the Hessian; Wanda's norms are its diagonal
-    return "wanda" if o.method == "wanda" else None
+    @property
+    def algorithm(self) -> str:
+        """The method that chooses masks (given masks are checked as magnitude's: no calibration)."""
+        return "magnitude" if self.method == "masks" else self.method
 
 
 def _prune(model, targets, calibration, o: _Options):
     t0 = time.perf_counter()
-    calibrated = _needs_calibration(o.method, o.refit, o.steps, o.masks)
+    calibrated = needs_calibration(o.algorithm, o.refit, o.steps, o.masks)
     if o.owl is not None and not calibrated:
         raise SparsityError("OWL needs calibration activations; use it with --method wanda or sparsegpt.")
     if not calibrated and isinstance(o.stream, InMemoryBlocks):  # the whole model at once, no blocks needed
         counts = (
-            _given_counts(o.masks) if o.masks is not None else _zero_counts(model, [], "", targets, [], None)
+            _given_counts(o.masks) if o.masks is not None else zero_counts(model, [], "", targets, [], None)
         )
         masks = _prune_outside(model, targets, counts, o.masks)
         return OneShotResult(masks, o.method, time.perf_counter() - t0, counts)
@@ -396,13 +292,13 @@ def _prune(model, targets, calibration, o: _Options):
     if o.masks is not None:
         counts = _given_counts(o.masks)
     else:
-        counts = _zero_counts(model, blocks, prefix, targets, chunks, o.owl, dev, o.stream)
+        counts = zero_counts(model, blocks, prefix, targets, chunks, o.owl, dev, o.stream)
     in_blocks = set()
     block_seconds, info = [], {"blocks": prefix}
     hidden = [c.hidden for c in chunks]
     for c in chunks:  # hold the activations once: as this block's inputs, then its outputs
         c.hidden = None
-    kind = _stats_kind(o) if calibrated else None
+    statistic = get_method(o.algorithm).statistic_for(o.refit) if calibrated else None
     bar = _progress(len(blocks), o.method, o.progress)
     recon = []
     for i, block in enumerate(blocks):
@@ -410,13 +306,13 @@ def _prune(model, targets, calibration, o: _Options):
         o.stream.load(i)
         home = next(block.parameters()).device
         block.to(dev)
-        ds = _block_targets(model, prefix, i, targets)
+        ds = block_targets(model, prefix, i, targets)
         in_blocks.update(d.name for d in ds)
         mods = {d.name: model.get_submodule(d.name.rsplit(".", 1)[0]) for d in ds}
         stats, groups, dense_out = {}, {}, None
         if calibrated:
-            hooks = _StatsHooks(mods, kind) if kind else None
-            dense_out = _run_all(block, chunks, hidden)  # the dense block's outputs: reconstruction's target
+            hooks = StatsHooks(mods, statistic) if statistic else None
+            dense_out = run_all(block, chunks, hidden)  # the dense block's outputs: reconstruction's target
             if hooks is not None:
                 stats, groups = hooks.result(), hooks.group
             if not o.steps:
@@ -427,7 +323,7 @@ def _prune(model, targets, calibration, o: _Options):
             recon.append(errors)
             dense_out = None
         elif calibrated and i + 1 < len(blocks):
-            hidden = _run_all(block, chunks, hidden)
+            hidden = run_all(block, chunks, hidden)
         block.to(home)
         o.stream.release(i, block_masks)
         block_masks = None
@@ -469,11 +365,11 @@ def _reconstruct(model, block, ds, block_masks, chunks, hidden, dense_out, o: _O
 
     Returns the block's outputs (the next block's inputs) and the error before and after.
     """
-    err_before = _block_error(_run_all(block, chunks[:1], hidden[:1]), dense_out[:1])
+    err_before = _block_error(run_all(block, chunks[:1], hidden[:1]), dense_out[:1])
     weights = {d.name: (model.get_parameter(d.name), block_masks[d.name]) for d in ds}
     saved = {n: p.detach().clone() for n, (p, _) in weights.items()}
     reconstruct_block(block, chunks, hidden, dense_out, weights, o.steps, o.lr)
-    after = _run_all(block, chunks, hidden)
+    after = run_all(block, chunks, hidden)
     err_after = _block_error(after[:1], dense_out[:1])
     if err_after >= err_before:  # a learning rate too high for this block: the refit weights stand
         where = ds[0].name.rsplit(".", 2)[0] if ds else "a block"
@@ -483,7 +379,7 @@ def _reconstruct(model, block, ds, block_masks, chunks, hidden, dense_out, o: _O
         )  # fmt: skip
         for n, (p, _) in weights.items():
             p.copy_(saved[n])
-        return _run_all(block, chunks, hidden), (err_before, err_before)
+        return run_all(block, chunks, hidden), (err_before, err_before)
     return after, (err_before, err_after)
 
 
@@ -494,27 +390,18 @@ def _given_counts(masks: dict[str, torch.Tensor]) -> dict[str, int]:
 def _prune_block(model, ds, stats, groups, counts, o: _Options) -> dict[str, torch.Tensor]:
     """Choose (or take) each targeted weight's mask, update and re-fit the kept weights, store them."""
     masks = {}
-    inverses = {}  # SparseGPT: one inverse per shared Hessian (Q/K/V, gate/up)
+    method = get_method(o.algorithm)
+    ctx = BlockContext(o.blocksize, o.percdamp, groups)
     for d in ds:
         param = model.get_parameter(d.name)
-        W = _linear_view(param, d)
+        W = linear_view(param, d)
         H = stats.pop(d.name, None)
         if o.masks is not None:
             keep = o.masks[d.name].to(W.device)
             pruned = (keep.t() if d.input_dim == 0 else keep) == 0
             W_new = W
-        elif o.method == "sparsegpt" and H is not None:
-            group = groups[d.name]
-            if group not in inverses:
-                inverses[group] = M.sparsegpt_inverse(H, o.percdamp, d.name)
-            W_new, pruned = _prune_one(
-                o.method, W, H, counts[d.name], _nm(d), o.blocksize, o.percdamp, d.name, inverses[group]
-            )
         else:
-            stat = torch.diagonal(H) / 2 if (o.method == "wanda" and o.refit) else H
-            W_new, pruned = _prune_one(
-                o.method, W, stat, counts[d.name], _nm(d), o.blocksize, o.percdamp, d.name
-            )
+            W_new, pruned = method.prune(W, H, counts[d.name], _nm(d), d.name, ctx)
         if o.refit and H is not None:
             W_new = refit_weights(W, H, ~pruned, o.percdamp, d.name, start=W_new)
         masks[d.name] = _store(param, d, W_new, pruned)
@@ -526,7 +413,7 @@ def _prune_outside(model, targets, counts, given=None) -> dict[str, torch.Tensor
     masks = {}
     for d in targets:
         param = model.get_parameter(d.name)
-        W = _linear_view(param, d)
+        W = linear_view(param, d)
         if given is not None:
             keep = given[d.name].to(W.device)
             pruned = (keep.t() if d.input_dim == 0 else keep) == 0

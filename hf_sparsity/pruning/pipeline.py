@@ -11,15 +11,17 @@ import logging
 import os
 from pathlib import Path
 
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
 from ..config import SparsityConfig, check_level, check_structure
 from ..constants import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from ..loading import TOKENIZER_FILES, check_context_fits, check_device, check_model_folder
 from ..modeling import check_token_ids
 from ..storage.masks_file import load_masks
 from ..utils import SparsityError, atomic_dir, check_out_dir
+from .algorithms import get_method, needs_calibration
 from .calibration import read_documents, sample_calibration
 from .levels import OWLSettings
-from .methods import METHODS
 from .oneshot import OneShotResult, prune_oneshot
 from .reconstruct import DEFAULT_LR, check_steps
 from .save import save_pruned, write_sparsity_files
@@ -70,8 +72,7 @@ def _check_inputs(
     Returns whether the run needs calibration data.
     """
     check_model_folder(model_dir, "MODEL_DIR")
-    if method not in METHODS:
-        raise SparsityError(f"Unknown method {method!r}; use one of {', '.join(METHODS)}.")
+    get_method(method)  # an unknown name: a one-line error listing the known ones
     check_device(device)
     for flag, value in (("--batch-size", batch_size), ("--blocksize", blocksize)):
         if value is not None and value <= 0:
@@ -93,8 +94,8 @@ def _check_inputs(
         raise SparsityError(
             f"--calib-data {calib!r} does not exist. Give a .jsonl (one document per row) or .txt file."
         )
-    calibrated = (masks is None and method != "magnitude") or refit or bool(reconstruct_steps)
-    what = method if masks is None and method != "magnitude" else "--refit / --reconstruct"
+    calibrated = needs_calibration(method, refit, reconstruct_steps, masks)
+    what = method if masks is None and get_method(method).calibrated else "--refit / --reconstruct"
     if calibrated:
         if nsamples < 1:
             raise SparsityError(f"--nsamples {nsamples}: {what} needs at least 1 calibration sample.")
@@ -146,8 +147,6 @@ def prune_folder(
     (:mod:`~hf_sparsity.pruning.streaming`), never holding the whole model; folders with
     ``.bin`` weights, and ``streaming=False``, load the whole model.
     """
-    from transformers import AutoConfig, AutoTokenizer
-
     calibrated = _check_inputs(
         model_dir, out_dir, method, nsamples, seqlen, calib_data, overwrite, device=device,
         batch_size=batch_size, blocksize=blocksize, percdamp=percdamp, owl_lambda=owl_lambda, refit=refit,
@@ -167,8 +166,8 @@ def prune_folder(
         calib = sample_calibration(docs, tokenizer, nsamples=nsamples, seqlen=seqlen, seed=seed)
         check_token_ids(model_config, calib, model_dir)
         info = {"calib_data": str(calib_data), "text_column": text_column, "seed": seed}
-        if method == "sparsegpt" and given is None:
-            info.update(blocksize=blocksize, percdamp=percdamp)
+        if given is None:
+            info.update(get_method(method).settings(blocksize, percdamp))
     if owl is not None:
         info["owl"] = {"lambda": owl.lam, "M": owl.outlier_m}
     if masks is not None:
@@ -178,6 +177,14 @@ def prune_folder(
         progress=progress, refit=refit, reconstruct_steps=reconstruct_steps or 0,
         reconstruct_lr=reconstruct_lr, masks=given,
     )  # fmt: skip
+    return _prune_and_write(model_dir, out_dir, config, calib, method, model_config, tokenizer, info, kwargs,
+                            overwrite=overwrite, streaming=streaming)  # fmt: skip
+
+
+def _prune_and_write(model_dir, out_dir, config, calib, method, model_config, tokenizer, info, kwargs, *,
+                     overwrite, streaming) -> OneShotResult:  # fmt: skip
+    """Prune and write ``out_dir``: block by block from a safetensors folder (``streaming``), else the
+    whole model loaded."""
     if streaming and any(
         (Path(model_dir) / f).is_file() for f in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME)
     ):
@@ -188,8 +195,6 @@ def prune_folder(
             stream.finish()
             write_sparsity_files(tmp, model_config, result, config, tokenizer, info)
         return result
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto")
     model.eval()
     result = prune_oneshot(model, config, calib, method, **kwargs)

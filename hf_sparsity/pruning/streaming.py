@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..constants import SAFE_WEIGHTS_INDEX_NAME
+from ..heap import fix_mmap_threshold, trim_heap
 from ..storage.folders import safetensors_error, unreadable_error, weight_shards
 from ..storage.masks_file import pack_mask, unpack_mask
 from ..utils import SparsityError
@@ -96,7 +97,12 @@ class StreamingModel:
         from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        _fix_mmap_threshold()  # before the first tensor: freed tensors go back to the OS
+        # Before the first tensor: every tensor of 1 MiB or more gets its own mmap, so freeing it hands it
+        # back to the OS. glibc's dynamic threshold otherwise rises to 32 MiB and freed tensors stay in the
+        # heap: peak RSS crept up by about 10 MB per block of a 1024-wide Llama (887 MB in the first block,
+        # 1020 MB by the eleventh, on 8 x 256 calibration tokens); with the fixed threshold it peaks at
+        # 723 MB in the first block and 745 MB in the sixteenth.
+        fix_mmap_threshold()
         self.model_dir = Path(model_dir)
         self.where = _tensor_index(self.model_dir)
         self.config = config or AutoConfig.from_pretrained(str(model_dir))
@@ -179,7 +185,7 @@ class StreamingModel:
             for name, m in masks.items():
                 self.masks[name] = m
         block.to("meta")
-        _return_freed_memory()
+        trim_heap()  # small allocations, below the mmap threshold, still come from the heap
 
     # -- writing ------------------------------------------------------------------------------
     def _write(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
@@ -221,51 +227,6 @@ class StreamingModel:
         for side in ("generation_config.json",):
             if (self.model_dir / side).is_file():
                 shutil.copy2(self.model_dir / side, self.out / side)
-
-
-def _libc():
-    """glibc, or ``None`` (macOS, musl: their allocators need none of this)."""
-    global _LIBC
-    if _LIBC is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _LIBC = lib if hasattr(lib, "malloc_trim") and hasattr(lib, "mallopt") else False
-        except OSError:
-            _LIBC = False
-    return _LIBC or None
-
-
-_LIBC = None
-_M_MMAP_THRESHOLD = -3  # mallopt's parameter number in glibc's malloc.h
-MMAP_THRESHOLD = 1 << 20
-
-
-def _fix_mmap_threshold() -> None:
-    """Serve every allocation of 1 MiB or more (every tensor that matters) with its own ``mmap``, so
-    freeing it hands it straight back to the OS.
-
-    glibc's default threshold is dynamic: each freed mmapped chunk raises it, up to 32 MiB, after
-    which tensors below that size come from the heap, where freed ones stay resident and the next
-    block's rarely fit: peak RSS then crept up by about 10 MB per block of a 1024-wide Llama
-    (887 MB in the first block, 1020 MB by the eleventh, on 8 x 256 calibration tokens). With a
-    fixed threshold the same run peaks at 723 MB in the first block and 745 MB in the sixteenth.
-    Process-wide and kept (glibc has no getter to restore the previous value from); setting it
-    also turns off the dynamic adjustment.
-    """
-    lib = _libc()
-    if lib is not None:
-        lib.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-
-
-def _return_freed_memory() -> None:
-    """Hand freed heap memory back to the OS after each block (small allocations, below the mmap
-    threshold, still come from glibc's heap, which keeps what is freed)."""
-    lib = _libc()
-    if lib is not None:
-        lib.malloc_trim(0)
 
 
 def _part_order(part: str) -> tuple[int, int]:

@@ -1,37 +1,5 @@
-"""Compact CPU formats for moderate sparsity: ``bitmask`` and ``nm24`` (2:4), plus ``native_dense``.
-
-At 50-75% sparsity CSR does not pay: fp32 values with 16-bit column indices read 3 bytes
-per weight at 50% against dense's 4, and decoding is memory-bound. These formats read
-close to the bound:
-
-* ``bitmask``: one bit per weight (kept or not) plus the kept values packed in row order.
-  fp32 values: ``4 * density + 0.125`` bytes per weight (2.125 at 50%, 1.8x fewer than
-  dense); bf16 values: ``2 * density + 0.125``. Any unstructured mask.
-* ``nm24``: 2:4 along the input dimension: two values per four weights and their two
-  2-bit positions, one byte per eight weights (fp32: 2.125 bytes per weight; bf16: 1.125).
-  Refuses a mask that is not 2:4.
-* ``native_dense``: the masked weight stored dense, multiplied by the native multi-threaded
-  GEMV for small batches (torch's fp32 GEMV may use one core). Used by ``auto`` for layers
-  where dense wins and for the LM head; it is "dense with the same improvements".
-
-Values are fp32 or bf16 (the weight's dtype), or, for ``bitmask`` and ``nm24`` with
-``values="int8"``, int8 with one symmetric float32 scale per output row (round to nearest, computed at
-conversion: ``scale = max|w_row| / 127``): 0.625 bytes per weight at 50% with a bitmask. Their products
-quantize the activations too (``activations="int8"``, the default; see :func:`quantize_activations`): with
-AVX-512 VNNI a batch-1 product multiplies int8 by int8, elsewhere the dequantized activations go through
-the float kernels. ``activations="float32"`` keeps float32 activations (``sum(q * x) * scale`` in fp32).
-``to_dense()`` returns the dequantized weight. The native
-AVX2/FMA kernels (:mod:`hf_sparsity.backends._native`, ``csrc/hfs_kernels.c``) run batch 1
-and small batches; larger batches (prefill) go through a dense GEMM on the weight rebuilt
-on the fly (``prefill="unpack"``, default: no dense copy kept) or, from 17 rows, the native
-blocked sparse kernel (``prefill="native"``; ``hfs_spmm`` in the C source: as fast as dense at
-50% and faster above; ``auto`` measures both). Without a C compiler a pure-torch path computes the same thing,
-slowly (it rebuilds the dense weight per call).
-
-These backends keep **no dense copy**: after ``from_dense`` the weight and mask tensors are
-dropped; ``weight`` / ``mask`` / ``to_dense()`` rebuild them from the packed form.
-Inference only (``capabilities.training`` is False); gradients of ``x`` still flow.
-"""
+"""The shared base of the packed formats (:class:`_PackedBackend`): packed storage, no dense copy kept,
+native / torch dispatch, int8 values, prefill through a reused scratch buffer; and the bit packing."""
 
 from __future__ import annotations
 
@@ -40,15 +8,17 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from ..utils import SparsityError
-from . import _native, ops
-from .base import BackendCapabilities, SparseBackend
-from .registry import register_backend
+from ...utils import SparsityError
+from .. import _native, ops
+from ..base import BackendCapabilities, SparseBackend
+from .quant import quantize_activations, quantize_rows
 
 SMALL_BATCH = 16
 """Rows of ``x`` up to which the native kernels run; above, a dense GEMM on the unpacked weight."""
 
+
 _BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
 
 _scratch = threading.local()
 
@@ -66,37 +36,6 @@ def scratch_buffer(rows: int, cols: int) -> torch.Tensor:
         ):  # a normal tensor: usable (and writable) in and out of inference mode
             buf = bufs[(rows, cols)] = torch.empty(rows, cols, dtype=torch.float32)
     return buf
-
-
-def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8: ``(scales float32 [rows], codes int8 [rows, in])`` with ``w ~ scales[:, None] *
-    codes``, ``scale = max|w_row| / 127`` (1 for an all-zero row), codes rounded to nearest."""
-    wf = w.float()
-    amax = wf.abs().amax(1) if wf.shape[1] else wf.new_zeros(wf.shape[0])
-    scales = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
-    codes = torch.round(wf / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-    return scales.contiguous(), codes
-
-
-ACT_GROUPS = 2
-"""Activation scales per row when int8 values also quantize the activations: ``16 * ACT_GROUPS`` groups."""
-
-
-def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """What the products of ``values="int8"`` (with int8 activations, the default) see of their input ``x``
-    ``[..., in]``: symmetric int8 codes ``round(x / s)`` (half to even), one scale ``s = max|x_group| / 127``
-    per group of columns, dequantized back to float32 (``codes * s``). Column ``c`` is in group
-    ``(c // 64 % ACT_GROUPS) * 16 + c % 64 // 4``: four adjacent columns every ``64 * ACT_GROUPS``, so a group
-    is one lane of the native kernel's int32 accumulators (``csrc/hfs_kernels.c``) and its scale applies
-    once per row. The native batch-1 kernel multiplies the codes themselves (int8 dot products); this is the
-    same sum up to float32 rounding, for every other path (larger batches, the torch kernel, gradients)."""
-    xf = x.float()
-    n = xf.shape[-1]
-    pad = (-n) % (64 * ACT_GROUPS)
-    xb = F.pad(xf, (0, pad)).unflatten(-1, (-1, ACT_GROUPS, 16, 4))
-    s = xb.abs().amax(dim=(-4, -1), keepdim=True) / 127
-    codes = torch.where(s > 0, torch.round(xb / s), torch.zeros_like(xb)).clamp_(-127, 127)
-    return (codes * s).flatten(-4)[..., :n]
 
 
 def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
@@ -394,167 +333,3 @@ class _PackedBackend(SparseBackend):
     def to_dense(self) -> torch.Tensor:
         """The masked dense weight ``[out, in]`` in the values' dtype (rebuilt; nothing dense is kept)."""
         return self._unpack().to(self.dtype)
-
-    # subclasses: _pack, _tensors, _native_mm, _unpack, _dense_mask
-
-
-@register_backend
-class BitmaskBackend(_PackedBackend):
-    """1 bit per weight + packed kept values (fp32 or bf16). Any unstructured mask, CPU."""
-
-    name = "bitmask"
-    op = "bitmask"
-    capabilities = BackendCapabilities(
-        devices=("cpu",),
-        dtypes=(torch.float32, torch.bfloat16),
-        training=False,
-        frees_dense=True,
-        int8_values=True,
-        description="1-bit mask + packed values (fp32 / bf16, or int8 with row scales); native kernels",
-    )
-
-    def _pack(self, w: torch.Tensor, m: torch.Tensor) -> None:
-        self.bits = _pack_bits(m).contiguous()
-        counts = m.sum(1, dtype=torch.int64)
-        self.rowptr = torch.zeros(self.out_features + 1, dtype=torch.int64)
-        torch.cumsum(counts, 0, out=self.rowptr[1:])
-        # the kernels read 16 values, or 64 int8 codes, at a time
-        self.values = self._store(w[m], 64 if self.int8 else 16)
-
-    _TENSORS = ("bits", "rowptr", "values")
-
-    def _native_mm(self, x2d, bias):
-        return _native.run_op(
-            "bitmask", self.out_features, self.in_features, x2d, self.values, self.bits, self.rowptr,
-            bias, self._threads(x2d.shape[0]), int8_activations=self.int8_activations,
-        )  # fmt: skip
-
-    def _dense_mask(self) -> torch.Tensor:
-        return _unpack_bits(self.bits, self.in_features).to(torch.uint8)
-
-    def _unpack(self) -> torch.Tensor:
-        if self.kernel == "native" and self.out_features * self.in_features:
-            threads = _native.threads_for(self.out_features * self.in_features // 4, self.threads)
-            return _native.run_op(
-                "bitmask_unpack", self.out_features, self.in_features, None, self.values, self.bits,
-                self.rowptr, None, threads,
-            )  # fmt: skip
-        out = torch.zeros(self.out_features, self.in_features, dtype=torch.float32)
-        out[_unpack_bits(self.bits, self.in_features)] = self._codes()[: self.nnz]
-        return self._scaled(out)
-
-
-@register_backend
-class NM24Backend(_PackedBackend):
-    """2:4 along the input dimension on CPU: two values and two 2-bit positions per four weights."""
-
-    name = "nm24"
-    op = "nm24"
-    aliases = ("cpu_2_4", "nm_2_4")
-    capabilities = BackendCapabilities(
-        devices=("cpu",),
-        dtypes=(torch.float32, torch.bfloat16),
-        training=False,
-        frees_dense=True,
-        structure="2:4",
-        int8_values=True,
-        description="CPU 2:4: packed values + 2-bit positions (fp32 / bf16, or int8 with row scales)",
-    )
-
-    def _pack(self, w: torch.Tensor, m: torch.Tensor) -> None:
-        out_f, in_f = w.shape
-        g = m.view(out_f, in_f // 4, 4)
-        # the two kept positions of each group (a group keeping fewer is padded with unused positions)
-        key = (~g).to(torch.int8) * 4 + torch.arange(4, dtype=torch.int8)
-        pos = key.argsort(dim=-1, stable=True)[..., :2].sort(-1).values  # [out, groups, 2], ascending
-        vals = torch.gather((w * m).view(out_f, in_f // 4, 4), 2, pos)
-        self.values = self._store(vals, 8)
-        nib = (pos[..., 0] | (pos[..., 1] << 2)).to(torch.uint8)  # [out, groups]
-        if nib.shape[1] % 2:
-            nib = F.pad(nib, (0, 1))
-        nib = nib.view(out_f, -1, 2)
-        self.meta = (nib[..., 0] | (nib[..., 1] << 4)).contiguous()  # [out, ceil(in/8)]
-
-    _TENSORS = ("meta", "values")
-
-    def _positions(self) -> torch.Tensor:
-        out_f, groups = self.out_features, self.in_features // 4
-        nib = torch.stack([self.meta & 15, self.meta >> 4], -1).view(out_f, -1)[:, :groups].long()
-        return torch.stack([nib & 3, nib >> 2], -1)  # [out, groups, 2]
-
-    def _native_mm(self, x2d, bias):
-        return _native.run_op(
-            "nm24", self.out_features, self.in_features, x2d, self.values, self.meta, None, bias,
-            self._threads(x2d.shape[0]), int8_activations=self.int8_activations,
-        )  # fmt: skip
-
-    def _unpack(self) -> torch.Tensor:
-        out_f, in_f = self.out_features, self.in_features
-        if self.kernel == "native" and out_f * in_f:
-            threads = _native.threads_for(out_f * in_f // 4, self.threads)
-            return _native.run_op(
-                "nm24_unpack", out_f, in_f, None, self.values, self.meta, None, None, threads
-            )
-        out = torch.zeros(out_f, in_f // 4, 4, dtype=torch.float32)
-        vals = self._codes()[: out_f * in_f // 2].view(out_f, in_f // 4, 2)
-        out.scatter_(2, self._positions(), vals)
-        return self._scaled(out.view(out_f, in_f))
-
-    def _dense_mask(self) -> torch.Tensor:
-        # the kept positions with a stored value; a padded slot (group keeping fewer than 2) holds 0
-        return (self._unpack() != 0).to(torch.uint8) if self.nnz < self.mask_slots else self._slot_mask()
-
-    @property
-    def mask_slots(self) -> int:
-        return self.out_features * self.in_features // 2
-
-    def _slot_mask(self) -> torch.Tensor:
-        out_f, in_f = self.out_features, self.in_features
-        out = torch.zeros(out_f, in_f // 4, 4, dtype=torch.uint8)
-        out.scatter_(2, self._positions(), 1)
-        return out.view(out_f, in_f)
-
-
-@register_backend
-class NativeDenseBackend(_PackedBackend):
-    """The masked weight kept dense; a multi-threaded native GEMV for small batches, ``F.linear`` above."""
-
-    name = "native_dense"
-    op = "gemv"
-    aliases = ("gemv",)
-    capabilities = BackendCapabilities(
-        devices=("cpu",),
-        dtypes=(torch.float32, torch.bfloat16),
-        training=False,
-        frees_dense=True,
-        int8_values=True,
-        description="dense weight, native multi-threaded GEMV for batch <= 16 (LM head, dense layers)",
-    )
-
-    def _pack(self, w: torch.Tensor, m: torch.Tensor) -> None:
-        if self.int8:  # ``w``: the int8 codes of the masked weight, row-major after the row scales
-            self.values = self._store(w, 64)
-            return
-        self.values = (
-            (w * m).to(self.dtype).contiguous() if not bool(m.all()) else w.to(self.dtype).contiguous()
-        )
-
-    _TENSORS = ("values",)
-
-    def _native_mm(self, x2d, bias):
-        return _native.run_op(
-            "gemv", self.out_features, self.in_features, x2d, self.values, None, None, bias,
-            self._threads(x2d.shape[0]), int8_activations=self.int8_activations,
-        )  # fmt: skip
-
-    def to_dense(self) -> torch.Tensor:
-        return self._unpack().to(self.dtype) if self.int8 else self.values
-
-    def _unpack(self) -> torch.Tensor:
-        if not self.int8:
-            return self.values
-        n = self.out_features * self.in_features
-        return self._scaled(self._codes()[:n].view(self.out_features, self.in_features).clone())
-
-    def _dense_mask(self) -> torch.Tensor:
-        return (self._unpack() != 0).to(torch.uint8)

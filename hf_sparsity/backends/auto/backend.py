@@ -1,0 +1,267 @@
+""":class:`AutoBackend`, the ``auto`` layer, and whole-model planning: the LM head, then greedy decoding
+of the converted model timed against the model as it was (step 7 of :mod:`hf_sparsity.backends.auto`)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...modeling import replace_module
+from .. import measure
+from ..base import BackendCapabilities, LayerTarget, ModelPlan, SparseBackend, Wrap, _new_counters
+from ..formats import SMALL_BATCH
+from ..registry import get_backend, register_backend
+from .cache import PlanCache
+from .cost import DTYPES, PLAN_KEYS, _build, _product_input
+from .planner import plan_layers
+
+logger = logging.getLogger("hf_sparsity.backends.auto")
+
+
+@register_backend
+class AutoBackend(SparseBackend):
+    """Wraps the backend chosen for one layer (decode) and how prefill runs; see the module docstring.
+
+    Options (for :meth:`from_dense` and ``sparsify_for_inference(model, "auto", ...)``):
+    ``formats`` (candidates, default all that apply), ``values`` (None or ``"int8"``), ``prefill_batch``
+    (128), ``rounds`` (7), ``sample_layers`` (8), ``stream_bytes`` (64 MiB), ``margin`` (-0.03),
+    ``model_tolerance`` (3.0), ``plan_cache`` (True), ``keep_dense_for_prefill`` (False), ``threads``;
+    for a whole model also ``lm_head`` (True) and ``check`` (True).
+    """
+
+    name = "auto"
+    capabilities = BackendCapabilities(
+        devices=("cpu",),
+        dtypes=DTYPES,
+        training=False,
+        int8_values=True,
+        frees_dense=True,
+        description="per layer the fastest of dense, native_dense, bitmask, nm24, csr (measured); never "
+        "slower",
+    )
+
+    def __init__(self, weight: torch.Tensor, mask: torch.Tensor, **options: Any):
+        options = {k: v for k, v in options.items() if k not in ("lm_head", "check")}
+        b, prefill, keep, choice = plan_layers({"layer": (weight, mask)}, **options)["layer"]
+        if b is None:  # dense won: F.linear on the masked weight
+            b = _build("dense", weight, mask, options.get("threads"))
+        self._adopt((b, prefill, keep, choice))
+
+    @classmethod
+    def from_plan(
+        cls, decode: SparseBackend, prefill: str | tuple[str, str], prefill_weight, choice: dict
+    ) -> AutoBackend:
+        """An ``auto`` layer from one entry of :func:`plan_layers`: the decode backend, the prefill modes
+        (up to and above ``prefill_split`` rows), a kept dense weight for prefill (or None), the choice."""
+        self = cls.__new__(cls)
+        self._adopt((decode, prefill, prefill_weight, choice))
+        return self
+
+    @classmethod
+    def plan_model(cls, model: Any, targets: list[LayerTarget], wrap: Wrap, **options: Any) -> ModelPlan:
+        """Plan every target layer (module docstring), the LM head (``lm_head=False`` skips it), then check
+        the whole model's decoding against the model as it was (``check=False`` skips it)."""
+        lm_head = options.pop("lm_head", True)
+        check = options.pop("check", True)
+        plan = plan_layers({t.name: (t.weight, t.mask) for t in targets}, **options)
+        swaps: list[tuple[str, nn.Module]] = []
+        choices: dict[str, dict] = {}
+        for t in targets:
+            b, prefill, keep, choice = plan[t.name]
+            choices[t.module_name] = choice
+            if b is not None:
+                swaps.append((t.module_name, wrap(t.module, cls.from_plan(b, prefill, keep, choice))))
+        head = _plan_lm_head(model, {t.module_name for t in targets}, options, wrap) if lm_head else None
+        if head is not None:
+            choices[head[0]] = head[2]
+            if head[1] is not None:
+                swaps.append((head[0], head[1]))
+        if check and swaps:
+            swaps = _check_whole_model(model, swaps, choices, plan_cache=options.get("plan_cache", True))
+        return ModelPlan(swaps, choices)
+
+    def _adopt(self, parts) -> None:
+        self.decode, modes, self.prefill_weight, self.choice = parts
+        # prefill up to prefill_split rows, and above: "own" (the format's batched path), "unpack", "dense"
+        self.prefill, self.prefill_large = (modes, modes) if isinstance(modes, str) else modes
+        self.prefill_split = self.choice.get("prefill_split", 256)
+        d = self.decode
+        self.out_features, self.in_features = d.out_features, d.in_features
+        self.nnz = d.nnz
+        self.options = {}
+        self.counters = _new_counters()
+        self.dtype = d.dtype if hasattr(d, "dtype") else d.weight.dtype
+        self.kernel = self.choice["decode"]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.to_dense()
+
+    @property
+    def mask(self) -> torch.Tensor:
+        d = self.decode
+        return d.mask if hasattr(d, "_tensors") else (self.to_dense() != 0).to(torch.uint8)
+
+    @property
+    def storage_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.storage_tensors())
+
+    def storage_tensors(self) -> list[torch.Tensor]:
+        kept = [self.prefill_weight] if self.prefill_weight is not None else []
+        return self.decode.storage_tensors() + kept
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.numel() // max(self.in_features, 1)
+        mode = self.prefill if rows <= self.prefill_split else self.prefill_large
+        if rows <= SMALL_BATCH or mode == "own":
+            return self.decode.linear(x, bias)
+        if mode == "dense" and self.prefill_weight is not None:
+            w = self.prefill_weight
+        elif hasattr(self.decode, "dense_for_matmul") and not (torch.is_grad_enabled() and x.requires_grad):
+            w = self.decode.dense_for_matmul()  # unpacked into a reused buffer (or a custom op, compiled)
+        else:
+            w = self.decode.to_dense()
+        return F.linear(_product_input(self.decode, x), w.to(x.dtype), bias)  # int8 activations too
+
+    __call__ = linear
+
+    def decode_call(self):
+        return self.decode.decode_call()
+
+    def _forward(self, x2d: torch.Tensor) -> torch.Tensor:
+        return self.linear(x2d)
+
+    def to_dense(self) -> torch.Tensor:
+        return self.decode.to_dense().to(self.dtype)
+
+    def extra_repr(self) -> str:
+        c = self.choice
+        return f"{super().extra_repr()}, decode={c['decode']}, prefill={c['prefill']}"
+
+
+def _plan_lm_head(model: nn.Module, taken: set[str], options: dict, wrap: Wrap) -> tuple | None:
+    """``(module name, replacement or None, choice)`` for the output embedding: dense vs native GEMV."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Linear) or head.weight.device.type != "cpu":
+        return None
+    if head.weight.dtype not in DTYPES:
+        return None
+    name = next((n for n, m in model.named_modules() if m is head), None)
+    if name is None or name in taken:
+        return None
+    w = head.weight.detach()
+    if options.get("values") == "int8":  # asked for: the int8 GEMV reads a quarter of fp32's bytes, no timing
+        b = get_backend("native_dense").from_dense(
+            w,
+            torch.ones((), dtype=torch.uint8).expand(w.shape),
+            threads=options.get("threads"),
+            values="int8",
+        )
+        choice = {"decode": "native_dense", "values": "int8", "prefill": "unpack", "lm_head": True}
+        return (
+            name,
+            wrap(head, AutoBackend.from_plan(b, ("unpack", "unpack"), None, choice), keep_dense=True),
+            choice,
+        )
+    keys = ("rounds", "margin", "threads", "prefill_batch", "plan_cache", "model_tolerance")
+    opts = {k: v for k, v in options.items() if k in keys}
+    plan = plan_layers(
+        {name: (w, torch.ones((), dtype=torch.uint8).expand(w.shape))}, formats=("native_dense",), **opts
+    )
+    b, prefill, keep, choice = plan[name]
+    choice = dict(choice, lm_head=True)
+    if b is None:
+        return name, None, choice
+    return name, wrap(head, AutoBackend.from_plan(b, prefill, keep, choice), keep_dense=True), choice
+
+
+def _predicted_ratio(choices: dict, dense_tok_s: float) -> float:
+    """The converted model's decoding speed against dense that the layer measurements predict: the dense
+    token time, less the converted layers' dense times, plus their chosen formats' times."""
+    token_ms = 1e3 / dense_tok_s
+    saved = 0.0
+    for c in choices.values():
+        ms = c.get("decode_ms") or {}
+        per = max(1, c.get("measured_on", 1) * c.get("timed_copies", 1))
+        if c.get("decode") in ms and "dense" in ms:
+            saved += (ms["dense"] - ms[c["decode"]]) / per
+    return token_ms / max(token_ms - saved, 1e-6)
+
+
+def _check_whole_model(
+    model: nn.Module, swaps: list, choices: dict, rounds: int = 3, tokens: int = 8, plan_cache=True
+) -> list:
+    """The per-layer plan checked on the whole model: greedy decoding of ``tokens`` tokens with and without
+    the swaps, interleaved ``rounds`` times (the fastest round of each). If the converted model is slower,
+    no layer is converted (recorded as ``whole_model_check`` in every choice). A slower verdict the layer
+    measurements contradict (they predict 10% or more gained) is measured again, with more rounds, before
+    it counts. The verdict is cached with the plan."""
+    if not hasattr(model, "generate") or not getattr(getattr(model, "config", None), "vocab_size", None):
+        return swaps
+    cache = PlanCache(plan_cache)
+    signature = sorted(
+        (name, c.get("decode"), c.get("prefill"), c.get("group")) for name, c in choices.items()
+    )
+    ckey = cache.key("model", type(model).__name__, model.config.vocab_size, signature)
+    verdict = cache.get(ckey)
+    if verdict is None:
+        ratio, dense_tok_s = _time_whole_model(model, swaps, rounds, tokens)
+        predicted = _predicted_ratio(choices, dense_tok_s)
+        again = ratio < 1.0 and predicted >= 1.1
+        if again:
+            ratio, dense_tok_s = _time_whole_model(model, swaps, rounds + 2, tokens)
+        verdict = {
+            "auto_vs_dense": round(ratio, 3),
+            "kept": ratio >= 1.0,
+            "predicted": round(predicted, 3),
+            "remeasured": again,
+            "tokens": tokens,
+            "rounds": rounds,
+        }
+        cache.put(ckey, verdict)
+        cache.save()
+    else:
+        verdict = dict(verdict, cached=True)
+    for c in choices.values():
+        c["whole_model_check"] = dict(verdict)
+    if verdict["kept"]:
+        return swaps
+    logger.warning(
+        "auto: the converted model decoded at %.2fx dense in the whole-model check; keeping every layer "
+        "dense.",
+        verdict["auto_vs_dense"],
+    )
+    for c in choices.values():
+        c["planned"] = {k: c[k] for k in PLAN_KEYS}
+        c.update(zip(PLAN_KEYS, ("dense", 1.0) * 3))
+    return []
+
+
+def _time_whole_model(model: nn.Module, swaps: list, rounds: int, tokens: int) -> tuple[float, float]:
+    """``(converted / dense tok/s, dense tok/s)``, interleaved, the fastest of ``rounds`` each."""
+    originals = {name: model.get_submodule(name) for name, _ in swaps}
+    ids = torch.randint(2, int(model.config.vocab_size), (1, 8), generator=torch.Generator().manual_seed(0))
+    speeds: dict[str, list[float]] = {"dense": [], "auto": []}
+    was_training = model.training
+    model.eval()
+    try:
+        measure.decode_tok_s(model, ids, 2)
+        for name, new in swaps:
+            replace_module(model, name, new)
+        measure.decode_tok_s(model, ids, 2)
+        for _ in range(rounds):
+            for name, old in originals.items():
+                replace_module(model, name, old)
+            speeds["dense"].append(measure.decode_tok_s(model, ids, tokens))
+            for name, new in swaps:
+                replace_module(model, name, new)
+            speeds["auto"].append(measure.decode_tok_s(model, ids, tokens))
+    finally:
+        for name, old in originals.items():
+            replace_module(model, name, old)
+        model.train(was_training)
+    return max(speeds["auto"]) / max(speeds["dense"]), max(speeds["dense"])

@@ -1,0 +1,55 @@
+"""``native_dense``: the masked weight stored dense, multiplied by the native multi-threaded GEMV."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _native
+from ..base import BackendCapabilities
+from ..registry import register_backend
+from .base import _PackedBackend
+
+
+@register_backend
+class NativeDenseBackend(_PackedBackend):
+    """The masked weight kept dense; a multi-threaded native GEMV for small batches, ``F.linear`` above."""
+
+    name = "native_dense"
+    op = "gemv"
+    aliases = ("gemv",)
+    capabilities = BackendCapabilities(
+        devices=("cpu",),
+        dtypes=(torch.float32, torch.bfloat16),
+        training=False,
+        frees_dense=True,
+        int8_values=True,
+        description="dense weight, native multi-threaded GEMV for batch <= 16 (LM head, dense layers)",
+    )
+
+    def _pack(self, w: torch.Tensor, m: torch.Tensor) -> None:
+        if self.int8:  # ``w``: the int8 codes of the masked weight, row-major after the row scales
+            self.values = self._store(w, 64)
+            return
+        self.values = (
+            (w * m).to(self.dtype).contiguous() if not bool(m.all()) else w.to(self.dtype).contiguous()
+        )
+
+    _TENSORS = ("values",)
+
+    def _native_mm(self, x2d, bias):
+        return _native.run_op(
+            "gemv", self.out_features, self.in_features, x2d, self.values, None, None, bias,
+            self._threads(x2d.shape[0]), int8_activations=self.int8_activations,
+        )  # fmt: skip
+
+    def to_dense(self) -> torch.Tensor:
+        return self._unpack().to(self.dtype) if self.int8 else self.values
+
+    def _unpack(self) -> torch.Tensor:
+        if not self.int8:
+            return self.values
+        n = self.out_features * self.in_features
+        return self._scaled(self._codes()[:n].view(self.out_features, self.in_features).clone())
+
+    def _dense_mask(self) -> torch.Tensor:
+        return (self._unpack() != 0).to(torch.uint8)
