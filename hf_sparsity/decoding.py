@@ -49,9 +49,10 @@ STEPS = ("auto", "native", "model")
 """``greedy_decode(step=...)``: ``native`` (the one-call native step; an error where it does not apply),
 ``model`` (the forward loop), ``auto`` (native where it applies, else the forward loop)."""
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "gpt2")
-"""``config.model_type`` values the native step runs: Llama / Mistral / Qwen2 (pre-norm blocks with RMSNorm,
-rotary embeddings (rotate-half), grouped-query attention, a SiLU-gated MLP) and GPT-2 (learned positions,
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+"""``config.model_type`` values the native step runs: Llama / Mistral / Qwen2 / Qwen3 (pre-norm blocks with
+RMSNorm, rotary embeddings (rotate-half), grouped-query attention, a SiLU-gated MLP; Qwen3: RMSNorm of each
+head's query and key) and GPT-2 (learned positions,
 LayerNorm with a bias, one fused q / k / v product, GELU MLP, biases; ``Conv1D`` weights)."""
 
 GPT2_ACTIVATIONS = {"gelu_new": 0, "gelu_pytorch_tanh": 0, "gelu": 1}
@@ -77,7 +78,7 @@ class _Layer(ctypes.Structure):  # hfs_layer_t in csrc/hfs_kernels.c
     _fields_ = [
         *[(f"p_{n}", ctypes.c_void_p) for n in _PROJ],
         *[(f"b_{n}", ctypes.c_void_p) for n in _PROJ],
-        *[(n, ctypes.c_void_p) for n in ("norm1", "norm2", "kc", "vc", "nbias1", "nbias2")],
+        *[(n, ctypes.c_void_p) for n in ("norm1", "norm2", "kc", "vc", "nbias1", "nbias2", "qnorm", "knorm")],
     ]
 
 
@@ -164,7 +165,10 @@ def _parts(model: nn.Module) -> _Parts | str:
             return f"layer {i} is not a Llama-style block"
         proj = {n: getattr(attn if n in _PROJ[:4] else mlp, n, None) for n in _PROJ}
         norms = [(layer.input_layernorm.weight, None), (layer.post_attention_layernorm.weight, None)]
-        out.append({"proj": proj, "norms": norms})
+        qk = [getattr(getattr(attn, n, None), "weight", None) for n in ("q_norm", "k_norm")]
+        if (qk[0] is None) != (cfg.model_type != "qwen3") or (qk[0] is None) != (qk[1] is None):
+            return f"layer {i}: q / k norms where the native step does not expect them"
+        out.append({"proj": proj, "norms": norms, "qk_norms": qk})
     heads, kv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
     return _Parts(
         arch=0, blocks=out, embed=base.embed_tokens.weight, pos_embed=None, rotary=base.rotary_emb,
@@ -237,7 +241,7 @@ def native_step_reason(model: nn.Module, length: int | None = None) -> str | Non
                 )
             if not _f32(mod.bias):
                 return f"layer {i} {name}: a bias that is not float32 on the CPU"
-        for w, b in blk["norms"]:
+        for w, b in [*blk["norms"], *[(w, None) for w in blk.get("qk_norms", ())]]:
             if not _f32(w) or not _f32(b):
                 return f"layer {i}: a norm whose weight is not float32 on the CPU"
     if not (isinstance(head, SparseLinear) or (type(head) is nn.Linear and _f32(head.weight.detach()))):
@@ -336,6 +340,9 @@ class NativeDecoder:
             entry.nbias1 = _ptr(b1 if b1 is None else b1.detach())
             entry.nbias2 = _ptr(b2 if b2 is None else b2.detach())
             entry.kc, entry.vc = kc.data_ptr(), vc.data_ptr()
+            qn, kn = blk.get("qk_norms", (None, None))
+            entry.qnorm = _ptr(qn if qn is None else qn.detach())
+            entry.knorm = _ptr(kn if kn is None else kn.detach())
         head = self.model.get_output_embeddings()
         head_addr, head_bias = self._call(head)
         vocab = int(head.out_features)
