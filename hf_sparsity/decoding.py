@@ -363,10 +363,10 @@ class NativeDecoder:
         self._embed_rows = int(parts.embed.shape[0])
 
     @torch.inference_mode()
-    def start(self, input_ids: torch.Tensor, total: int) -> torch.Tensor:
+    def start(self, input_ids: torch.Tensor, total: int, limit: int | None = None) -> torch.Tensor:
         """Run the prompt (``[1, n]`` ids) with room for ``total`` tokens; returns the last position's logits
         (float32 ``[vocab]``, a buffer the next :meth:`step` overwrites). :meth:`step` grows the cache past
-        ``total`` when asked for a later position."""
+        ``total`` when asked for a later position, up to ``limit`` tokens when given."""
         from transformers import DynamicCache
 
         cfg = self.model.config
@@ -375,7 +375,7 @@ class NativeDecoder:
         _refuse(_config_reason(cfg, total))  # the rest of native_step_reason holds since __init__
         self._keep = []
         self._build(total)
-        self.pos = n
+        self.pos, self.limit = n, limit
         if n > PROMPT_STEPS:  # the model's forward: batched products; its cache seeds ours
             cache = DynamicCache(config=cfg)
             out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
@@ -395,9 +395,14 @@ class NativeDecoder:
         """Decode ``token`` at the next position; the next token's greedy id (:attr:`logits` holds the
         logits, float32 ``[vocab]``)."""
         if self.pos >= self.total:
-            _refuse(_config_reason(self.model.config, 2 * self.total))
+            grown = (
+                2 * self.total
+                if self.limit is None or self.limit <= self.total
+                else min(2 * self.total, self.limit)
+            )
+            _refuse(_config_reason(self.model.config, grown))
             self._keep = []
-            self._build(2 * self.total, self.pos, self._caches)
+            self._build(grown, self.pos, self._caches)
         best = int(self._lib.hfs_decode_step(ctypes.byref(self._dec), token, self.pos))
         self.pos += 1
         return best
@@ -606,7 +611,7 @@ def native_generate(
     dec = NativeDecoder(model, check=False)
     n = int(ids.shape[1])
     limit = int(generation_config.max_length or n + _CACHE_STEP)
-    logits = dec.start(ids.cpu(), min(limit, n + _CACHE_STEP))
+    logits = dec.start(ids.cpu(), min(limit, n + _CACHE_STEP), limit)
     try:
         while True:
             step_logits = logits[None].clone()

@@ -247,6 +247,12 @@ def test_long_generations_grow_the_native_cache(monkeypatch):
     want = model.generate(ids, max_new_tokens=60, do_sample=False)
     got = model.generate(ids, max_new_tokens=60, do_sample=False, custom_generate=native_generate)
     assert torch.equal(got, want)
+    gpt2 = tiny_model("gpt2").eval()  # 64 learned positions: the cache grows up to them, not past
+    gpt2.generation_config.eos_token_id = None
+    want = gpt2.generate(ids, max_new_tokens=59, do_sample=False)
+    assert torch.equal(
+        gpt2.generate(ids, max_new_tokens=59, do_sample=False, **native_generate_kwargs("native")), want
+    )
 
 
 def test_pipeline_forwards_it(shared_data):
