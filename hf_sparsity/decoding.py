@@ -49,9 +49,10 @@ STEPS = ("auto", "native", "model")
 """``greedy_decode(step=...)``: ``native`` (the one-call native step; an error where it does not apply),
 ``model`` (the forward loop), ``auto`` (native where it applies, else the forward loop)."""
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "gpt2")
-"""``config.model_type`` values the native step runs: Llama / Mistral / Qwen2 (pre-norm blocks with RMSNorm,
-rotary embeddings (rotate-half), grouped-query attention, a SiLU-gated MLP) and GPT-2 (learned positions,
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+"""``config.model_type`` values the native step runs: Llama / Mistral / Qwen2 / Qwen3 (pre-norm blocks with
+RMSNorm, rotary embeddings (rotate-half), grouped-query attention, a SiLU-gated MLP; Qwen3: RMSNorm of each
+head's query and key) and GPT-2 (learned positions,
 LayerNorm with a bias, one fused q / k / v product, GELU MLP, biases; ``Conv1D`` weights)."""
 
 GPT2_ACTIVATIONS = {"gelu_new": 0, "gelu_pytorch_tanh": 0, "gelu": 1}
@@ -77,7 +78,7 @@ class _Layer(ctypes.Structure):  # hfs_layer_t in csrc/hfs_kernels.c
     _fields_ = [
         *[(f"p_{n}", ctypes.c_void_p) for n in _PROJ],
         *[(f"b_{n}", ctypes.c_void_p) for n in _PROJ],
-        *[(n, ctypes.c_void_p) for n in ("norm1", "norm2", "kc", "vc", "nbias1", "nbias2")],
+        *[(n, ctypes.c_void_p) for n in ("norm1", "norm2", "kc", "vc", "nbias1", "nbias2", "qnorm", "knorm")],
     ]
 
 
@@ -173,7 +174,10 @@ def _parts(model: nn.Module) -> _Parts | str:
             return f"layer {i} is not a Llama-style block"
         proj = {n: getattr(attn if n in _PROJ[:4] else mlp, n, None) for n in _PROJ}
         norms = [(layer.input_layernorm.weight, None), (layer.post_attention_layernorm.weight, None)]
-        out.append({"proj": proj, "norms": norms})
+        qk = [getattr(getattr(attn, n, None), "weight", None) for n in ("q_norm", "k_norm")]
+        if (qk[0] is None) != (cfg.model_type != "qwen3") or (qk[0] is None) != (qk[1] is None):
+            return f"layer {i}: q / k norms where the native step does not expect them"
+        out.append({"proj": proj, "norms": norms, "qk_norms": qk})
     heads, kv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
     return _Parts(
         arch=0, blocks=out, embed=base.embed_tokens.weight, pos_embed=None, rotary=base.rotary_emb,
@@ -246,7 +250,7 @@ def native_step_reason(model: nn.Module, length: int | None = None) -> str | Non
                 )
             if not _f32(mod.bias):
                 return f"layer {i} {name}: a bias that is not float32 on the CPU"
-        for w, b in blk["norms"]:
+        for w, b in [*blk["norms"], *[(w, None) for w in blk.get("qk_norms", ())]]:
             if not _f32(w) or not _f32(b):
                 return f"layer {i}: a norm whose weight is not float32 on the CPU"
     if not (isinstance(head, SparseLinear) or (type(head) is nn.Linear and _f32(head.weight.detach()))):
@@ -345,6 +349,9 @@ class NativeDecoder:
             entry.nbias1 = _ptr(b1 if b1 is None else b1.detach())
             entry.nbias2 = _ptr(b2 if b2 is None else b2.detach())
             entry.kc, entry.vc = kc.data_ptr(), vc.data_ptr()
+            qn, kn = blk.get("qk_norms", (None, None))
+            entry.qnorm = _ptr(qn if qn is None else qn.detach())
+            entry.knorm = _ptr(kn if kn is None else kn.detach())
         head = self.model.get_output_embeddings()
         head_addr, head_bias = self._call(head)
         vocab = int(head.out_features)
@@ -365,10 +372,10 @@ class NativeDecoder:
         self._embed_rows = int(parts.embed.shape[0])
 
     @torch.inference_mode()
-    def start(self, input_ids: torch.Tensor, total: int) -> torch.Tensor:
+    def start(self, input_ids: torch.Tensor, total: int, limit: int | None = None) -> torch.Tensor:
         """Run the prompt (``[1, n]`` ids) with room for ``total`` tokens; returns the last position's logits
         (float32 ``[vocab]``, a buffer the next :meth:`step` overwrites). :meth:`step` grows the cache past
-        ``total`` when asked for a later position."""
+        ``total`` when asked for a later position, up to ``limit`` tokens when given."""
         from transformers import DynamicCache
 
         cfg = self.model.config
@@ -377,7 +384,7 @@ class NativeDecoder:
         _refuse(_config_reason(cfg, total))  # the rest of native_step_reason holds since __init__
         self._keep = []
         self._build(total)
-        self.pos = n
+        self.pos, self.limit = n, limit
         if n > PROMPT_STEPS:  # the model's forward: batched products; its cache seeds ours
             cache = DynamicCache(config=cfg)
             out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
@@ -397,9 +404,14 @@ class NativeDecoder:
         """Decode ``token`` at the next position; the next token's greedy id (:attr:`logits` holds the
         logits, float32 ``[vocab]``)."""
         if self.pos >= self.total:
-            _refuse(_config_reason(self.model.config, 2 * self.total))
+            grown = (
+                2 * self.total
+                if self.limit is None or self.limit <= self.total
+                else min(2 * self.total, self.limit)
+            )
+            _refuse(_config_reason(self.model.config, grown))
             self._keep = []
-            self._build(2 * self.total, self.pos, self._caches)
+            self._build(grown, self.pos, self._caches)
         best = int(self._lib.hfs_decode_step(ctypes.byref(self._dec), token, self.pos))
         self.pos += 1
         return best
@@ -608,7 +620,7 @@ def native_generate(
     dec = NativeDecoder(model, check=False)
     n = int(ids.shape[1])
     limit = int(generation_config.max_length or n + _CACHE_STEP)
-    logits = dec.start(ids.cpu(), min(limit, n + _CACHE_STEP))
+    logits = dec.start(ids.cpu(), min(limit, n + _CACHE_STEP), limit)
     try:
         while True:
             step_logits = logits[None].clone()

@@ -26,10 +26,10 @@ LAYOUTS = {  # hidden, heads, kv heads, head_dim (None: hidden / heads)
 
 def _model(arch: str = "llama", layout: str = "gqa", vocab: int = 128, **kw):
     """A tiny Llama-family model with realistic random weights: norms away from 1, large attention logits."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     hidden, heads, kv, hd = LAYOUTS[layout]
-    klass = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[arch]
+    klass = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
     extra = {"sliding_window": None} if arch == "mistral" else {}
     cfg = klass(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden + 8, num_hidden_layers=2,
@@ -91,7 +91,14 @@ SAMPLING = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9, repetition
 
 @pytest.mark.parametrize("backend", [None, "bitmask"])
 @pytest.mark.parametrize(
-    "arch,layout", [("llama", "gqa"), ("mistral", "mqa-wide-heads"), ("qwen2", "mha-hd32")]
+    "arch,layout",
+    [
+        ("llama", "gqa"),
+        ("mistral", "mqa-wide-heads"),
+        ("qwen2", "mha-hd32"),
+        ("qwen3", "gqa"),
+        ("qwen3", "mqa-wide-heads"),
+    ],
 )
 def test_greedy_is_token_identical_to_generate(arch, layout, backend):
     model = _model(arch, layout)
@@ -101,7 +108,7 @@ def test_greedy_is_token_identical_to_generate(arch, layout, backend):
     for seed, n in enumerate((5, 21)):  # the prompt token by token, and through the model's forward
         ids = _ids(n, seed)
         want = model.generate(ids, max_new_tokens=30, do_sample=False)
-        got = model.generate(ids, max_new_tokens=30, do_sample=False, custom_generate=native_generate)
+        got = model.generate(ids, max_new_tokens=30, do_sample=False, **native_generate_kwargs("native"))
         assert torch.equal(got, want)
 
 
@@ -124,7 +131,7 @@ def test_gpt2_greedy_is_token_identical_to_generate(layout, act, backend, option
     for seed, n in enumerate((4, 19)):  # the prompt token by token, and through the model's forward
         ids = _ids(n, seed)
         want = model.generate(ids, max_new_tokens=40, do_sample=False)
-        got = model.generate(ids, max_new_tokens=40, do_sample=False, custom_generate=native_generate)
+        got = model.generate(ids, max_new_tokens=40, do_sample=False, **native_generate_kwargs("native"))
         assert torch.equal(got, want)
         assert torch.equal(greedy_decode(model, ids, 40, step="native"), want)
 
@@ -153,7 +160,9 @@ def test_greedy_stops_at_eos_and_pads_like_generate():
     assert int(got[0, -1]) == eos and got.shape[1] == ids.shape[1] + 4 and torch.equal(got, want)
 
 
-@pytest.mark.parametrize("arch,layout", [("llama", "gqa"), ("qwen2", "mqa-wide-heads"), ("gpt2", "h4-hd16")])
+@pytest.mark.parametrize(
+    "arch,layout", [("llama", "gqa"), ("qwen2", "mqa-wide-heads"), ("qwen3", "mha-hd32"), ("gpt2", "h4-hd16")]
+)
 def test_sampling_draws_from_generates_processed_probabilities(arch, layout):
     """At every step of a sampled run (temperature, top-k, top-p, repetition penalty) the processed
     probabilities equal those transformers' own loop computes for the same prefix, within float rounding;
@@ -238,6 +247,12 @@ def test_long_generations_grow_the_native_cache(monkeypatch):
     want = model.generate(ids, max_new_tokens=60, do_sample=False)
     got = model.generate(ids, max_new_tokens=60, do_sample=False, custom_generate=native_generate)
     assert torch.equal(got, want)
+    gpt2 = tiny_model("gpt2").eval()  # 64 learned positions: the cache grows up to them, not past
+    gpt2.generation_config.eos_token_id = None
+    want = gpt2.generate(ids, max_new_tokens=59, do_sample=False)
+    assert torch.equal(
+        gpt2.generate(ids, max_new_tokens=59, do_sample=False, **native_generate_kwargs("native")), want
+    )
 
 
 def test_pipeline_forwards_it(shared_data):

@@ -1466,6 +1466,7 @@ typedef struct {
   const float *norm1, *norm2;
   float *kc, *vc;               /* [kv_heads, max_len, head_dim] */
   const float *nbias1, *nbias2; /* LayerNorm biases (GPT-2) */
+  const float *qnorm, *knorm;   /* per-head RMSNorm of q and k before the rotary embedding (Qwen3); NULL: none */
 } hfs_layer_t;
 
 typedef struct {
@@ -1662,6 +1663,10 @@ static void decode_layers(const hfs_decoder_t* d, int64_t token, int64_t pos) {
       const float* bs[3] = {L->bq, L->bk, L->bv};
       hfs_run_fused(ps, 3, h, ys, bs);
     }
+    if (L->qnorm)
+      for (int64_t j = 0; j < H; j++) rms_norm(q + j * hd, L->qnorm, q + j * hd, hd, d->eps);
+    if (L->knorm)
+      for (int64_t j = 0; j < G; j++) rms_norm(k + j * hd, L->knorm, k + j * hd, hd, d->eps);
     if (cs) {
       rope(q, H, hd, cs, sn);
       rope(k, G, hd, cs, sn);
