@@ -264,6 +264,8 @@ def main(argv=None, callbacks=()):
         seen = [data1.order, data2.order]
         stages = [s1, s2]
         start = s2.model_dir
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()  # every process loads what the main one saved
     pre = stages[-1]
     overlap = len(set(seen[0]) & set(seen[1]))
 
