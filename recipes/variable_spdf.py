@@ -54,7 +54,7 @@ DEFAULTS = dict(
     stage1_sparsity=0.9,
     effective_sparsity=0.75,  # stage 1 lasts effective / stage1 of the pre-training steps
     stage2_schedule="restart",  # restart: stage 2 its own run and LR schedule | continue: one schedule
-    stage2_learning_rate=3e-3,  # restart: stage 2's peak learning rate
+    stage2_learning_rate=6e-3,  # restart: stage 2's peak (best of 4 after a stage 1 at 3e-3, see docs)
     stage2_warmup_steps=-1,  # restart: stage 2's warm-up (-1: a tenth of its steps, at least 1)
     init_method="random",
     sparsity_seed=1234,
@@ -264,6 +264,8 @@ def main(argv=None, callbacks=()):
         seen = [data1.order, data2.order]
         stages = [s1, s2]
         start = s2.model_dir
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()  # every process loads what the main one saved
     pre = stages[-1]
     overlap = len(set(seen[0]) & set(seen[1]))
 
