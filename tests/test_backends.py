@@ -254,6 +254,7 @@ def test_blocked_batched_kernel_matches_a_float64_product(name):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.slow  # a fresh interpreter
 @pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
 def test_blocked_kernel_work_memory_small_stacks_and_thread_counts():
     # its scratch lives in per-thread work memory, freed when a thread exits (short-lived threads each used
@@ -383,6 +384,7 @@ _POOL_CHECK = (
 )
 
 
+@pytest.mark.slow  # a fresh interpreter
 @pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
 def test_native_kernels_run_on_torchs_own_openmp_pool():
@@ -397,6 +399,7 @@ def test_native_kernels_run_on_torchs_own_openmp_pool():
         assert pool == "pthread"
 
 
+@pytest.mark.slow  # a fresh interpreter
 @pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
 def test_native_kernels_own_pthread_pool_still_matches_emulator():
     # the kernel's own pool (compilers without OpenMP; HF_SPARSITY_NATIVE_POOL=pthread) computes the same
@@ -767,6 +770,7 @@ def test_batch1_fast_path_refuses_misshaped_input_and_ignores_the_default_dtype(
     torch.testing.assert_close(y, x @ (w * m).t(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # builds the C++ ops (torch cpp_extension)
 @pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
 @pytest.mark.skipif(
     not any(shutil.which(c) for c in (os.environ.get("CXX", "c++"), "g++", "clang++")),

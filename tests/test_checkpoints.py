@@ -25,6 +25,7 @@ def _run(arch, out, config, seed=0, resume=None, steps=6, save_steps=3, extra_cb
     return trainer, model, cb
 
 
+@pytest.mark.slow  # a Trainer run with a checkpoint every step
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_every_checkpoint_and_save_model_carry_masks(arch, tmp_path):
     config = SparsityConfig(sparsity=0.75, init_method="topk")
@@ -46,6 +47,7 @@ def test_every_checkpoint_and_save_model_carry_masks(arch, tmp_path):
     assert "sparsity" in json.loads((final / "config.json").read_text())
 
 
+@pytest.mark.slow  # Trainer runs: whole, interrupted and resumed
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_resume_is_bit_identical(arch, tmp_path):
     config = SparsityConfig(sparsity=0.6, init_method="topk")
@@ -95,6 +97,7 @@ def _dirty_masked_positions(ckpt, masks):
     torch.save(opt, opt_path)
 
 
+@pytest.mark.slow  # Trainer runs
 def test_resume_at_another_level_prunes_or_regrows(tmp_path):
     _, _, first = _run("llama", tmp_path / "a", SparsityConfig(sparsity=0.5, init_method="topk"))
     old = {n: m.clone() for n, m in first.engine.masks.items()}
@@ -123,6 +126,7 @@ def test_resume_at_another_level_prunes_or_regrows(tmp_path):
         assert torch.count_nonzero(model.get_parameter(name).detach()[regrown]) > 0  # and they trained
 
 
+@pytest.mark.slow  # Trainer runs
 def test_from_pretrained_of_a_sparse_folder_brings_its_masks(tmp_path):
     trainer, _, cb = _run("gpt2", tmp_path / "a", SparsityConfig(sparsity=0.5, init_method="topk"))
     trainer.save_model(str(tmp_path / "sparse"))
@@ -292,6 +296,7 @@ def test_resume_from_a_checkpoint_with_revived_weights_is_refused(tmp_path):
         _run("llama", tmp_path / "b", SparsityConfig(sparsity=0.5), resume=str(ckpt), steps=9)
 
 
+@pytest.mark.slow  # Trainer runs
 def test_resume_under_another_seed_keeps_the_seed_that_made_the_masks(tmp_path, caplog):
     _, _, first = _run("llama", tmp_path / "a", SparsityConfig(sparsity=0.5, seed=1234))
     with caplog.at_level("WARNING", logger="hf_sparsity"):

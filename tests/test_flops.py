@@ -295,6 +295,7 @@ def test_accountant_with_real_engine_levels():
     assert torch.isfinite(torch.tensor(acc.effective_sparsity))
 
 
+@pytest.mark.slow  # Trainer runs
 @pytest.mark.parametrize("count_tokens", [True, False])
 def test_dense_and_sparse_callbacks_count_the_same_tokens(tmp_path, count_tokens):
     """FlopCallback (dense baseline) and SparsityCallback count tokens the same way, with Trainer's
@@ -350,6 +351,7 @@ class _LoggedTokens(TrainerCallback):
             self.values.append(logs["sparsity/tokens"])
 
 
+@pytest.mark.slow  # Trainer runs
 @pytest.mark.parametrize("which", ["sparse", "dense"])
 def test_padded_batches_count_their_real_tokens(tmp_path, caplog, which):
     """Padding is not counted, gradient accumulation sums micro-batches, evaluation is left out."""
@@ -401,6 +403,7 @@ def test_samples_shorter_than_the_context_are_not_counted_as_the_context(tmp_pat
     assert cb.flops.tokens == 3 * 4 * 16  # steps x batch x sample length, not x 64
 
 
+@pytest.mark.slow  # a Trainer run
 def test_packed_batches_without_attention_mask_count_every_token(tmp_path):
     """A packed (padding-free) batch: one row, position_ids restarting per sample, no attention_mask."""
     from hf_sparsity import SparsityCallback
@@ -432,6 +435,7 @@ def test_packed_batches_without_attention_mask_count_every_token(tmp_path):
     assert cb.flops.tokens == 3 * 2 * sum(lengths)
 
 
+@pytest.mark.slow  # a trl SFTTrainer run
 def test_trl_sft_packing_counts_the_packed_tokens(tmp_path):
     """TRL's SFTTrainer with packing: the tokens counted are those of the packed rows, not rows x context."""
     trl = pytest.importorskip("trl")

@@ -34,6 +34,7 @@ def _expected_targets(result) -> set[str]:
     return {n for layer in result.layers for n, _, lv in layer.tensors if lv > 0}
 
 
+@pytest.mark.slow  # a training run per transform and architecture
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("transform", TRANSFORMS)
 def test_transform_iso_flop_builds_trains_and_targets(arch, transform):

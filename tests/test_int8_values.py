@@ -64,6 +64,7 @@ def test_int8_model_matches_its_dequantized_weights_and_restores(arch, kernel, a
     assert (got - dense).abs().max() < 0.1 * dense.abs().max()  # int8 is close to the fp32 model
 
 
+@pytest.mark.slow  # whole-model auto planning
 def test_auto_int8_prefill_sees_the_int8_activations_too():
     """A prompt long enough for auto's prefill path (a GEMM on the unpacked weight) computes on the same
     dequantized activations as the batch-1 products."""
@@ -85,6 +86,7 @@ def test_auto_int8_prefill_sees_the_int8_activations_too():
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.slow  # whole-model auto planning
 def test_auto_with_int8_chooses_int8_formats_only_when_asked():
     model, eng = _masked("llama")
     opts = {"check": False, "rounds": 1, "stream_bytes": 1}

@@ -80,6 +80,7 @@ def test_targets_resolve_to_base_weights(arch):
     assert all("lora_" not in n for n in eng.masks)
 
 
+@pytest.mark.slow  # Trainer runs
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 @pytest.mark.parametrize("mode", ["masked", "merge_then_mask"])
 def test_trainer_steps_then_merge_keep_masks_exact(tmp_path, arch, mode):

@@ -80,6 +80,7 @@ def test_every_layer_refit_error_is_never_worse_than_sparsegpts_for_the_same_mas
     assert r2.info["refit"] == {"percdamp": 0.01}
 
 
+@pytest.mark.slow  # a whole prune with refit and reconstruction per method
 @pytest.mark.parametrize("method", ["wanda", "sparsegpt"])
 def test_refit_and_reconstruct_keep_exact_levels_and_nm(method):
     for config in (SparsityConfig(sparsity=0.6), SparsityConfig(sparsity=0.5, structure="2:4")):
@@ -100,6 +101,7 @@ def test_refit_and_reconstruct_keep_exact_levels_and_nm(method):
                 assert int((mask == 0).sum()) == round(0.6 * d.numel), d.name
 
 
+@pytest.mark.slow  # two whole prunes with reconstruction
 def test_reconstruction_lowers_the_block_error_and_is_deterministic():
     runs = []
     for _ in range(2):
@@ -159,6 +161,7 @@ def _save(model, path, dtype=None, shard=None):
     return path
 
 
+@pytest.mark.slow  # whole folders pruned twice, streamed and in memory
 @pytest.mark.parametrize(
     "arch,dtype", [("gpt2", torch.float32), ("llama", torch.bfloat16), ("llama", torch.float16)]
 )

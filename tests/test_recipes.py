@@ -201,6 +201,7 @@ def test_recipe_refuses_existing_output_dir(tmp_path):
         _run("static", tmp_path, "--max_steps", 2)
 
 
+@pytest.mark.slow  # a recipe run
 def test_recipe_takes_local_jsonl_and_config_json(tmp_path):
     from transformers import GPT2Config
 
