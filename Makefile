@@ -1,11 +1,12 @@
 # Two commands do all the set-up on a fresh machine:
 #   make run    # the main job: an SPDF run end to end on the embedded default
-#   make test   # the test suite
+#   make test   # the test suite (all of it: what CI runs)
+#   make test-fast  # the inner loop: everything but the tests marked slow
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench
+.PHONY: run test test-fast lint bench gpu-wheels gpu-check
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -21,8 +22,22 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
+
+# The GPU check (docs/gpu_check.md): `make gpu-wheels` where there is a network, then on the GPU machine
+# `make gpu-check` (its own python: the machine's torch, no venv). On a CPU machine it is the dry run.
+GPU_PYTHON ?= python3
+GPU_REPORT ?= gpu_report
+
+gpu-wheels:
+	PYTHON=$(GPU_PYTHON) benchmarks/gpu/download_wheels.sh wheels
+
+gpu-check:
+	$(GPU_PYTHON) benchmarks/gpu_check.py $(GPU_REPORT)

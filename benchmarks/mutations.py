@@ -2,6 +2,8 @@
 
     python benchmarks/mutations.py              # every mutation
     python benchmarks/mutations.py finalize     # the ones whose name contains "finalize"
+    python benchmarks/mutations.py --before decode   # without the newest test files (NEW_TEST_FILES)
+    python benchmarks/mutations.py --not-slow zero   # leaving out the tests marked slow (launchers)
 
 Each mutation is a text substitution applied to a temporary copy of the repository (the
 working tree as git sees it); the listed test files then run against that copy. A
@@ -17,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -200,7 +202,394 @@ MUTATIONS = (
         (("hf_sparsity/export/merge.py", "    apply_masks(merged, mask_dict)\n", "    pass\n"),),
         LORA_TESTS,
     ),
+    # ---- the newest code: each with the test written from its definition that catches it
+    Mutation(
+        "cli-context-off-by-one",
+        "generate's context check counts the last new token as fed back: a run that fits is refused",
+        (
+            (
+                "hf_sparsity/cli/_checks.py",
+                "if limit and n + max_new_tokens - 1 > limit:",
+                "if limit and n + max_new_tokens > limit:",
+            ),
+        ),
+        (
+            "tests/test_cli_errors.py",
+            "tests/test_refusals.py::test_generation_that_uses_exactly_the_context_is_accepted_and_one_more_token_is_not",
+        ),
+    ),
+    Mutation(
+        "decode-norm2-is-input-norm",
+        "the native step's norm before the MLP uses the input norm's weight, not the post-attention one's",
+        (
+            (
+                "hf_sparsity/decoding.py",
+                "entry.norm2 = layer.post_attention_layernorm.weight.data_ptr()",
+                "entry.norm2 = layer.input_layernorm.weight.data_ptr()",
+            ),
+        ),
+        (
+            "tests/test_decoding.py",
+            "tests/test_realistic_decode.py::test_native_step_matches_generate_over_head_layouts",
+        ),
+    ),
+    Mutation(
+        "decode-gelu-accepted",
+        "native_step_reason no longer refuses a GELU / ReLU MLP (the native step runs SiLU)",
+        (
+            (
+                "hf_sparsity/decoding.py",
+                'if getattr(cfg, "hidden_act", None) != "silu":',
+                'if getattr(cfg, "hidden_act", None) not in ("silu", "gelu", "gelu_pytorch_tanh", "relu"):',
+            ),
+        ),
+        (
+            "tests/test_decoding.py",
+            "tests/test_realistic_decode.py::test_refuses_other_activations",
+        ),
+    ),
+    Mutation(
+        "decode-longrope-accepted",
+        "longrope past original_max_position_embeddings runs natively (its tables are built once)",
+        (
+            (
+                "hf_sparsity/decoding.py",
+                'if rope.get("rope_type") == "longrope" and original is not None and length > original:',
+                "if False:",
+            ),
+        ),
+        (
+            "tests/test_decoding.py",
+            "tests/test_realistic_decode.py::test_longrope_past_its_original_length_falls_back_to_the_forward_loop",
+        ),
+    ),
+    Mutation(
+        "decode-window-off-by-one",
+        "a generation reaching exactly the sliding window is refused (>= instead of >)",
+        (
+            (
+                "hf_sparsity/decoding.py",
+                'getattr(cfg, "use_sliding_window", True) and length > window:',
+                'getattr(cfg, "use_sliding_window", True) and length >= window:',
+            ),
+        ),
+        (
+            "tests/test_decoding.py",
+            "tests/test_realistic_decode.py::test_sliding_window_at_the_limit_runs_natively_and_one_past_falls_back",
+        ),
+    ),
+    Mutation(
+        "decode-final-norm-unchecked",
+        "a final norm whose weight is not contiguous float32 is read by the native step as if it were",
+        (
+            (
+                "hf_sparsity/decoding.py",
+                "if not _f32(base.embed_tokens.weight.detach()) or not _f32(base.norm.weight):",
+                "if not _f32(base.embed_tokens.weight.detach()):",
+            ),
+        ),
+        (
+            "tests/test_decoding.py",
+            "tests/test_realistic_decode.py::test_refuses_each_unreadable_tensor_and_the_forward_loop_runs_it",
+        ),
+    ),
+    Mutation(
+        "kernel-decode-final-norm-weight",
+        "the C decode step applies layer 0's input-norm weight as the final norm's",
+        (
+            (
+                "hf_sparsity/backends/csrc/hfs_kernels.c",
+                "rms_norm(x, d->final_norm, h, d->hidden, d->eps);",
+                "rms_norm(x, d->layers[0].norm1, h, d->hidden, d->eps);",
+            ),
+        ),
+        (
+            "tests/test_decoding.py",
+            "tests/test_realistic_decode.py::test_native_step_matches_generate_over_head_layouts",
+        ),
+    ),
+    Mutation(
+        "kernel-fused-qkv-bias",
+        "the fused q / k / v products of the C decode step add q's bias to all three",
+        (
+            (
+                "hf_sparsity/backends/csrc/hfs_kernels.c",
+                "const float* bs[3] = {L->bq, L->bk, L->bv};",
+                "const float* bs[3] = {L->bq, L->bq, L->bq};",
+            ),
+        ),
+        (
+            "tests/test_decoding.py",
+            "tests/test_realistic_decode.py::test_native_step_matches_generate_over_head_layouts",
+            "tests/test_realistic_decode.py::test_native_step_matches_the_model_on_every_format",
+        ),
+    ),
+    Mutation(
+        "kernel-decode-down-bias",
+        "the C decode step drops the down projection's bias (Llama with mlp_bias)",
+        (
+            (
+                "hf_sparsity/backends/csrc/hfs_kernels.c",
+                "hfs_run_prepared(L->down, g, o, L->bdown);",
+                "hfs_run_prepared(L->down, g, o, NULL);",
+            ),
+        ),
+        (
+            "tests/test_decoding.py",
+            "tests/test_realistic_decode.py::test_native_step_matches_the_model_on_every_format",
+        ),
+    ),
+    Mutation(
+        "arena-part-shared-moved",
+        "the arena moves a tensor a parameter shares only in part (same start, other shape)",
+        (
+            (
+                "hf_sparsity/backends/arena.py",
+                "h.data_ptr() == t.data_ptr() and h.shape == t.shape and h.dtype == t.dtype",
+                "h.data_ptr() == t.data_ptr() and h.dtype == t.dtype",
+            ),
+        ),
+        (
+            "tests/test_arena.py",
+            "tests/test_exact_internals.py::test_a_tensor_shared_whole_moves_with_its_holder_and_one_shared_in_part_stays",
+        ),
+    ),
+    Mutation(
+        "arena-unaligned",
+        "the arena packs tensors back to back, not each on a 64-byte boundary",
+        (("hf_sparsity/backends/arena.py", "offset += -(-n // _ALIGN) * _ALIGN", "offset += n"),),
+        (
+            "tests/test_arena.py",
+            "tests/test_exact_internals.py::test_a_tensor_shared_whole_moves_with_its_holder_and_one_shared_in_part_stays",
+        ),
+    ),
+    Mutation(
+        "auto-cache-key-no-dtype",
+        "auto's plan cache ignores the dtype: a bfloat16 group reuses the float32 decision",
+        (
+            (
+                "hf_sparsity/backends/auto.py",
+                'cache.key("layer", shape, dtype, level, is24, cands, threads, settings)',
+                'cache.key("layer", shape, level, is24, cands, threads, settings)',
+            ),
+        ),
+        (
+            "tests/test_auto_plans.py",
+            "tests/test_exact_internals.py::test_a_group_differing_in_one_key_part_is_measured_again",
+        ),
+    ),
+    Mutation(
+        "auto-cache-key-no-values",
+        "auto's plan cache ignores values='int8': an int8 group reuses the float32 decision",
+        (
+            (
+                "hf_sparsity/backends/auto.py",
+                "stream_bytes, keep_dense_for_prefill, values)",
+                "stream_bytes, keep_dense_for_prefill)",
+            ),
+        ),
+        (
+            "tests/test_auto_plans.py",
+            "tests/test_exact_internals.py::test_a_group_differing_in_one_key_part_is_measured_again",
+        ),
+    ),
+    Mutation(
+        "auto-predicted-not-per-layer",
+        "auto's predicted whole-model ratio counts a pass over all timed copies as one layer's saving",
+        (
+            (
+                "hf_sparsity/backends/auto.py",
+                'saved += (ms["dense"] - ms[c["decode"]]) / per',
+                'saved += ms["dense"] - ms[c["decode"]]',
+            ),
+        ),
+        (
+            "tests/test_auto_plans.py",
+            "tests/test_exact_internals.py::test_predicted_whole_model_ratio_by_hand",
+        ),
+    ),
+    Mutation(
+        "decode-tok-s-stops-at-eos",
+        "decode_tok_s lets generate stop at EOS: fewer than new_tokens tokens, counted as new_tokens",
+        (("hf_sparsity/backends/measure.py", "            min_new_tokens=new_tokens,\n", ""),),
+        (
+            "tests/test_auto_plans.py",
+            "tests/test_exact_internals.py::test_decode_tok_s_times_exactly_new_tokens_tokens",
+        ),
+    ),
+    Mutation(
+        "zero-offload-param-accepted",
+        "DeepSpeed ZeRO-3 offload_param is accepted (the masks never reach the offloaded parameters)",
+        (
+            (
+                "hf_sparsity/zero.py",
+                'offload = offload or bool(getattr(inner, "offload_param", False))',
+                "offload = offload",
+            ),
+        ),
+        (
+            "tests/test_deepspeed.py",
+            "tests/test_bad_branches.py::test_each_deepspeed_offload_flag_is_refused",
+        ),
+    ),
+    Mutation(
+        "refit-accepts-unconverged",
+        "refit accepts a CG solve that ran out of iterations",
+        (
+            (
+                "hf_sparsity/pruning/refit.py",
+                "    return W, bool((R.norm(dim=1) <= tol * bnorm).all())",
+                "    return W, True",
+            ),
+        ),
+        (
+            "tests/test_prune_refit.py",
+            "tests/test_bad_branches.py::test_refit_retries_a_solve_that_hits_its_iteration_limit_with_more_damping",
+            "tests/test_bad_branches.py::test_refit_refuses_when_every_try_runs_out_of_iterations",
+        ),
+    ),
+    Mutation(
+        "reconstruct-not-undone",
+        "a block reconstruction that raised the error is kept (the weights before it are not put back)",
+        (("hf_sparsity/pruning/oneshot.py", "            p.copy_(saved[n])", "            pass"),),
+        (
+            "tests/test_prune_refit.py",
+            "tests/test_bad_branches.py::test_a_reconstruction_that_raises_the_error_is_undone",
+        ),
+    ),
+    Mutation(
+        "reconstruct-lr-shifted",
+        "the reconstruction's cosine runs one step ahead: its last step runs at learning rate 0",
+        (
+            (
+                "hf_sparsity/pruning/reconstruct.py",
+                "math.cos(math.pi * step / steps)",
+                "math.cos(math.pi * (step + 1) / steps)",
+            ),
+        ),
+        (
+            "tests/test_prune_refit.py",
+            "tests/test_exact_internals.py::test_reconstruction_learning_rate_at_every_step_is_the_cosine",
+        ),
+    ),
+    Mutation(
+        "stream-drops-unknown-tensor",
+        "streamed pruning drops the shard tensors the model class does not hold",
+        (("hf_sparsity/pruning/streaming.py", "        if leftover:\n", "        if False:\n"),),
+        (
+            "tests/test_prune_refit.py",
+            "tests/test_bad_branches.py::test_a_shard_tensor_the_model_does_not_hold_is_copied_through_byte_for_byte",
+        ),
+    ),
+    Mutation(
+        "tokens-local-times-world",
+        "token counts under DDP multiply the local count by the world size instead of summing",
+        (
+            (
+                "hf_sparsity/callback.py",
+                "    dist.all_reduce(total)\n    return int(total)",
+                "    return int(total) * dist.get_world_size()",
+            ),
+        ),
+        (
+            "tests/test_flops.py",
+            "tests/test_ddp.py",
+            "tests/test_bad_branches.py::test_ranks_with_different_real_tokens_are_summed_not_multiplied",
+        ),
+    ),
+    Mutation(
+        "tokens-resume-recounts",
+        "a resumed run whose Trainer counts tokens counts every earlier token again",
+        (
+            (
+                "hf_sparsity/callback.py",
+                '        self.seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)\n'
+                "        self.pending = 0",
+                "        self.seen = 0\n        self.pending = 0",
+            ),
+        ),
+        (
+            "tests/test_flops.py",
+            "tests/test_bad_branches.py::test_a_resumed_run_with_trainers_count_counts_only_new_tokens",
+        ),
+    ),
+    Mutation(
+        "resume-order-by-name",
+        "resume orders checkpoints by name: checkpoint-9 is taken for newer than checkpoint-10",
+        (
+            (
+                "hf_sparsity/storage/resume.py",
+                "key=lambda p: int(_CHECKPOINT_RE.match(p.name).group(1))",
+                "key=lambda p: p.name",
+            ),
+        ),
+        (
+            "tests/test_resume_after_crash.py",
+            "tests/test_bad_branches.py::test_resume_takes_the_highest_step_not_the_last_name",
+        ),
+    ),
+    Mutation(
+        "checksum-without-names",
+        "the mask checksum leaves out the mask names (two masks swapped under their names pass)",
+        (
+            (
+                "hf_sparsity/storage/masks_file.py",
+                'h.update(name.encode("utf-8") + b"\\0")',
+                'h.update(b"\\0")',
+            ),
+        ),
+        (
+            "tests/test_serialization.py",
+            "tests/test_exact_internals.py::test_mask_checksum_is_sha256_of_names_shapes_and_packed_bits_in_name_order",
+        ),
+    ),
+    Mutation(
+        "lora-masked-first-adapter-only",
+        "lora: masked masks only the first adapter of a layer; a second one applies plain B·A",
+        (
+            (
+                "hf_sparsity/lora/masked.py",
+                "        for adapter in layer.lora_A:\n",
+                "        for adapter in list(layer.lora_A)[:1]:\n",
+            ),
+        ),
+        (
+            "tests/test_lora.py",
+            "tests/test_exact_internals.py::test_two_adapters_on_masked_layers_each_apply_their_own_masked_update",
+        ),
+    ),
+    Mutation(
+        "lora-masked-delta-of-active-adapter",
+        "lora: masked computes every adapter's update from the first active adapter's B·A",
+        (
+            (
+                "hf_sparsity/lora/masked.py",
+                "            delta = module.get_delta_weight(adapter)\n",
+                "            delta = module.get_delta_weight(module.active_adapters[0])\n",
+            ),
+        ),
+        (
+            "tests/test_lora.py",
+            "tests/test_exact_internals.py::test_two_adapters_on_masked_layers_each_apply_their_own_masked_update",
+        ),
+    ),
 )
+
+NEW_TEST_FILES = (
+    "tests/test_realistic_decode.py",
+    "tests/test_refusals.py",
+    "tests/test_bad_branches.py",
+    "tests/test_exact_internals.py",
+)
+"""The test files written with the last mutations above (their entries name the test that catches each);
+``--before`` leaves them out (what the suite caught without them)."""
+
+
+def _new(test: str) -> bool:
+    return test.split("::")[0] in NEW_TEST_FILES
+
+
+PYTEST_MARKS: tuple[str, ...] = ()  # ("-m", "not slow") with --not-slow
 
 
 def _copy_tree(dst: Path) -> None:
@@ -234,9 +623,10 @@ def run(m: Mutation) -> tuple[bool, str, float]:
         env.update(HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         # The copy has no ../shared beside it; point the data fixture at the real one.
         env.setdefault("HF_SPARSITY_SHARED_DATA", str(ROOT.parent / "shared" / "data"))
+        tests = sorted(m.tests, key=lambda t: not _new(t))  # the targeted tests first (-x stops there)
         t0 = time.perf_counter()
         proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *m.tests],
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *PYTEST_MARKS, *tests],
             cwd=tmp,
             env=env,
             capture_output=True,
@@ -255,7 +645,15 @@ def run(m: Mutation) -> tuple[bool, str, float]:
 
 
 def main() -> int:
-    chosen = [m for m in MUTATIONS if not sys.argv[1:] or any(a in m.name for a in sys.argv[1:])]
+    args = sys.argv[1:]
+    before = "--before" in args
+    global PYTEST_MARKS
+    if "--not-slow" in args:
+        PYTEST_MARKS = ("-m", "not slow")
+    args = [a for a in args if a not in ("--before", "--not-slow")]
+    chosen = [m for m in MUTATIONS if not args or any(a in m.name for a in args)]
+    if before:  # the same mutations against the tests that existed before the new files
+        chosen = [replace(m, tests=tuple(t for t in m.tests if not _new(t))) for m in chosen]
     missed = 0
     for m in chosen:
         caught, detail, secs = run(m)

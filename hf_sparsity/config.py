@@ -3,7 +3,7 @@
 
 Two input forms are accepted, as the Cerebras docs show them:
 
-* the 1.8 form (seed ``002_*``)::
+* the 1.8 form (the Cerebras Model Zoo guide "Train a model with weight sparsity")::
 
       sparsity: 0.3
       init_method: topk            # random | topk

@@ -7,11 +7,11 @@ what they all need lives here:
 * :func:`parse_args`: ``--key value`` for every default, ``--config FILE.yaml``;
   unknown keys refused with the list of known ones.
 * :func:`load_texts` / :func:`prepare_data`: the embedded default (no network, nothing
-  from ``../shared``), a local ``.txt`` / ``.jsonl`` file, or any HF dataset name.
+  from any data folder), a local ``.txt`` / ``.jsonl`` file, or any HF dataset name.
 * :class:`ScheduledData`: the training stream in a fixed, seeded order, cut into
-  segments: a new segment starts at each prune (the seeded reshuffle of seed
-  ``001_*``) and at each stage change (a later stage draws from a disjoint pool of
-  blocks, so it never repeats the earlier stage's data, seed ``004_*``). The order
+  segments: a new segment starts at each prune (the seeded reshuffle of
+  Cerebras' iterative pruning) and at each stage change (a later stage draws from a disjoint pool of
+  blocks, so it never repeats the earlier stage's data, as in Variable SPDF). The order
   is a pure function of the schedule and the seed, and Trainer walks it
   sequentially, so a resumed run sees exactly the samples an uninterrupted one does.
 * :func:`train_stage`: one stage: its ``TrainingArguments`` (:func:`training_arguments`,

@@ -15,7 +15,7 @@ from _stages import StageResult
 def plot_stages(
     stages: list[StageResult], path: str, title: str, baseline: float | None = None
 ) -> str | None:
-    """Loss vs step across stages, events as vertical lines (the seeds' sawtooth), stage boundaries dashed."""
+    """Loss vs step across stages, events as vertical lines (the IMP sawtooth), stage boundaries dashed."""
     if not is_main_process():
         return None
     import matplotlib

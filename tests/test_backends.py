@@ -255,7 +255,7 @@ def test_blocked_batched_kernel_matches_a_float64_product(name):
 
 
 @pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
-def test_blocked_kernel_work_memory_small_stacks_and_thread_counts(tmp_path):
+def test_blocked_kernel_work_memory_small_stacks_and_thread_counts():
     # its scratch lives in per-thread work memory, freed when a thread exits (short-lived threads each used
     # to leave their x copy behind); its frame is small (a thread with a 128 KiB stack used to crash);
     # a thread count below 1 runs on one thread (it used to divide by zero or return uninitialized rows)
@@ -286,7 +286,7 @@ def test_blocked_kernel_work_memory_small_stacks_and_thread_counts(tmp_path):
         "    errs.append(float((bn.linear(x17).double() - w17).abs().max()))\n"
         "print(len(errs), max(errs) < 1e-3, grown < 64)\n"
     )
-    assert _run_fresh(code, tmp_path) == ["26", "True", "True"]
+    assert _run_fresh(code) == ["26", "True", "True"]
 
 
 @pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
@@ -308,15 +308,17 @@ def test_native_kernel_every_row_length(in_f):
         torch.testing.assert_close(b.linear(x, bias), ref, rtol=1e-5, atol=1e-5)
 
 
-def _run_fresh(code: str, cache, **env) -> list[str]:
-    """Run ``code`` in a new interpreter with its own kernel cache and ``env``; its stdout words."""
-    env = dict(os.environ, HF_SPARSITY_CACHE=str(cache), **env)
+def _run_fresh(code: str, **env) -> list[str]:
+    """Run ``code`` in a new interpreter with ``env``; its stdout words. It shares this process's kernel
+    cache: the library keys each build by its source, flags, compiler and CPU, so a flag set is compiled
+    once per test run (the portable and AVX2 builds here), not once per test."""
+    env = dict(os.environ, **env)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     return out.stdout.split()
 
 
-def test_native_kernel_falls_back_cleanly_when_disabled(tmp_path):
+def test_native_kernel_falls_back_cleanly_when_disabled():
     code = (
         "import torch\n"
         "from hf_sparsity.backends import get_backend\n"
@@ -327,11 +329,12 @@ def test_native_kernel_falls_back_cleanly_when_disabled(tmp_path):
         "except Exception as e:\n"
         "    print(type(e).__name__)\n"
     )
-    assert _run_fresh(code, tmp_path, HF_SPARSITY_NO_NATIVE="1") == ["torch", "SparsityError"]
+    assert _run_fresh(code, HF_SPARSITY_NO_NATIVE="1") == ["torch", "SparsityError"]
 
 
+@pytest.mark.slow  # builds the kernel with other flags, in a subprocess
 @pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
-def test_native_kernel_portable_build_matches_emulator(tmp_path):
+def test_native_kernel_portable_build_matches_emulator():
     # without -march=native the kernel takes its scalar path; same results
     code = (
         "import torch\n"
@@ -352,7 +355,7 @@ def test_native_kernel_portable_build_matches_emulator(tmp_path):
         "torch.testing.assert_close(b.linear(x.repeat(3, 1)), ref, rtol=1e-5, atol=1e-5)\n"
         "print(_native.simd())\n"
     )
-    assert _run_fresh(code, tmp_path, HF_SPARSITY_NATIVE_PORTABLE="1") == ["False"]
+    assert _run_fresh(code, HF_SPARSITY_NATIVE_PORTABLE="1") == ["False"]
 
 
 _POOL_CHECK = (
@@ -382,11 +385,11 @@ _POOL_CHECK = (
 
 @pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
-def test_native_kernels_run_on_torchs_own_openmp_pool(tmp_path):
+def test_native_kernels_run_on_torchs_own_openmp_pool():
     # built with -fopenmp, the kernel library resolves libgomp.so.1 to the copy torch loaded: one OpenMP
     # runtime in the process, so the sparse layers' threads are torch's intra-op threads (two runtimes
     # would be two pools fighting for the same cores); two-thread results match the emulator
-    pool, runtimes, torch_gomp = _run_fresh(_POOL_CHECK, tmp_path)
+    pool, runtimes, torch_gomp = _run_fresh(_POOL_CHECK)
     if torch_gomp in ("libgomp.so.1", "none"):  # a torch whose libgomp our library resolves to (or none yet)
         assert pool == "openmp", "the kernel was not built with -fopenmp (is libgomp missing?)"
         assert runtimes == "1"
@@ -395,9 +398,9 @@ def test_native_kernels_run_on_torchs_own_openmp_pool(tmp_path):
 
 
 @pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
-def test_native_kernels_own_pthread_pool_still_matches_emulator(tmp_path):
+def test_native_kernels_own_pthread_pool_still_matches_emulator():
     # the kernel's own pool (compilers without OpenMP; HF_SPARSITY_NATIVE_POOL=pthread) computes the same
-    assert _run_fresh(_POOL_CHECK, tmp_path, HF_SPARSITY_NATIVE_POOL="pthread")[0] == "pthread"
+    assert _run_fresh(_POOL_CHECK, HF_SPARSITY_NATIVE_POOL="pthread")[0] == "pthread"
 
 
 def test_from_dense_rejects_bad_input():
@@ -787,14 +790,14 @@ def test_cpp_custom_ops_build_pass_opcheck_and_match_the_python_ops(batch):
 
 
 @pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
-def test_cpp_custom_ops_can_be_switched_off(tmp_path):
+def test_cpp_custom_ops_can_be_switched_off():
     code = (
         "import torch\n"
         "from hf_sparsity.backends import ops\n"
         "print(ops.build_cpp_ops(), ops.linear_op('csr_linear') is torch.ops.hf_sparsity.csr_linear)\n"
         "print(ops.cpp_ops_error())\n"
     )
-    assert _run_fresh(code, tmp_path, HF_SPARSITY_NO_CPP_OPS="1") == [
+    assert _run_fresh(code, HF_SPARSITY_NO_CPP_OPS="1") == [
         "False",
         "True",
         "RuntimeError:",
@@ -802,8 +805,9 @@ def test_cpp_custom_ops_can_be_switched_off(tmp_path):
     ]
 
 
+@pytest.mark.slow  # builds the kernel with other flags, in a subprocess
 @pytest.mark.skipif(not NATIVE, reason="native kernel did not build")
-def test_native_kernels_avx2_build_matches_emulator(tmp_path):
+def test_native_kernels_avx2_build_matches_emulator():
     # on an AVX-512 CPU the bitmask kernel takes a 16-lane path; this checks the AVX2 one it would use
     # elsewhere, and the blocked batched kernel's 8-lane build (a batch of 40: prefill)
     code = (
@@ -829,7 +833,7 @@ def test_native_kernels_avx2_build_matches_emulator(tmp_path):
         "    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)\n"
         "print('ok')\n"
     )
-    assert _run_fresh(code, tmp_path, HF_SPARSITY_NATIVE_NO_AVX512="1") == ["ok"]
+    assert _run_fresh(code, HF_SPARSITY_NATIVE_NO_AVX512="1") == ["ok"]
 
 
 @pytest.mark.skipif(not NATIVE, reason="native kernel did not build")

@@ -173,6 +173,7 @@ def test_plain_loop_fp16_autocast_with_grad_scaler():
     assert eng.optimizer_steps >= 1
 
 
+@pytest.mark.slow  # two fresh interpreters
 def test_masks_identical_across_processes_without_communication():
     import subprocess
     import sys

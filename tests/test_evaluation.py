@@ -270,6 +270,7 @@ def _tiny_gpt2_dir(tmp_path, tok) -> Path:
 BOOTSTRAP_STDERRS = {"perplexity_stderr"}
 
 
+@pytest.mark.slow  # lm-eval's own CLI in a subprocess
 def test_offline_harness_equals_lm_eval_cli(shared_data, tmp_path, model_dirs):
     """The in-process offline suite, on a sparse folder (masks beside dense weights, applied on load),
     gives exactly the numbers of lm-eval's own CLI on the finalized folder: every metric it reports."""

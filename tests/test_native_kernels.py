@@ -113,6 +113,7 @@ def test_int8_dequantized_weight_is_close_and_compact():
     assert (b.storage_bytes - 64) / w.numel() < 0.5 * 1 + 0.125 + 0.05
 
 
+@pytest.mark.slow  # a second build (its own flags) and the whole sweep again, in a subprocess
 @pytest.mark.skipif(_native.isa() != "avx512", reason="only an AVX-512 machine has a second vector path")
 def test_avx2_build_matches_emulator_at_every_width():
     # the AVX2 kernels of an AVX-512 machine, built into a separate cache

@@ -29,6 +29,7 @@ from .conftest import REPO
 SCRIPT = REPO / "tests" / "scripts" / "save_every_step.py"
 STEPS = 8
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+pytestmark = pytest.mark.slow  # every test starts or reads fresh Trainer processes (the module fixture)
 
 
 def _start(out: Path, *args: str) -> subprocess.Popen:

@@ -1,4 +1,4 @@
-"""Evaluation of dense and sparse causal LMs: the metrics of the Cerebras sparsity seeds.
+"""Evaluation of dense and sparse causal LMs: the metrics of Cerebras' sparse GPT work.
 
 * :func:`pile_loss`: Pile-style validation loss (token-weighted cross-entropy over a
   Pile-format ``{"text", "meta"}`` jsonl / jsonl.zst corpus, non-overlapping windows).

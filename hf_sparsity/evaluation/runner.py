@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 SUITES = ("pile", "lambada", "wikitext103", "wikitext2", "harness7")
 """Named suites; any other name is taken as an lm-eval task name."""
 
-DEFAULT_PILE = "corpus"  # under a data root such as ../shared/data
+DEFAULT_PILE = "corpus"  # under the data folder (--data-dir)
 DEFAULT_WIKITEXT = "text/wikitext-103/wiki.test.tokens"
 
 
@@ -118,7 +118,7 @@ def check_inputs(
             check_tokenizer_source(str(model), None if tokenizer is None else str(tokenizer))
     if data_dir and not os.path.isdir(data_dir):
         raise SparsityError(
-            f"--data-dir {str(data_dir)!r} does not exist. Give a folder laid out like shared/data."
+            f"--data-dir {str(data_dir)!r} does not exist. Give a folder with tasks/, corpus/ or text/."
         )
     spec = suites if isinstance(suites, str) else ",".join(suites)
     if model is not None:
@@ -196,7 +196,7 @@ def check_offline_tasks(spec: str, data_dir: str | None) -> None:
     if tasks and not data_dir and offline:
         raise SparsityError(
             f"{', '.join(tasks)} would download their data, but HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set: "
-            "pass --data-dir DIR with local task data (laid out like shared/data/tasks)."
+            "pass --data-dir DIR with local task data (tasks/<task>/<split>.jsonl)."
         )
 
 
@@ -263,7 +263,7 @@ def evaluate(
         model: a model folder (its ``sparsity_masks.safetensors`` is applied when present)
             or an in-memory causal LM (scored as is; pass ``tokenizer``).
         suites: ``pile``, ``lambada``, ``wikitext103``, ``wikitext2``, ``harness7``, or lm-eval task names.
-        data_dir: a folder laid out like ``../shared/data`` (``tasks/``, ``corpus/``,
+        data_dir: a local data folder (``tasks/``, ``corpus/``,
             ``text/wikitext-103/``) or a tasks folder alone; makes lm-eval tasks offline.
         pile_data: Pile-format jsonl(.zst) file(s)/folder/glob; default ``DATA_DIR/corpus``.
         wikitext_file: ``wiki.test.tokens``; default under ``DATA_DIR``.

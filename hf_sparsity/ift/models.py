@@ -2,7 +2,7 @@
 
 Each layer replaces one dense ``d_in -> d_out`` projection (an ``nn.Linear`` or a
 GPT-2 ``Conv1D``) and is trained sparse so its FLOPs match the dense original
-(seed ``003_*``; Thangarasa et al., "Sparse-IFT", 2023):
+(Thangarasa et al. 2023, "Sparse-IFT", arXiv:2303.11525):
 
 * :class:`ParallelLinear` (Sparse-Parallel): ``k`` sparse branches of the same
   shape, outputs summed;
