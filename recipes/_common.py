@@ -53,6 +53,7 @@ from _stages import (  # noqa: F401
     STAGE_DONE,
     EvalAt,
     StageResult,
+    dense_finetune,
     eval_every,
     finalize,
     load_model,

@@ -13,12 +13,14 @@ from typing import Any
 
 import torch
 from _args import is_main_process, log
+from _data import stage_data
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from hf_sparsity.callback import SparsityCallback, move_to_front
 from hf_sparsity.data import BlockDataset
 from hf_sparsity.export.finalize import finalize_checkpoint
+from hf_sparsity.flops.callback import FlopCallback
 from hf_sparsity.loading import load_model_folder
 from hf_sparsity.modeling import sparsity_table
 from hf_sparsity.storage.resume import last_complete_checkpoint
@@ -241,3 +243,23 @@ def train_stage(
         **trainer_kwargs,
     )
     return train_and_save(trainer, metrics_cb, resume=args.resume)
+
+
+def dense_finetune(args, start: str, tokenizer, ft_train, ft_eval, callbacks=()) -> StageResult:
+    """SPDF's last stage (``OUTPUT_DIR/finetune``): every weight of the folder ``start`` (a finalized,
+    vanilla checkpoint) trained densely on the fine-tuning blocks, at ``finetune_learning_rate`` with a
+    tenth of ``finetune_steps`` of warm-up, its FLOPs counted by a :class:`FlopCallback`."""
+    ft_data = stage_data(ft_train, args, args.finetune_steps, [(0, list(range(len(ft_train))))])
+    return train_stage(
+        args,
+        "finetune",
+        load_model(start),
+        tokenizer,
+        ft_data,
+        ft_eval,
+        args.finetune_steps,
+        FlopCallback(args.block_size),
+        callbacks,
+        learning_rate=args.finetune_learning_rate,
+        warmup_steps=max(args.finetune_steps // 10, 1),
+    )

@@ -73,20 +73,7 @@ def main(argv=None, callbacks=()):
     if sparsity is not None:
         start = C.finalize(pre.model_dir, os.path.join(args.output_dir, "pretrain_finalized"))
     # 3. dense fine-tuning on the second dataset
-    ft_data = C.stage_data(ft_train, args, args.finetune_steps, [(0, list(range(len(ft_train))))])
-    ft = C.train_stage(
-        args,
-        "finetune",
-        C.load_model(start),
-        tokenizer,
-        ft_data,
-        ft_eval,
-        args.finetune_steps,
-        FlopCallback(args.block_size),
-        callbacks,
-        learning_rate=args.finetune_learning_rate,
-        warmup_steps=max(args.finetune_steps // 10, 1),
-    )
+    ft = C.dense_finetune(args, start, tokenizer, ft_train, ft_eval, callbacks)
     if ft.interrupted:
         return None
 

@@ -155,9 +155,9 @@ def test_a_shard_tensor_the_model_does_not_hold_is_copied_through_byte_for_byte(
 
 # ------------------------------------------------------------------------------------------ token counts
 def _counter(seq_len=None):
-    from hf_sparsity.callback import _TokenCounter
+    from hf_sparsity.flops.callback import TokenCounter
 
-    return _TokenCounter(seq_len)
+    return TokenCounter(seq_len)
 
 
 def _args(batch=2, accum=1, world=1):
@@ -214,7 +214,7 @@ def test_ranks_with_different_real_tokens_are_summed_not_multiplied(monkeypatch)
     on both (an all-reduce sum), not 7 x 2."""
     import torch.distributed as dist
 
-    from hf_sparsity import callback
+    from hf_sparsity.flops import callback
 
     other = {"n": 12}
 

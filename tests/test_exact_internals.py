@@ -50,7 +50,7 @@ def decisions(monkeypatch):
         calls.append((names, tuple(cands)))
         return dict(DECISION)
 
-    monkeypatch.setattr(auto, "_decide_group", decide)
+    monkeypatch.setattr(auto.planner, "_decide_group", decide)
     return calls
 
 
@@ -126,9 +126,9 @@ def test_predicted_whole_model_ratio_by_hand(monkeypatch):
         calls.append(rounds)
         return 0.9, 100.0
 
-    monkeypatch.setattr(auto, "_time_whole_model", whole)
+    monkeypatch.setattr(auto.backend, "_time_whole_model", whole)
     model = SimpleNamespace(generate=None, config=SimpleNamespace(vocab_size=11))
-    auto._check_whole_model(model, [("x", None)], choices, rounds=3, plan_cache=False)
+    auto.backend._check_whole_model(model, [("x", None)], choices, rounds=3, plan_cache=False)
     verdict = choices["a"]["whole_model_check"]
     assert verdict["predicted"] == round(10 / 9, 3)
     assert verdict["remeasured"] and calls == [3, 5] and not verdict["kept"]
@@ -137,7 +137,7 @@ def test_predicted_whole_model_ratio_by_hand(monkeypatch):
         c.pop("whole_model_check"), c.pop("planned", None)
     choices = {k: choices[k] for k in ("a", "b")}
     choices["a"].update(decode="bitmask", decode_ms={"dense": 2.0, "bitmask": 1.0})
-    auto._check_whole_model(model, [("x", None)], choices, rounds=3, plan_cache=False)
+    auto.backend._check_whole_model(model, [("x", None)], choices, rounds=3, plan_cache=False)
     assert choices["a"]["whole_model_check"]["predicted"] == round(10 / 9.5, 3) and calls == [3]
 
 

@@ -51,6 +51,19 @@ def _unpack_bits(bits: torch.Tensor, in_f: int) -> torch.Tensor:
     return ((bits.unsqueeze(-1) & _BITS) != 0).reshape(bits.shape[0], -1)[:, :in_f]
 
 
+def packed_capabilities(description: str, **more) -> BackendCapabilities:
+    """What every packed format can do: CPU, fp32 / bf16 (or int8) values, inference only, no dense copy."""
+    return BackendCapabilities(
+        devices=("cpu",),
+        dtypes=(torch.float32, torch.bfloat16),
+        training=False,
+        frees_dense=True,
+        int8_values=True,
+        description=description,
+        **more,
+    )
+
+
 class _PackedBackend(SparseBackend):
     """Shared machinery: packed storage, dropped dense tensors, native / torch dispatch."""
 

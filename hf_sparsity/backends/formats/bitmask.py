@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 
 from .. import _native
-from ..base import BackendCapabilities
 from ..registry import register_backend
-from .base import _pack_bits, _PackedBackend, _unpack_bits
+from .base import _pack_bits, _PackedBackend, _unpack_bits, packed_capabilities
 
 
 @register_backend
@@ -16,13 +15,8 @@ class BitmaskBackend(_PackedBackend):
 
     name = "bitmask"
     op = "bitmask"
-    capabilities = BackendCapabilities(
-        devices=("cpu",),
-        dtypes=(torch.float32, torch.bfloat16),
-        training=False,
-        frees_dense=True,
-        int8_values=True,
-        description="1-bit mask + packed values (fp32 / bf16, or int8 with row scales); native kernels",
+    capabilities = packed_capabilities(
+        "1-bit mask + packed values (fp32 / bf16, or int8 with row scales); native kernels"
     )
 
     def _pack(self, w: torch.Tensor, m: torch.Tensor) -> None:

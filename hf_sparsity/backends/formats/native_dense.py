@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 
 from .. import _native
-from ..base import BackendCapabilities
 from ..registry import register_backend
-from .base import _PackedBackend
+from .base import _PackedBackend, packed_capabilities
 
 
 @register_backend
@@ -17,13 +16,8 @@ class NativeDenseBackend(_PackedBackend):
     name = "native_dense"
     op = "gemv"
     aliases = ("gemv",)
-    capabilities = BackendCapabilities(
-        devices=("cpu",),
-        dtypes=(torch.float32, torch.bfloat16),
-        training=False,
-        frees_dense=True,
-        int8_values=True,
-        description="dense weight, native multi-threaded GEMV for batch <= 16 (LM head, dense layers)",
+    capabilities = packed_capabilities(
+        "dense weight, native multi-threaded GEMV for batch <= 16 (LM head, dense layers)"
     )
 
     def _pack(self, w: torch.Tensor, m: torch.Tensor) -> None:

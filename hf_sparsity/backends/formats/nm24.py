@@ -6,9 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import _native
-from ..base import BackendCapabilities
 from ..registry import register_backend
-from .base import _PackedBackend
+from .base import _PackedBackend, packed_capabilities
 
 
 @register_backend
@@ -18,14 +17,8 @@ class NM24Backend(_PackedBackend):
     name = "nm24"
     op = "nm24"
     aliases = ("cpu_2_4", "nm_2_4")
-    capabilities = BackendCapabilities(
-        devices=("cpu",),
-        dtypes=(torch.float32, torch.bfloat16),
-        training=False,
-        frees_dense=True,
-        structure="2:4",
-        int8_values=True,
-        description="CPU 2:4: packed values + 2-bit positions (fp32 / bf16, or int8 with row scales)",
+    capabilities = packed_capabilities(
+        "CPU 2:4: packed values + 2-bit positions (fp32 / bf16, or int8 with row scales)", structure="2:4"
     )
 
     def _pack(self, w: torch.Tensor, m: torch.Tensor) -> None:
