@@ -260,18 +260,21 @@ def native_step_reason(model: nn.Module, length: int | None = None) -> str | Non
     return None
 
 
-_TRANSPOSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_DENSE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _transposed(conv: nn.Module) -> torch.Tensor:
-    """A Conv1D's weight ``[in, out]`` as ``[out, in]`` (contiguous), kept while the module lives and its
-    weight is unchanged."""
-    weight = conv.weight
-    hit = _TRANSPOSED.get(conv)
-    key = (weight.data_ptr(), weight._version)
+def _dense_gemv(mod: nn.Module, klass) -> object:
+    """The native dense GEMV over a float32 ``nn.Linear``'s own weight (no copy), or over a transposed copy
+    of a ``Conv1D``'s (``[in, out]`` -> ``[out, in]``); prepared once per module and kept while the module
+    lives and its weight is unchanged (the same tensor, the same version)."""
+    weight = mod.weight
+    key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+    hit = _DENSE.get(mod)
     if hit is None or hit[0] != key:
-        hit = (key, weight.detach().t().contiguous())
-        _TRANSPOSED[conv] = hit
+        w = weight.detach().t().contiguous() if _is_conv1d(mod) else weight.detach()
+        full = torch.ones((), dtype=torch.uint8).expand(w.shape)
+        hit = (key, klass.from_dense(w, full), w)
+        _DENSE[mod] = hit
     return hit[1]
 
 
@@ -309,11 +312,9 @@ class NativeDecoder:
             prep, addr = mod.backend.decode_call()
             self._keep.append(prep)
         else:  # float32 nn.Linear: the dense GEMV over its own weight (no copy: full mask, contiguous)
-            w = _transposed(mod) if _is_conv1d(mod) else mod.weight.detach()
-            full = torch.ones((), dtype=torch.uint8).expand(w.shape)
-            backend = get_backend("native_dense").from_dense(w, full)
+            backend = _dense_gemv(mod, get_backend("native_dense"))
             prep, addr = backend.decode_call()
-            self._keep += [backend, prep, w]
+            self._keep += [backend, prep]
         bias = mod.bias.detach() if mod.bias is not None else None
         return addr, _ptr(bias)
 
