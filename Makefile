@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench
+.PHONY: run test lint bench gpu-wheels gpu-check
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -26,3 +26,14 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
+
+# The GPU check (docs/gpu_check.md): `make gpu-wheels` where there is a network, then on the GPU machine
+# `make gpu-check` (its own python: the machine's torch, no venv). On a CPU machine it is the dry run.
+GPU_PYTHON ?= python3
+GPU_REPORT ?= gpu_report
+
+gpu-wheels:
+	PYTHON=$(GPU_PYTHON) benchmarks/gpu/download_wheels.sh wheels
+
+gpu-check:
+	$(GPU_PYTHON) benchmarks/gpu_check.py $(GPU_REPORT)

@@ -231,7 +231,9 @@ def main(argv=None) -> int:
         ].tolist()
     ppl = {}
     if args.ppl_windows:
-        data = args.data_dir or os.environ.get("HF_SPARSITY_SHARED_DATA", "shared/data")
+        if not args.data_dir:
+            raise SystemExit("--ppl-windows needs --data-dir DIR holding text/wikitext-2-raw/wiki.test.raw")
+        data = args.data_dir
         path = os.path.join(data, "text", "wikitext-2-raw", "wiki.test.raw")
         with torch.inference_mode():
             for k, r in rows.items():

@@ -7,7 +7,7 @@ already batched tensors), interleaving the two for ``--repeats`` rounds, and pri
 tokens/s for each and their ratio (target: at least 0.9).
 
     python benchmarks/eval_throughput.py                       # small GPT-2 built from a config
-    python benchmarks/eval_throughput.py --model /tmp/smol/dense --docs 8 --context 2048
+    python benchmarks/eval_throughput.py --model SMOL_DIR/dense --data-dir DATA_DIR --docs 8 --context 2048
 """
 
 from __future__ import annotations
@@ -18,9 +18,6 @@ import time
 from pathlib import Path
 
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_DATA = REPO.parent / "shared" / "data"
 
 
 def build_default(data: Path):
@@ -36,7 +33,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="model folder (default: a 6-layer GPT-2, d=384, built from a config)")
     parser.add_argument(
-        "--data-dir", default=str(DEFAULT_DATA), help="shared data root (corpus/, tokenizer/)"
+        "--data-dir",
+        required=True,
+        help="data folder holding corpus/openwebtext-1000.jsonl and tokenizer/gpt2/",
     )
     parser.add_argument("--docs", type=int, default=24, help="corpus documents to score")
     parser.add_argument("--context", type=int, default=512)

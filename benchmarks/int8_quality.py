@@ -37,7 +37,7 @@ def _int8_lm_head(model) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_dir", help="a pruned model folder (with sparsity_masks.safetensors)")
-    p.add_argument("--data-dir", default=os.environ.get("HF_SPARSITY_SHARED_DATA", "shared/data"))
+    p.add_argument("--data-dir", required=True, help="data folder holding text/wikitext-2-raw/wiki.test.raw")
     p.add_argument("--seqlen", type=int, default=512)
     p.add_argument("--windows", type=int, default=64)
     p.add_argument("--structure-backend", default="bitmask", help="bitmask (default) or nm24 for 2:4 masks")

@@ -5,7 +5,7 @@ memory is its own); a last phase times both modes' training steps interleaved in
 process. Everything is CPU and offline::
 
     python benchmarks/lora_smollm2.py --model $S/topk50 \
-        --data ../shared/data/corpus/openwebtext-1000.jsonl --out $OUT
+        --data DATA_DIR/corpus/openwebtext-1000.jsonl --out $OUT
 
 ``$S/topk50`` is the folder ``eval/prepare_smollm2.py`` writes (SmolLM2-135M with 50% topk masks).
 
@@ -192,7 +192,9 @@ def timing(args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True, help="sparse model folder, e.g. prepare_smollm2.py's topk50/")
-    p.add_argument("--data", default="../shared/data/corpus/openwebtext-1000.jsonl")
+    p.add_argument(
+        "--data", required=True, help="a .jsonl of documents, e.g. DATA_DIR/corpus/openwebtext-1000.jsonl"
+    )
     p.add_argument("--out", required=True, help="output folder for results.json")
     p.add_argument("--mode", choices=(*MODES, "timing"))
     p.add_argument("--steps", type=int, default=40)

@@ -67,7 +67,7 @@ MUTATIONS = (
     Mutation(
         "finalize-no-mask",
         "convert --finalize no longer applies the mask",
-        (("hf_sparsity/storage/finalize.py", "return t * m.to(t.dtype)", "return t"),),
+        (("hf_sparsity/export/finalize.py", "return t * m.to(t.dtype)", "return t"),),
         ("tests/test_finalize.py",),
     ),
     Mutation(
@@ -199,7 +199,7 @@ MUTATIONS = (
     Mutation(
         "lora-merge-then-mask-no-mask",
         "merge_sparse no longer re-applies the masks after merging",
-        (("hf_sparsity/lora/merge.py", "    apply_masks(merged, mask_dict)\n", "    pass\n"),),
+        (("hf_sparsity/export/merge.py", "    apply_masks(merged, mask_dict)\n", "    pass\n"),),
         LORA_TESTS,
     ),
     # ---- the newest code: each with the test written from its definition that catches it

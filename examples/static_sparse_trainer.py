@@ -1,6 +1,6 @@
 """Static sparse training of a tiny GPT-2 with ``transformers.Trainer`` + ``SparsityCallback``.
 
-Runs on a CPU in about a minute with no network and nothing from ``../shared``:
+Runs on a CPU in about a minute with no network and no data files:
 the text and the tokenizer are built in-process (``hf_sparsity.data``).
 
     python examples/static_sparse_trainer.py                      # 75% random, 200 steps

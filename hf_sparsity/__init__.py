@@ -4,6 +4,8 @@ from hf_sparsity import SparsityConfig, SparsityCallback
 trainer = Trainer(..., callbacks=[SparsityCallback(SparsityConfig(sparsity=0.75))])
 """
 
+# Lazy imports: the Trainer-facing and heavy parts load on first use, so `import hf_sparsity` stays light.
+
 from .config import (  # noqa: E402
     SparsityConfig,
     SparsityConfigMixin,
@@ -11,6 +13,7 @@ from .config import (  # noqa: E402
     set_sparsity_config,
 )
 from .engine import SparsityEngine  # noqa: E402
+from .ift import models as _ift_models  # noqa: F401  (registers the Sparse-IFT architecture for config-only builds)
 from .targeting import format_plan, plan_sparsity  # noqa: E402
 from .utils import (
     SparsityError,  # noqa: E402
@@ -25,7 +28,7 @@ def __getattr__(name):
 
         return SparsityCallback
     if name in ("finalize_checkpoint", "from_sentinel", "to_sentinel"):
-        from .storage import finalize
+        from .export import finalize
 
         return getattr(finalize, name)
     if name == "inspect_checkpoint":
@@ -57,7 +60,7 @@ def __getattr__(name):
 
         return evaluation.EvalCallback if name == "EvalCallback" else evaluation.evaluate
     if name == "merge_sparse":
-        from .lora.merge import merge_sparse
+        from .export.merge import merge_sparse
 
         return merge_sparse
     if name == "prune_oneshot":

@@ -47,8 +47,12 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from .config import SparsityConfig
 from .constants import SPARSITY_MASKS_NAME
 from .engine import SparsityEngine
+from .flops import FlopAccountant
 from .hooks import TRAINER_FRAMES, resume_dir_from_trainer_frame  # noqa: F401  (re-exported)
-from .logging_utils import move_to_front  # noqa: F401  (re-exported)
+from .logging_utils import (
+    arrange_for_callback,
+    move_to_front,  # noqa: F401  (re-exported)
+)
 from .modeling import context_length, sparsity_table
 from .storage.masks_file import has_masks
 from .targeting import unwrap_model
@@ -171,14 +175,10 @@ class SparsityCallback(TrainerCallback, ExportableState):
             self.restored_from = source
             logger.info("Restored masks for %d tensors from %s", len(actions), source)
         self._init_flops(model, state, source)
-        from .logging_utils import arrange_for_callback
-
         arrange_for_callback(self)  # run before the reporters; per-layer values off the console line
         return control
 
     def _init_flops(self, model, state, source: str | None) -> None:
-        from .flops import FlopAccountant
-
         seq_len = self.seq_len or context_length(model.config)
         try:
             self.flops = FlopAccountant(self.engine.model, targets=self.engine.targets, seq_len=seq_len)
@@ -365,8 +365,6 @@ class FlopCallback(TrainerCallback):
         self._tokens = _TokenCounter(seq_len)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        from .flops import FlopAccountant
-
         model = unwrap_model(model)
         self.flops = FlopAccountant(model, seq_len=self.seq_len or context_length(model.config))
         saved = load_flop_state(_checkpoint_dir(args, state)) if state.global_step > 0 else None

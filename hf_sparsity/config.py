@@ -3,7 +3,7 @@
 
 Two input forms are accepted, as the Cerebras docs show them:
 
-* the 1.8 form (seed ``002_*``)::
+* the 1.8 form (the Cerebras Model Zoo guide "Train a model with weight sparsity")::
 
       sparsity: 0.3
       init_method: topk            # random | topk
@@ -31,7 +31,7 @@ from typing import Any
 from .checks import check_level, check_lora_mode, check_structure
 from .constants import CONFIG_SECTION
 from .schedules import validate_drop_fraction, validate_schedule, validate_update
-from .utils import SparsityError, library_version
+from .utils import SparsityError, atomic_write_text, library_version
 
 __all__ = ["check_level", "check_structure"]  # re-exported: they used to live here
 
@@ -306,8 +306,6 @@ class SparsityConfig:
 
     def save_yaml(self, path: str | os.PathLike) -> None:
         import yaml
-
-        from .utils import atomic_write_text
 
         atomic_write_text(path, yaml.safe_dump({CONFIG_SECTION: self.to_dict()}, sort_keys=False))
 

@@ -2,7 +2,7 @@
 
 The text is generated from a small seeded grammar (subjects, verbs, objects, clauses),
 so it has real structure to learn (a tiny GPT's loss falls well below the unigram
-entropy) and needs no file, no ``../shared`` and no hub.
+entropy) and needs no file and no hub.
 """
 
 from __future__ import annotations

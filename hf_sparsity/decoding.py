@@ -1,33 +1,43 @@
-"""Greedy decoding loops for batch-1 generation: a lean loop over the model's forward, and a native step.
+"""Decoding loops for batch-1 generation: the native step behind ``model.generate``, and a lean greedy loop.
 
 ``model.generate`` runs, per token, logits processors, stopping criteria, cache bookkeeping and input
 preparation around the forward; and transformers' forward itself runs about two thousand small torch
 operations per token of a 30-layer model. On a CPU, for a small model, that is milliseconds per token:
-more than the sparse products themselves read from memory. Two loops here cut it:
+more than the sparse products themselves read from memory. Here:
 
 * the **native step** (:class:`NativeDecoder`), for Llama-family models (Llama, Mistral, Qwen2) whose
   projections run on the native kernels (any ``SparseLinear`` on ``bitmask``, ``nm24``, ``csr``,
   ``native_dense`` or ``auto``; a plain float32 ``nn.Linear`` runs on the native dense GEMV in place): each
   new token is one call into the compiled kernel library, which runs every layer (norms, rotary embedding,
-  attention over the cache, MLP, LM head, argmax); a prompt of up to :data:`PROMPT_STEPS` tokens runs
-  through the same call token by token, a longer one through the model's own forward;
-* the **forward loop**, for every other model: the model's forward with a KV cache, logits for the last
-  position only, and an argmax.
+  attention over the cache, MLP, LM head) and leaves the last position's logits; a prompt of up to
+  :data:`PROMPT_STEPS` tokens runs through the same call token by token, a longer one through the model's
+  own forward;
+* :func:`native_generate`, the decoding loop ``model.generate`` and the text-generation ``pipeline`` run on
+  the native step when passed as ``custom_generate`` (transformers' public extension point): greedy and
+  sampling, with transformers' own logits processors, stopping criteria and streamers; ``generate``'s own
+  loop (and one logged line naming why) where the native step does not run the call;
+* :func:`greedy_decode`, a greedy loop without ``generate``'s preparation: the native step, or for every
+  other model the **forward loop** (the model's forward with a KV cache, logits for the last position
+  only, and an argmax).
 
-Both produce the tokens ``generate(do_sample=False)`` produces (the native step computes in float32 in
+All produce the tokens ``generate(do_sample=False)`` produces (the native step computes in float32 in
 transformers' order of operations up to the order of sums, so its logits agree to rounding; the tests
-compare tokens) and stop at
-the end-of-sequence token as ``generate`` does.
+compare tokens) and stop at the end-of-sequence token as ``generate`` does.
 
 ::
 
-    from hf_sparsity.decoding import greedy_decode
+    from hf_sparsity.decoding import greedy_decode, native_generate
+    out = model.generate(**inputs, max_new_tokens=128, custom_generate=native_generate)
+    out = model.generate(**inputs, do_sample=True, top_p=0.9, custom_generate=native_generate)
     out = greedy_decode(model, input_ids, max_new_tokens=128)   # [1, prompt + new] token ids
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
+import sys
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -39,9 +49,13 @@ STEPS = ("auto", "native", "model")
 """``greedy_decode(step=...)``: ``native`` (the one-call native step; an error where it does not apply),
 ``model`` (the forward loop), ``auto`` (native where it applies, else the forward loop)."""
 
-ARCHITECTURES = ("llama", "mistral", "qwen2")
-"""``config.model_type`` values the native step runs: pre-norm decoder blocks with RMSNorm, rotary
-embeddings (rotate-half), grouped-query attention and a SiLU-gated MLP."""
+ARCHITECTURES = ("llama", "mistral", "qwen2", "gpt2")
+"""``config.model_type`` values the native step runs: Llama / Mistral / Qwen2 (pre-norm blocks with RMSNorm,
+rotary embeddings (rotate-half), grouped-query attention, a SiLU-gated MLP) and GPT-2 (learned positions,
+LayerNorm with a bias, one fused q / k / v product, GELU MLP, biases; ``Conv1D`` weights)."""
+
+GPT2_ACTIVATIONS = {"gelu_new": 0, "gelu_pytorch_tanh": 0, "gelu": 1}
+"""GPT-2 ``activation_function`` values the native step runs (0: GELU's tanh approximation, 1: erf)."""
 
 PROMPT_STEPS = 16
 """Prompts up to this many tokens run through the native step one token at a time (each token reads the
@@ -63,7 +77,7 @@ class _Layer(ctypes.Structure):  # hfs_layer_t in csrc/hfs_kernels.c
     _fields_ = [
         *[(f"p_{n}", ctypes.c_void_p) for n in _PROJ],
         *[(f"b_{n}", ctypes.c_void_p) for n in _PROJ],
-        *[(n, ctypes.c_void_p) for n in ("norm1", "norm2", "kc", "vc")],
+        *[(n, ctypes.c_void_p) for n in ("norm1", "norm2", "kc", "vc", "nbias1", "nbias2")],
     ]
 
 
@@ -77,6 +91,10 @@ class _Decoder(ctypes.Structure):  # hfs_decoder_t in csrc/hfs_kernels.c
         ("eps", ctypes.c_double),
         ("scale", ctypes.c_double),
         *[(n, ctypes.c_void_p) for n in _POINTERS],
+        ("arch", ctypes.c_int64),
+        ("act", ctypes.c_int64),
+        ("pos_embed", ctypes.c_void_p),
+        ("final_norm_bias", ctypes.c_void_p),
     ]
 
 
@@ -104,18 +122,88 @@ def _window_reason(cfg, length: int) -> str | None:
     return None
 
 
-def native_step_reason(model: nn.Module, length: int | None = None) -> str | None:
-    """Why :class:`NativeDecoder` cannot run ``model`` (``None``: it can), for generations reaching
-    ``length`` tokens (prompt included) when given."""
-    from .backends import _native
-    from .inference import SparseLinear
+class _Parts:
+    """The pieces of a supported model the native step points at (:func:`_parts`)."""
 
-    if _native.load() is None:
-        return f"the native kernel library is unavailable: {_native.error()}"
-    cfg = getattr(model, "config", None)
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _parts(model: nn.Module) -> _Parts | str:
+    """The model's blocks as the native step sees them, or why it cannot (a module tree it does not know).
+    Each block: ``proj`` (hfs_layer_t's slot -> module; GPT-2's fused c_attn in ``q_proj``, c_fc in
+    ``up_proj``) and ``norms`` (two (weight, bias) pairs; bias ``None``: RMSNorm)."""
+    cfg = model.config
+    if cfg.model_type == "gpt2":
+        base = getattr(model, "transformer", None)
+        blocks = getattr(base, "h", None)
+        if blocks is None or not all(hasattr(base, n) for n in ("wte", "wpe", "ln_f")):
+            return "not a GPT-2 module tree (model.transformer.h / wte / wpe / ln_f)"
+        out = []
+        for i, blk in enumerate(blocks):
+            attn, mlp = getattr(blk, "attn", None), getattr(blk, "mlp", None)
+            if attn is None or mlp is None or hasattr(attn, "q_attn") or getattr(blk, "crossattention", None):
+                return f"block {i} is not a GPT-2 decoder block (cross-attention?)"
+            proj = {
+                "q_proj": attn.c_attn,
+                "o_proj": attn.c_proj,
+                "up_proj": mlp.c_fc,
+                "down_proj": mlp.c_proj,
+            }
+            norms = [(blk.ln_1.weight, blk.ln_1.bias), (blk.ln_2.weight, blk.ln_2.bias)]
+            out.append({"proj": proj, "norms": norms})
+        heads = int(cfg.n_head)
+        hd = int(cfg.n_embd) // heads
+        return _Parts(
+            arch=1, blocks=out, embed=base.wte.weight, pos_embed=base.wpe.weight, rotary=None,
+            final=(base.ln_f.weight, base.ln_f.bias), eps=float(blocks[0].ln_1.eps),
+            scale=float(blocks[0].attn.scaling), hidden=int(cfg.n_embd), heads=heads, kv=heads, hd=hd,
+            ffn=int(blocks[0].mlp.c_fc.weight.shape[1] if type(blocks[0].mlp.c_fc).__name__ == "Conv1D"
+                    else blocks[0].mlp.c_fc.out_features),
+            act=GPT2_ACTIVATIONS.get(cfg.activation_function, -1),
+        )  # fmt: skip
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if layers is None or not hasattr(base, "rotary_emb") or not hasattr(base, "embed_tokens"):
+        return "not a decoder-only Llama-style module tree (model.model.layers / rotary_emb / embed_tokens)"
+    out = []
+    for i, layer in enumerate(layers):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if attn is None or mlp is None or type(layer.input_layernorm).__name__.endswith("LayerNorm"):
+            return f"layer {i} is not a Llama-style block"
+        proj = {n: getattr(attn if n in _PROJ[:4] else mlp, n, None) for n in _PROJ}
+        norms = [(layer.input_layernorm.weight, None), (layer.post_attention_layernorm.weight, None)]
+        out.append({"proj": proj, "norms": norms})
+    heads, kv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+    return _Parts(
+        arch=0, blocks=out, embed=base.embed_tokens.weight, pos_embed=None, rotary=base.rotary_emb,
+        final=(base.norm.weight, None), eps=float(layers[0].input_layernorm.variance_epsilon),
+        scale=float(layers[0].self_attn.scaling), hidden=int(cfg.hidden_size), heads=heads, kv=kv,
+        hd=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads), ffn=int(cfg.intermediate_size),
+        act=0,
+    )  # fmt: skip
+
+
+def _is_conv1d(mod) -> bool:
+    return type(mod).__name__ == "Conv1D" and hasattr(mod, "nf")
+
+
+def _config_reason(cfg, length: int | None) -> str | None:
+    """Why the native step cannot run a model of this config (architecture and options only)."""
     kind = getattr(cfg, "model_type", None)
     if kind not in ARCHITECTURES:
         return f"model type {kind!r} (the native step runs {', '.join(ARCHITECTURES)})"
+    if kind == "gpt2":
+        act = getattr(cfg, "activation_function", None)
+        if act not in GPT2_ACTIVATIONS:
+            return f"activation {act!r} (the native step runs {', '.join(GPT2_ACTIVATIONS)} for GPT-2)"
+        if getattr(cfg, "scale_attn_by_inverse_layer_idx", False):
+            return "scale_attn_by_inverse_layer_idx (attention scaled per layer)"
+        if getattr(cfg, "add_cross_attention", False):
+            return "cross-attention"
+        if length is not None and length > int(cfg.n_positions):
+            return f"the generation reaches {length} tokens, beyond its {cfg.n_positions} positions"
+        return None
     if getattr(cfg, "hidden_act", None) != "silu":
         return f"activation {getattr(cfg, 'hidden_act', None)!r} (the native step runs silu)"
     rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
@@ -125,36 +213,62 @@ def native_step_reason(model: nn.Module, length: int | None = None) -> str | Non
         return "pretraining_tp > 1"
     if length is not None and _window_reason(cfg, length):
         return _window_reason(cfg, length)
-    base = getattr(model, "model", None)
-    layers = getattr(base, "layers", None)
-    if layers is None or not hasattr(base, "rotary_emb") or not hasattr(base, "embed_tokens"):
-        return "not a decoder-only Llama-style module tree (model.model.layers / rotary_emb / embed_tokens)"
-    head = model.get_output_embeddings()
+    return None
+
+
+def native_step_reason(model: nn.Module, length: int | None = None) -> str | None:
+    """Why :class:`NativeDecoder` cannot run ``model`` (``None``: it can), for generations reaching
+    ``length`` tokens (prompt included) when given."""
+    from .backends import _native
+    from .inference import SparseLinear
+
+    if _native.load() is None:
+        return f"the native kernel library is unavailable: {_native.error()}"
+    cfg = getattr(model, "config", None)
+    reason = _config_reason(cfg, length)
+    if reason is not None:
+        return reason
+    parts = _parts(model)
+    if isinstance(parts, str):
+        return parts
     if model.training:
         return "the model is in training mode (call model.eval())"
-    for i, layer in enumerate(layers):
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if attn is None or mlp is None or type(layer.input_layernorm).__name__.endswith("LayerNorm"):
-            return f"layer {i} is not a Llama-style block"
-        for name in _PROJ:
-            mod = getattr(attn if name in _PROJ[:4] else mlp, name, None)
+    head = model.get_output_embeddings()
+    for i, blk in enumerate(parts.blocks):
+        for name, mod in blk["proj"].items():
             if isinstance(mod, SparseLinear):
                 if mod.backend.decode_call() is None:
                     return f"layer {i} {name}: backend {mod.backend.name!r} has no native batch-1 call"
-            elif type(mod) is not nn.Linear or not _f32(mod.weight.detach()):
+            elif not (type(mod) is nn.Linear or _is_conv1d(mod)) or not _f32(mod.weight.detach()):
                 return (
-                    f"layer {i} {name}: {type(mod).__name__} (native step: SparseLinear or float32 nn.Linear)"
+                    f"layer {i} {name}: {type(mod).__name__} (native step: SparseLinear, or nn.Linear / "
+                    "Conv1D in float32)"
                 )
             if not _f32(mod.bias):
                 return f"layer {i} {name}: a bias that is not float32 on the CPU"
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            if not _f32(getattr(norm, "weight", None)):
+        for w, b in blk["norms"]:
+            if not _f32(w) or not _f32(b):
                 return f"layer {i}: a norm whose weight is not float32 on the CPU"
     if not (isinstance(head, SparseLinear) or (type(head) is nn.Linear and _f32(head.weight.detach()))):
         return f"LM head {type(head).__name__} (native step: SparseLinear or float32 nn.Linear)"
-    if not _f32(base.embed_tokens.weight.detach()) or not _f32(base.norm.weight):
+    if not all(_f32(t if t is None else t.detach()) for t in (parts.embed, parts.pos_embed, *parts.final)):
         return "embeddings or final norm not float32 on the CPU"
     return None
+
+
+_TRANSPOSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _transposed(conv: nn.Module) -> torch.Tensor:
+    """A Conv1D's weight ``[in, out]`` as ``[out, in]`` (contiguous), kept while the module lives and its
+    weight is unchanged."""
+    weight = conv.weight
+    hit = _TRANSPOSED.get(conv)
+    key = (weight.data_ptr(), weight._version)
+    if hit is None or hit[0] != key:
+        hit = (key, weight.detach().t().contiguous())
+        _TRANSPOSED[conv] = hit
+    return hit[1]
 
 
 def _refuse(reason: str | None) -> None:
@@ -169,7 +283,9 @@ class NativeDecoder:
     """Greedy decoding of one prompt with one native call per token (module docstring).
 
     Built per generation (cheap: it points at the model's tensors, nothing is copied); plain float32
-    ``nn.Linear`` layers run on the native dense GEMV over their own weight. Raises
+    ``nn.Linear`` layers run on the native dense GEMV over their own weight; a plain GPT-2 ``Conv1D`` (stored
+    ``[in, out]``) on a transposed copy, made once per weight and kept while the weight lives and is unchanged
+    (``sparsify_for_inference`` converts them, and then nothing is copied). Raises
     :class:`~hf_sparsity.utils.SparsityError` with the reason when the model is not supported
     (:func:`native_step_reason`).
     """
@@ -189,13 +305,104 @@ class NativeDecoder:
             prep, addr = mod.backend.decode_call()
             self._keep.append(prep)
         else:  # float32 nn.Linear: the dense GEMV over its own weight (no copy: full mask, contiguous)
-            w = mod.weight.detach()
+            w = _transposed(mod) if _is_conv1d(mod) else mod.weight.detach()
             full = torch.ones((), dtype=torch.uint8).expand(w.shape)
             backend = get_backend("native_dense").from_dense(w, full)
             prep, addr = backend.decode_call()
-            self._keep += [backend, prep]
+            self._keep += [backend, prep, w]
         bias = mod.bias.detach() if mod.bias is not None else None
         return addr, _ptr(bias)
+
+    def _build(self, total: int, n: int = 0, old: list | None = None) -> None:
+        """The C structures for generations up to ``total`` tokens; ``old`` caches' first ``n`` positions are
+        copied into the new ones (a longer generation than the cache first allocated)."""
+        from .backends import _native
+
+        parts = _parts(self.model)
+        heads, kv, hd = parts.heads, parts.kv, parts.hd
+        if parts.rotary is not None:
+            pos_ids = torch.arange(total)[None]
+            cos, sin = parts.rotary(torch.zeros(1, dtype=torch.float32), position_ids=pos_ids)
+            self._rope = (cos[0].float().contiguous(), sin[0].float().contiguous())
+        else:
+            self._rope = (None, None)
+        layers = (_Layer * len(parts.blocks))()
+        caches = []
+        for i, blk in enumerate(parts.blocks):
+            kc = torch.zeros(kv, total, hd)
+            vc = torch.zeros(kv, total, hd)
+            if old is not None:
+                kc[:, :n] = old[2 * i][:, :n]
+                vc[:, :n] = old[2 * i + 1][:, :n]
+            caches += [kc, vc]
+            entry = layers[i]
+            for name, mod in blk["proj"].items():
+                addr, bias = self._call(mod)
+                setattr(entry, f"p_{name}", addr)
+                setattr(entry, f"b_{name}", bias)
+            (w1, b1), (w2, b2) = blk["norms"]
+            entry.norm1, entry.norm2 = _ptr(w1.detach()), _ptr(w2.detach())
+            entry.nbias1 = _ptr(b1 if b1 is None else b1.detach())
+            entry.nbias2 = _ptr(b2 if b2 is None else b2.detach())
+            entry.kc, entry.vc = kc.data_ptr(), vc.data_ptr()
+        head = self.model.get_output_embeddings()
+        head_addr, head_bias = self._call(head)
+        vocab = int(head.out_features)
+        self.logits = torch.empty(vocab)
+        fw, fb = parts.final
+        dec = _Decoder(
+            len(parts.blocks), parts.hidden, heads, kv, hd, parts.ffn, total, vocab, torch.get_num_threads(),
+            parts.eps, parts.scale, ctypes.addressof(layers), head_addr, head_bias, _ptr(fw.detach()),
+            parts.embed.detach().data_ptr(), _ptr(self._rope[0]), _ptr(self._rope[1]), None,
+            self.logits.data_ptr(), parts.arch, parts.act,
+            _ptr(parts.pos_embed if parts.pos_embed is None else parts.pos_embed.detach()),
+            _ptr(fb if fb is None else fb.detach()),
+        )  # fmt: skip
+        self._lib = _native.load()
+        self._work = torch.empty(int(self._lib.hfs_decode_work_floats(ctypes.byref(dec))))
+        dec.work = self._work.data_ptr()
+        self._dec, self._layers, self._caches, self.total = dec, layers, caches, total
+        self._embed_rows = int(parts.embed.shape[0])
+
+    @torch.inference_mode()
+    def start(self, input_ids: torch.Tensor, total: int) -> torch.Tensor:
+        """Run the prompt (``[1, n]`` ids) with room for ``total`` tokens; returns the last position's logits
+        (float32 ``[vocab]``, a buffer the next :meth:`step` overwrites). :meth:`step` grows the cache past
+        ``total`` when asked for a later position."""
+        from transformers import DynamicCache
+
+        cfg = self.model.config
+        n = int(input_ids.shape[1])
+        total = max(total, n + 1)
+        _refuse(_config_reason(cfg, total))  # the rest of native_step_reason holds since __init__
+        self._keep = []
+        self._build(total)
+        self.pos = n
+        if n > PROMPT_STEPS:  # the model's forward: batched products; its cache seeds ours
+            cache = DynamicCache(config=cfg)
+            out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+            for i in range(len(self._caches) // 2):
+                self._caches[2 * i][:, :n] = cache.layers[i].keys[0]
+                self._caches[2 * i + 1][:, :n] = cache.layers[i].values[0]
+            self.logits.copy_(out.logits[0, -1])
+            return self.logits
+        prompt = input_ids[0].to(torch.int64).contiguous()  # one token at a time; the LM head for the last
+        rows = self._embed_rows
+        if not 0 <= int(prompt.min()) <= int(prompt.max()) < rows:
+            raise SparsityError(f"Prompt token ids must lie in [0, {rows}): the model's embedding rows.")
+        self._lib.hfs_decode_prompt(ctypes.byref(self._dec), prompt.data_ptr(), n, 0)
+        return self.logits
+
+    def step(self, token: int) -> int:
+        """Decode ``token`` at the next position; the next token's greedy id (:attr:`logits` holds the
+        logits, float32 ``[vocab]``)."""
+        if self.pos >= self.total:
+            _refuse(_config_reason(self.model.config, 2 * self.total))
+            self._keep = []
+            self._build(2 * self.total, self.pos, self._caches)
+        best = int(self._lib.hfs_decode_step(ctypes.byref(self._dec), token, self.pos))
+        self.pos += 1
+        return best
 
     @torch.inference_mode()
     def generate(
@@ -206,78 +413,23 @@ class NativeDecoder:
         on_token: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Greedy decoding: ``[1, n]`` prompt ids -> ``[1, n + generated]``."""
-        from transformers import DynamicCache
-
-        from .backends import _native
-
-        model, cfg = self.model, self.model.config
-        base = model.model
-        n = int(input_ids.shape[1])
-        total = n + max_new_tokens
-        hd = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-        heads, kv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
-        _refuse(_window_reason(cfg, total))  # the rest of native_step_reason holds since __init__
-        self._keep = []
-        short = n <= PROMPT_STEPS  # through the native step, token by token; else the model's forward
-        if not short:  # batched products; its cache seeds ours
-            cache = DynamicCache(config=cfg)
-            out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
-            first = int(out.logits[0, -1].argmax())
-        pos_ids = torch.arange(total)[None]
-        cos, sin = base.rotary_emb(torch.zeros(1, dtype=torch.float32), position_ids=pos_ids)
-        cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
-        layers = (_Layer * len(base.layers))()
-        caches = []
-        for i, layer in enumerate(base.layers):
-            kc = torch.zeros(kv, total, hd)
-            vc = torch.zeros(kv, total, hd)
-            if not short:
-                kc[:, :n] = cache.layers[i].keys[0]
-                vc[:, :n] = cache.layers[i].values[0]
-            caches += [kc, vc]
-            entry = layers[i]
-            for name in _PROJ:
-                mod = getattr(layer.self_attn if name in _PROJ[:4] else layer.mlp, name)
-                addr, bias = self._call(mod)
-                setattr(entry, f"p_{name}", addr)
-                setattr(entry, f"b_{name}", bias)
-            entry.norm1 = layer.input_layernorm.weight.data_ptr()
-            entry.norm2 = layer.post_attention_layernorm.weight.data_ptr()
-            entry.kc, entry.vc = kc.data_ptr(), vc.data_ptr()
-        head = model.get_output_embeddings()
-        head_addr, head_bias = self._call(head)
-        vocab = int(head.out_features)
-        logits = torch.empty(vocab)
-        attn0 = base.layers[0].self_attn
-        dec = _Decoder(
-            len(base.layers), int(cfg.hidden_size), heads, kv, hd, int(cfg.intermediate_size), total, vocab,
-            torch.get_num_threads(),
-            float(base.layers[0].input_layernorm.variance_epsilon), float(attn0.scaling),
-            ctypes.addressof(layers), head_addr, head_bias, base.norm.weight.data_ptr(),
-            base.embed_tokens.weight.detach().data_ptr(), cos.data_ptr(), sin.data_ptr(), None,
-            logits.data_ptr(),
-        )  # fmt: skip
-        lib = _native.load()
-        work = torch.empty(int(lib.hfs_decode_work_floats(ctypes.byref(dec))))
-        dec.work = work.data_ptr()
-        if short:  # the LM head for its last token only
-            prompt = input_ids[0].to(torch.int64).contiguous()
-            rows = base.embed_tokens.weight.shape[0]
-            if not 0 <= int(prompt.min()) <= int(prompt.max()) < rows:
-                raise SparsityError(f"Prompt token ids must lie in [0, {rows}): the model's embedding rows.")
-            first = int(lib.hfs_decode_prompt(ctypes.byref(dec), prompt.data_ptr(), n, 0))
+        logits = self.start(input_ids, int(input_ids.shape[1]) + max_new_tokens)
+        first = int(logits.argmax())
         new = [first]
         if on_token is not None:
             on_token(first)
-        tok, pos = first, n
+        tok = first
         while tok not in eos and len(new) < max_new_tokens:
-            tok = int(lib.hfs_decode_step(ctypes.byref(dec), tok, pos))
-            pos += 1
+            tok = self.step(tok)
             new.append(tok)
             if on_token is not None:
                 on_token(tok)
-        del caches, layers
+        self.close()
         return torch.cat([input_ids, torch.tensor([new], dtype=input_ids.dtype)], dim=1)
+
+    def close(self) -> None:
+        """Drop the cache and the C structures (the model's tensors are untouched)."""
+        self._keep, self._caches, self._layers, self._dec = [], [], None, None
 
 
 @torch.inference_mode()
@@ -328,3 +480,174 @@ def greedy_decode(
             break
         out = model(input_ids=nxt, cache=cache, use_cache=True, logits_to_keep=1)
     return torch.cat([ids, *new], dim=1)
+
+
+# ------------------------------------------------------------------ model.generate(custom_generate=...)
+NATIVE_STEPS = ("auto", "native")
+"""``native_step=`` of :func:`native_generate`: ``auto`` (the native step where it runs this generation, else
+transformers' own loop and one logged line naming why), ``native`` (an error where it does not run)."""
+
+_CACHE_STEP = 256  # positions the native cache is allocated for beyond the prompt at first (it grows)
+
+logger = logging.getLogger(__name__)
+
+
+def _mode_name(generation_config) -> str:
+    return generation_config.get_generation_mode().name.lower().replace("_", " ")
+
+
+def generation_reason(model, input_ids: torch.Tensor, generation_config, model_kwargs: dict) -> str | None:
+    """Why :func:`native_generate` cannot run this ``generate`` call on the native step (``None``: it can)."""
+    from transformers.generation.configuration_utils import GenerationMode
+
+    mode = generation_config.get_generation_mode()
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        return f"{_mode_name(generation_config)} (the native step runs greedy decoding and sampling)"
+    if input_ids.ndim != 2 or input_ids.shape[0] != 1:
+        return f"a batch of {input_ids.shape[0]} sequences (the native step decodes one)"
+    if input_ids.shape[1] == 0 or model_kwargs.get("inputs_embeds") is not None:
+        return "inputs_embeds instead of token ids"
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and not bool((mask == 1).all()):
+        return "padding in the attention mask"
+    cache = model_kwargs.get("cache")
+    if cache is not None and hasattr(cache, "get_seq_length") and int(cache.get_seq_length()) > 0:
+        return "a cache passed in that already holds positions"
+    if generation_config.return_dict_in_generate and (
+        generation_config.output_attentions or generation_config.output_hidden_states
+    ):
+        return "output_attentions / output_hidden_states (scores and logits are returned)"
+    return native_step_reason(model, int(generation_config.max_length or 0) or None)
+
+
+def _caller_streamer():
+    """The ``streamer`` transformers' ``generate`` was called with: its callable ``custom_generate`` is not
+    handed the streamer (``generate`` gives it the prompt, then keeps it), so it is read from the caller's
+    frame."""
+    frame = sys._getframe(2)
+    for _ in range(3):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "generate" and "streamer" in frame.f_locals:
+            return frame.f_locals["streamer"]
+        frame = frame.f_back
+    return None
+
+
+@torch.no_grad()
+def native_generate(
+    model,
+    input_ids: torch.Tensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus: bool = False,
+    streamer=None,
+    native_step: str = "auto",
+    **model_kwargs,
+):
+    """The decoding loop of ``model.generate`` on the native step: pass it as ``custom_generate``.
+
+    ::
+
+        from hf_sparsity.decoding import native_generate
+        out = model.generate(**inputs, max_new_tokens=128, custom_generate=native_generate)
+        out = model.generate(**inputs, do_sample=True, temperature=0.7, top_p=0.9,
+                             custom_generate=native_generate)
+        pipe = pipeline("text-generation", model=model, tokenizer=tok)
+        pipe(prompt, custom_generate=native_generate)
+
+    ``generate`` prepares everything as usual (generation config, logits processors, stopping criteria,
+    ``max_new_tokens`` / ``eos_token_id``, the streamer's prompt) and hands the loop to this function, which
+    computes each token's logits with one native call (:class:`NativeDecoder`) and then runs transformers'
+    own logits processors, sampling (``torch.multinomial`` of the softmax) or argmax, stopping criteria and
+    streamer, as ``generate``'s sampling loop does. Greedy gives ``generate``'s tokens; sampled runs draw
+    from the same processed probabilities (up to float rounding). ``return_dict_in_generate`` returns the
+    sequences, and the scores / logits when asked for.
+
+    Where the native step does not run the call (:func:`generation_reason`: architecture, rope, dtype,
+    backend, training mode, beam search, a batch, padding, ...) ``generate``'s own loop runs and one line
+    is logged naming why; ``native_step="native"`` (a ``generate`` keyword) raises instead.
+    """
+    from transformers.generation.utils import GENERATION_MODES_MAPPING, GenerateDecoderOnlyOutput
+
+    if native_step not in NATIVE_STEPS:
+        raise SparsityError(f"native_step={native_step!r}: use one of {', '.join(NATIVE_STEPS)}.")
+    if streamer is None:
+        streamer = _caller_streamer()
+    reason = generation_reason(model, input_ids, generation_config, model_kwargs)
+    if synced_gpus:
+        reason = "synced_gpus"
+    if reason is not None:
+        if native_step == "native":
+            raise SparsityError(
+                f"The native decoding step does not run this generation: {reason}. Drop "
+                "native_step='native' (generate's own loop runs), or custom_generate altogether."
+            )
+        logger.warning("hf_sparsity: generate's own loop runs (not the native step): %s.", reason)
+        mode = generation_config.get_generation_mode()
+        method = GENERATION_MODES_MAPPING.get(mode)
+        if method not in ("_sample", "_beam_search"):
+            raise SparsityError(
+                f"{_mode_name(generation_config)} with custom_generate=native_generate: drop custom_generate."
+            )
+        extra = {"streamer": streamer} if method == "_sample" else {}
+        return getattr(type(model), method)(
+            model, input_ids, logits_processor, stopping_criteria, generation_config,
+            synced_gpus=synced_gpus, **extra, **model_kwargs,
+        )  # fmt: skip
+    want_dict = generation_config.return_dict_in_generate
+    keep_scores = want_dict and generation_config.output_scores
+    keep_logits = want_dict and generation_config.output_logits
+    scores, raw = [], []
+    do_sample = generation_config.do_sample
+    pad = generation_config._pad_token_tensor
+    has_eos = pad is not None and any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+    ids = input_ids
+    unfinished = torch.ones(1, dtype=torch.long, device=ids.device)
+    dec = NativeDecoder(model, check=False)
+    n = int(ids.shape[1])
+    limit = int(generation_config.max_length or n + _CACHE_STEP)
+    logits = dec.start(ids.cpu(), min(limit, n + _CACHE_STEP))
+    try:
+        while True:
+            step_logits = logits[None].clone()
+            step_scores = logits_processor(ids, step_logits)
+            if keep_logits:
+                raw.append(step_logits)
+            if keep_scores:
+                scores.append(step_scores)
+            if do_sample:
+                probs = nn.functional.softmax(step_scores, dim=-1)
+                nxt = torch.multinomial(probs, num_samples=1).squeeze(1)
+            else:
+                nxt = torch.argmax(step_scores, dim=-1)
+            if has_eos:  # as generate: a finished sequence's next token is the pad token
+                nxt = nxt * unfinished + pad * (1 - unfinished)
+            ids = torch.cat([ids, nxt[:, None].to(ids.dtype)], dim=-1)
+            if streamer is not None:
+                streamer.put(nxt.cpu())
+            unfinished = unfinished & ~stopping_criteria(ids, tuple(scores) if keep_scores else None)
+            if int(unfinished.max()) == 0:
+                break
+            dec.step(int(nxt))
+            logits = dec.logits
+    finally:
+        dec.close()
+    if streamer is not None:
+        streamer.end()
+    if want_dict:
+        return GenerateDecoderOnlyOutput(
+            sequences=ids,
+            scores=tuple(scores) if keep_scores else None,
+            logits=tuple(raw) if keep_logits else None,
+        )
+    return ids
+
+
+def native_generate_kwargs(native_step: str = "auto") -> dict:
+    """The keywords that make ``model.generate`` / a text-generation ``pipeline`` call decode on the
+    native step: ``model.generate(**inputs, **native_generate_kwargs())`` (:func:`native_generate`)."""
+    if native_step not in NATIVE_STEPS:
+        raise SparsityError(f"native_step={native_step!r}: use one of {', '.join(NATIVE_STEPS)}.")
+    return {"custom_generate": native_generate, "native_step": native_step}

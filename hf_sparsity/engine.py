@@ -217,7 +217,7 @@ class SparsityEngine:
     ) -> dict[str, str]:
         """Load masks from a checkpoint folder or mask file.
 
-        With ``reconcile`` (the seeds' resume semantics), a mask whose level differs from
+        With ``reconcile`` (the Cerebras Model Zoo's resume semantics), a mask whose level differs from
         the configured one is pruned (magnitude; previously masked stay masked) or
         regrown (random positions, starting from 0); targets the file lacks get fresh
         masks from the current weights; masks for parameters no longer targeted are

@@ -4,7 +4,7 @@
 
     model = AutoModelForCausalLM.from_pretrained(ckpt)        # ckpt holds sparsity_masks.safetensors
     sparsify_for_inference(model, backend="csr")              # swaps targeted nn.Linear / Conv1D
-    model.generate(**inputs)
+    model.generate(**inputs, custom_generate=native_generate) # hf_sparsity.decoding: the native step
     restore_dense(model)                                      # the original modules are back
 
 Where masks come from (``masks=``):
@@ -190,7 +190,10 @@ def sparsify_for_inference(
 
     Nothing is changed unless every layer converts: a bad mask file, dtype, device or
     structure raises a :class:`~hf_sparsity.utils.SparsityError` with the model untouched.
-    Returns the same model, modified in place. ``model.generate`` works as before.
+    Returns the same model, modified in place. ``model.generate`` works as before; batch-1 decoding
+    (greedy or sampled) runs one native call per token with
+    ``model.generate(**inputs, custom_generate=hf_sparsity.decoding.native_generate)`` (the same argument
+    for a text-generation ``pipeline``; :mod:`hf_sparsity.decoding`).
     """
     model_u = unwrap_model(model)
     klass = get_backend(backend)

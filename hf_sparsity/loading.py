@@ -15,7 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .modeling import CONTEXT_KEYS
+from .constants import SPARSITY_MASKS_NAME
+from .modeling import CONTEXT_KEYS, apply_masks
+from .storage.folders import check_weights_readable
+from .storage.masks_file import load_masks_for
 from .utils import SparsityError
 
 logger = logging.getLogger(__name__)
@@ -72,10 +75,6 @@ def load_model_folder(
     finalized folder has none: ``masks`` comes back ``None``). The model is in eval mode.
     """
     from transformers import AutoModelForCausalLM
-
-    from .constants import SPARSITY_MASKS_NAME
-    from .modeling import apply_masks
-    from .storage.masks_file import load_masks_for
 
     path = check_model_folder(path)
     if dtype is not None:
@@ -148,8 +147,6 @@ def check_model_folder(path: str | os.PathLike | None, flag: str = "MODEL", weig
             "Save the model with model.save_pretrained(DIR) or point at the checkpoint folder that has them."
         )
     if weights and any((p / f).is_file() for f in WEIGHT_FILES[:2]):
-        from .storage.folders import check_weights_readable
-
         check_weights_readable(p)  # a truncated file: inspect's one-line error, not a loader traceback
     return p
 

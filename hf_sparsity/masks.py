@@ -19,7 +19,7 @@ MASK_DTYPE = torch.uint8
 
 
 def num_zeros(level: float, numel: int) -> int:
-    """The seeds' rule: ``round(level * numel)`` zeros per tensor."""
+    """The Cerebras Model Zoo's rule: ``round(level * numel)`` zeros per tensor."""
     return int(round(level * numel))
 
 

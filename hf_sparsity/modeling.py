@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -107,6 +107,32 @@ def _no_zero3_init():
     except ImportError:
         return contextlib.nullcontext()
     return set_zero3_state()
+
+
+# Config sections that change the architecture a config builds -> the builder of that architecture.
+# Sparse-IFT registers its ``sparse_ift`` section (hf_sparsity.ift.models, imported with the package);
+# the layers below it (the FLOP counter's config-only path) build any registered architecture
+# without importing the layers above that define it.
+_ARCHITECTURES: dict[str, Callable[[Any], nn.Module]] = {}
+
+
+def register_architecture(section: str, build: Callable[[Any], nn.Module]) -> None:
+    """Build configs that carry a ``section`` with ``build(config)`` (one builder per section)."""
+    old = _ARCHITECTURES.get(section)
+    if old is not None and (old.__module__, old.__qualname__) != (build.__module__, build.__qualname__):
+        raise SparsityError(
+            f"Config section {section!r} already has a builder ({old.__module__}.{old.__qualname__}); "
+            "register each section once."
+        )
+    _ARCHITECTURES[section] = build
+
+
+def architecture_builder(config: Any) -> Callable[[Any], nn.Module] | None:
+    """The registered builder of the first architecture section ``config`` carries; None: the stock class."""
+    for section, build in _ARCHITECTURES.items():
+        if getattr(config, section, None):
+            return build
+    return None
 
 
 def meta_causal_lm(config: Any, build: Any = None) -> nn.Module:

@@ -20,7 +20,7 @@ Forms (keys of the ``sparsity`` section, see :class:`~hf_sparsity.config.Sparsit
         - {step: 300, densify: true}                 # masks removed
         - {step: 120, sparsity: 0.8, rewind_to: 20}  # a prune may rewind the LR schedule
 
-* **IMP** (seed ``001_*``: prune a fraction of the *remaining* weights per
+* **IMP** (Renda et al. 2020, arXiv:2003.02389: prune a fraction of the *remaining* weights per
   iteration, retrain, rewinding the LR schedule)::
 
       schedule: {type: imp, prune_fraction: 0.2, iterations: 8, dense_steps: 100, every: 40, rewind_to: 60}
@@ -173,7 +173,8 @@ def validate_schedule(schedule: Any) -> Any:
         if ("prune_fraction" in out) == ("final_sparsity" in out):
             raise SparsityError(
                 "An IMP schedule needs exactly one of `prune_fraction` (of the remaining weights per "
-                "iteration, 0.2-0.33 in the seeds) or `final_sparsity`."
+                "iteration; 0.2-0.33 in iterative pruning of GPT-3 1.3B after Renda et al. 2020, "
+                "arXiv:2003.02389) or `final_sparsity`."
             )
         if "prune_fraction" in out:
             out["prune_fraction"] = _frac(out["prune_fraction"], "schedule.prune_fraction")

@@ -7,11 +7,11 @@ what they all need lives here:
 * :func:`parse_args`: ``--key value`` for every default, ``--config FILE.yaml``;
   unknown keys refused with the list of known ones.
 * :func:`load_texts` / :func:`prepare_data`: the embedded default (no network, nothing
-  from ``../shared``), a local ``.txt`` / ``.jsonl`` file, or any HF dataset name.
+  from any data folder), a local ``.txt`` / ``.jsonl`` file, or any HF dataset name.
 * :class:`ScheduledData`: the training stream in a fixed, seeded order, cut into
-  segments: a new segment starts at each prune (the seeded reshuffle of seed
-  ``001_*``) and at each stage change (a later stage draws from a disjoint pool of
-  blocks, so it never repeats the earlier stage's data, seed ``004_*``). The order
+  segments: a new segment starts at each prune (the seeded reshuffle of
+  Cerebras' iterative pruning) and at each stage change (a later stage draws from a disjoint pool of
+  blocks, so it never repeats the earlier stage's data, as in Variable SPDF). The order
   is a pure function of the schedule and the seed, and Trainer walks it
   sequentially, so a resumed run sees exactly the samples an uninterrupted one does.
 * :func:`train_and_save`: what follows a recipe's own ``Trainer(...)``: resume from
@@ -252,7 +252,7 @@ class _Printer(TrainerCallback):
 
 def finalize(model_dir: str, out_dir: str) -> str:
     """Bake the masks into zeros (``hf_sparsity convert --finalize``): a vanilla checkpoint to fine-tune."""
-    from hf_sparsity.storage.finalize import finalize_checkpoint
+    from hf_sparsity.export.finalize import finalize_checkpoint
 
     if is_main_process() and not os.path.isdir(out_dir):
         finalize_checkpoint(model_dir, out_dir)
@@ -272,7 +272,7 @@ def load_model(path: str):
 def plot_stages(
     stages: list[StageResult], path: str, title: str, baseline: float | None = None
 ) -> str | None:
-    """Loss vs step across stages, events as vertical lines (the seeds' sawtooth), stage boundaries dashed."""
+    """Loss vs step across stages, events as vertical lines (the IMP sawtooth), stage boundaries dashed."""
     if not is_main_process():
         return None
     import matplotlib

@@ -16,7 +16,8 @@ from hf_sparsity.data import build_tokenizer, embedded_text, pack_tokens
 
 # ---------------------------------------------------------------------- data
 def data_to_text(num: int = 3000, seed: int = 1) -> list[str]:
-    """A second embedded task for fine-tuning: structured data -> sentence (a tiny DART, seed ``004_*``)."""
+    """A second embedded task for fine-tuning: structured data -> sentence (a tiny DART, as in Variable
+    SPDF, Gupta et al. 2023)."""
     from hf_sparsity import data as D
 
     rng = random.Random(seed)

@@ -1,4 +1,4 @@
-"""Iterative magnitude pruning (IMP) with learning-rate rewinding (seed ``001_*``).
+"""Iterative magnitude pruning (IMP) with learning-rate rewinding (Renda et al. 2020, arXiv:2003.02389).
 
 Train dense, then repeatedly: prune ``prune_fraction`` of the remaining weights of every
 projection / FFN tensor (lowest magnitude; pruned weights stay pruned), reshuffle the

@@ -4,7 +4,7 @@
     python recipes/prune_recover.py --method sparsegpt --sparsity 0.6 --distill_alpha 0.5
     python recipes/prune_recover.py --model models/smollm2/dense --dataset corpus.jsonl \\
         --dense_steps 0 --seqlen 512 --block_size 256 --recover_steps 200 \\
-        --wikitext2 ../shared/data/text/wikitext-2-raw/wiki.test.raw
+        --wikitext2 DATA_DIR/text/wikitext-2-raw/wiki.test.raw
     python recipes/prune_recover.py --config my.yaml      # overrides from YAML (keys below)
 
 Stages, each followed by an evaluation (perplexity on held-out blocks of the dataset, and

@@ -1,4 +1,4 @@
-"""Sparse-IFT: a dense model vs its iso-FLOP sparse transform, trained the same way (seed ``003_*``).
+"""Sparse-IFT: a dense model vs its iso-FLOP sparse transform, trained the same way (arXiv:2303.11525).
 
 The transform (``wide`` by default: every projection / FFN width times 1/sqrt(1 - s),
 rounded to what the heads allow; also ``parallel``, ``factorized``, ``doped``) keeps each

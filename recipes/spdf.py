@@ -1,4 +1,4 @@
-"""SPDF: Sparse Pre-training and Dense Fine-tuning (seed ``004_*``).
+"""SPDF: Sparse Pre-training and Dense Fine-tuning (Thangarasa et al. 2023, arXiv:2303.10464).
 
 1. **Sparse pre-training**: static unstructured sparsity (random masks, 75% by default) on
    every projection / FFN weight, enforced on every optimizer step.

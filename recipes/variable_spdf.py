@@ -1,22 +1,40 @@
-"""Variable SPDF: sparse pre-training stage 1, densify, dense stage 2, then dense fine-tuning (seed
-``004_*``).
+"""Variable SPDF: sparse pre-training stage 1, dense pre-training stage 2, then dense fine-tuning
+(Gupta, Salem, Thangarasa, Leong, Lie, Saxena, Cerebras 2023, the Variable SPDF write-up; it
+extends SPDF, Thangarasa et al. 2023, arXiv:2303.10464).
 
 Stage 1 trains at a high sparsity (90% by default) and stage 2 continues dense, the
 split chosen so the FLOP-weighted *effective* sparsity of pre-training hits a target
-(75% by default: 90% sparse for 5/6 of the steps). One ``Trainer`` run with a
-``densify`` event at the stage boundary (masks removed; previously masked weights start
-at 0), so the LR schedule and optimizer continue across it; stage 2 draws from a pool of
-blocks disjoint from stage 1's, so it never repeats stage 1's data. Then the model is
-finalized and fine-tuned dense on a second dataset, as in ``spdf.py``.
+(75% by default: 90% sparse for 5/6 of the steps). Stage 2 draws from a pool of blocks
+disjoint from stage 1's, so it never repeats stage 1's data. Two ways to run stage 2
+(``--stage2_schedule``):
+
+* ``restart`` (default, as published): stage 1 is a sparse pre-training run of its own
+  (warm-up and decay over its steps); its checkpoint is converted (finalized: masks become
+  exact zeros, a vanilla dense checkpoint, ``hf_sparsity convert --finalize``); stage 2 is a
+  dense pre-training run of its own from it, with its own warm-up
+  (``--stage2_warmup_steps``) and decay over its own steps and its own peak learning rate
+  (``--stage2_learning_rate``). The optimizer starts fresh in stage 2: the conversion yields
+  weights only (as the write-up's conversion utility does), stage 2 is a new run whose warm-up
+  is what keeps a fresh AdamW's first steps small, and the newly trainable weights have no
+  moments to carry anyway.
+* ``continue``: one ``Trainer`` run with a ``densify`` event at the stage boundary (masks
+  removed; previously masked weights start at 0), so one LR schedule and the optimizer
+  state run across it; stage 2 falls in that schedule's tail.
+
+Then the model is fine-tuned dense on a second dataset, as in ``spdf.py``.
 
     accelerate launch recipes/variable_spdf.py                       # embedded default, ~2-4 min on a CPU
     accelerate launch recipes/variable_spdf.py --output_dir runs/vspdf \
-        --stage1_sparsity 0.9 --effective_sparsity 0.75
+        --stage1_sparsity 0.9 --effective_sparsity 0.75 --stage2_learning_rate 3e-3
+    accelerate launch recipes/variable_spdf.py --stage2_schedule continue   # the single schedule
     accelerate launch --multi_gpu --num_processes 2 recipes/variable_spdf.py
 
-Prints the effective sparsity and the pre-training FLOPs saved vs dense. Writes
-``OUTPUT_DIR/pretrain/`` (checkpoints with masks, ``runs/`` TensorBoard logs),
-``pretrain_finalized/``, ``finetune/``, ``loss.png`` and ``results.json``.
+An interrupted run continues with ``--resume true`` (finished stages are skipped, the
+interrupted one resumes from its last checkpoint). Prints the effective sparsity and the
+pre-training FLOPs saved vs dense (both stages). Writes ``OUTPUT_DIR/stage1/`` (checkpoints
+with masks), ``stage1_finalized/``, ``stage2/`` (``continue``: ``pretrain/`` and
+``pretrain_finalized/`` instead), ``finetune/`` (each with ``runs/`` TensorBoard logs),
+``loss.png`` and ``results.json``.
 """
 
 import os
@@ -35,9 +53,12 @@ DEFAULTS = dict(
     # Variable SPDF
     stage1_sparsity=0.9,
     effective_sparsity=0.75,  # stage 1 lasts effective / stage1 of the pre-training steps
+    stage2_schedule="restart",  # restart: stage 2 its own run and LR schedule | continue: one schedule
+    stage2_learning_rate=3e-3,  # restart: stage 2's peak learning rate
+    stage2_warmup_steps=-1,  # restart: stage 2's warm-up (-1: a tenth of its steps, at least 1)
     init_method="random",
     sparsity_seed=1234,
-    pretrain_steps=250,
+    pretrain_steps=250,  # both stages
     finetune_steps=100,
     finetune_learning_rate=1e-3,
     finetune_dataset="embedded-d2t",
@@ -57,7 +78,7 @@ DEFAULTS = dict(
     # training
     batch_size=8,
     grad_accum=1,
-    learning_rate=3e-3,
+    learning_rate=3e-3,  # pre-training (restart: stage 1's peak)
     weight_decay=0.1,
     warmup_steps=20,
     lr_scheduler="cosine",
@@ -126,20 +147,49 @@ def train(
     return C.train_and_save(trainer, metrics_cb, resume=args.resume)
 
 
+def stage_steps(args) -> tuple[int, int]:
+    """Stage 1's and stage 2's steps; every bad setting refused in one line, before any training."""
+    if args.stage2_schedule not in ("restart", "continue"):
+        raise SystemExit(
+            f"--stage2_schedule {args.stage2_schedule!r}: use restart (as published) or continue."
+        )
+    if not 0 < args.stage1_sparsity < 1:
+        raise SystemExit(f"--stage1_sparsity {args.stage1_sparsity} is outside (0, 1); pass e.g. 0.9.")
+    if args.effective_sparsity <= 0:
+        raise SystemExit(
+            f"--effective_sparsity {args.effective_sparsity} must be above 0 (stage 1 would last no steps); "
+            "pass e.g. 0.75, or run recipes/spdf.py --sparsity 0 for dense pre-training."
+        )
+    if args.effective_sparsity > args.stage1_sparsity:
+        raise SystemExit(
+            f"--effective_sparsity {args.effective_sparsity} is above --stage1_sparsity "
+            f"{args.stage1_sparsity}: stage 2 is dense, so the effective level is below stage 1's; "
+            "lower it or raise --stage1_sparsity."
+        )
+    if args.stage2_learning_rate <= 0:
+        raise SystemExit(
+            f"--stage2_learning_rate {args.stage2_learning_rate} must be above 0; pass stage 2's peak "
+            "learning rate, e.g. 3e-3."
+        )
+    stage1 = round(args.pretrain_steps * args.effective_sparsity / args.stage1_sparsity)
+    if stage1 < 1:
+        raise SystemExit(
+            f"Stage 1 would last 0 of {args.pretrain_steps} pre-training steps; raise --pretrain_steps or "
+            "--effective_sparsity."
+        )
+    if stage1 >= args.pretrain_steps:
+        raise SystemExit(
+            f"Stage 2 would last 0 of {args.pretrain_steps} pre-training steps; raise --pretrain_steps or "
+            "lower --effective_sparsity below --stage1_sparsity."
+        )
+    return stage1, args.pretrain_steps - stage1
+
+
 def main(argv=None, callbacks=()):
     """Run the recipe; ``callbacks`` go to every Trainer too (tests inject a simulated preemption)."""
     # Long by design: a recipe's story, read top to bottom (nanoGPT's train.py style).
     args = C.parse_args(DEFAULTS, __doc__, argv)
-    if not 0 < args.effective_sparsity <= args.stage1_sparsity < 1:
-        raise SystemExit(
-            f"Need 0 < --effective_sparsity ({args.effective_sparsity}) <= --stage1_sparsity "
-            f"({args.stage1_sparsity}) < 1: stage 2 is dense, so the effective level is below stage 1's."
-        )
-    stage1 = round(args.pretrain_steps * args.effective_sparsity / args.stage1_sparsity)
-    if not 1 <= stage1 < args.pretrain_steps:
-        raise SystemExit(
-            f"Stage 1 would last {stage1} of {args.pretrain_steps} steps; change the levels or steps."
-        )
+    stage1, stage2 = stage_steps(args)
     C.prepare_output_dir(args)
     ft_texts = C.load_texts(args.finetune_dataset, args.text_column)
     tokenizer, train_blocks, eval_blocks = C.prepare_data(args, extra_texts=ft_texts)
@@ -147,32 +197,77 @@ def main(argv=None, callbacks=()):
 
     # Stage 1 and stage 2 draw from disjoint pools, sized by their share of the steps.
     cut = round(len(train_blocks) * stage1 / args.pretrain_steps)
-    pools = [(0, list(range(cut))), (stage1, list(range(cut, len(train_blocks))))]
-    data = C.stage_data(train_blocks, args, args.pretrain_steps, pools)
+    pool1, pool2 = list(range(cut)), list(range(cut, len(train_blocks)))
+    continue_ = args.stage2_schedule == "continue"
     sparsity = SparsityConfig(
         sparsity=args.stage1_sparsity,
         init_method=args.init_method,
         seed=args.sparsity_seed,
-        schedule=[{"step": stage1, "densify": True}],
+        schedule=[{"step": stage1, "densify": True}] if continue_ else None,
     )
     model = C.build_model(args, tokenizer)
-    sparsity_cb = SparsityCallback(sparsity, seq_len=args.block_size)
-    pre = train(
-        args,
-        "pretrain",
-        model,
-        tokenizer,
-        data,
-        eval_blocks,
-        args.pretrain_steps,
-        sparsity_cb,
-        [C.EvalAt([stage1 - 1, stage1]), *callbacks],
-    )
-    if pre.interrupted:
-        return None
-    s1 = set(data.order[: stage1 * len(data) // args.pretrain_steps])
-    s2 = set(data.order[stage1 * len(data) // args.pretrain_steps :])
-    start = C.finalize(pre.model_dir, os.path.join(args.output_dir, "pretrain_finalized"))
+    if continue_:
+        # One Trainer run, one LR schedule: a densify event at the stage boundary.
+        data = C.stage_data(train_blocks, args, args.pretrain_steps, [(0, pool1), (stage1, pool2)])
+        pre = train(
+            args,
+            "pretrain",
+            model,
+            tokenizer,
+            data,
+            eval_blocks,
+            args.pretrain_steps,
+            SparsityCallback(sparsity, seq_len=args.block_size),
+            [C.EvalAt([stage1 - 1, stage1]), *callbacks],
+        )
+        if pre.interrupted:
+            return None
+        n1 = stage1 * len(data) // args.pretrain_steps
+        seen = [data.order[:n1], data.order[n1:]]
+        stages = [pre]
+        start = C.finalize(pre.model_dir, os.path.join(args.output_dir, "pretrain_finalized"))
+    else:
+        # Stage 1: a sparse pre-training run of its own (warm-up and decay over its steps).
+        data1 = C.stage_data(train_blocks, args, stage1, [(0, pool1)])
+        s1 = train(
+            args,
+            "stage1",
+            model,
+            tokenizer,
+            data1,
+            eval_blocks,
+            stage1,
+            SparsityCallback(sparsity, seq_len=args.block_size),
+            callbacks,
+        )
+        if s1.interrupted:
+            return None
+        # Convert: masks -> exact zeros, a vanilla dense checkpoint (weights only: a fresh optimizer).
+        converted = C.finalize(s1.model_dir, os.path.join(args.output_dir, "stage1_finalized"))
+        # Stage 2: dense pre-training of its own, its own warm-up, decay and peak LR, unseen data.
+        data2 = C.stage_data(train_blocks, args, stage2, [(0, pool2)])
+        s2 = train(
+            args,
+            "stage2",
+            C.load_model(converted),
+            tokenizer,
+            data2,
+            eval_blocks,
+            stage2,
+            FlopCallback(args.block_size),
+            callbacks,
+            learning_rate=args.stage2_learning_rate,
+            warmup_steps=max(stage2 // 10, 1) if args.stage2_warmup_steps < 0 else args.stage2_warmup_steps,
+        )
+        if s2.interrupted:
+            return None
+        seen = [data1.order, data2.order]
+        stages = [s1, s2]
+        start = s2.model_dir
+    pre = stages[-1]
+    overlap = len(set(seen[0]) & set(seen[1]))
+
+    # Dense fine-tuning on the second dataset, from the dense pre-trained model.
     ft_data = C.stage_data(ft_train, args, args.finetune_steps, [(0, list(range(len(ft_train))))])
     ft = train(
         args,
@@ -190,42 +285,46 @@ def main(argv=None, callbacks=()):
     if ft.interrupted:
         return None
 
-    eff = pre.flops["effective_sparsity"]
-    saved = 1.0 - pre.flops["train_flops"] / pre.flops["dense_equivalent_flops"]
+    # FLOPs over both stages. The sparsifiable layers' dense FLOPs per token are the same in
+    # both, so the effective sparsity is the token-weighted mean of the stages' own (stage 2: 0).
+    fl = [st.flops for st in stages]
+    spent, dense = sum(f["train_flops"] for f in fl), sum(f["dense_equivalent_flops"] for f in fl)
+    eff = sum(f["effective_sparsity"] * f["tokens"] for f in fl) / sum(f["tokens"] for f in fl)
+    saved = 1.0 - spent / dense
     plot = C.plot_stages(
-        [pre, ft],
+        [*stages, ft],
         os.path.join(args.output_dir, "loss.png"),
-        f"Variable SPDF: {args.stage1_sparsity:.0%} sparse x{stage1} steps, densify, dense x"
-        f"{args.pretrain_steps - stage1} -> fine-tuning",
+        f"Variable SPDF ({args.stage2_schedule}): {args.stage1_sparsity:.0%} sparse x{stage1} steps, dense x"
+        f"{stage2} -> fine-tuning",
     )
     results = {
         "recipe": "variable_spdf",
         "args": vars(args),
-        "stages": [pre.to_dict(), ft.to_dict()],
+        "stage2_schedule": args.stage2_schedule,
+        "stages": [st.to_dict() for st in [*stages, ft]],
         "stage1_steps": stage1,
-        "stage2_steps": args.pretrain_steps - stage1,
-        "stage_data_overlap_blocks": len(s1 & s2),
+        "stage2_steps": stage2,
+        "stage_data_overlap_blocks": overlap,
+        "stage1_eval_loss": stages[0].final_eval_loss if len(stages) == 2 else None,
         "pretrain_eval_loss": pre.final_eval_loss,
         "finetune_eval_loss": ft.final_eval_loss,
         "effective_sparsity": eff,
-        "pretrain_flops": pre.flops["train_flops"],
-        "pretrain_dense_equivalent_flops": pre.flops["dense_equivalent_flops"],
+        "pretrain_flops": spent,
+        "pretrain_dense_equivalent_flops": dense,
         "pretrain_flops_saved_fraction": saved,
         "finetune_flops": ft.flops["train_flops"],
         "plot": plot,
     }
     C.write_results(os.path.join(args.output_dir, "results.json"), results)
     C.log(
-        f"\nVariable SPDF: stage 1 {args.stage1_sparsity:.0%} sparse for {stage1} steps, densify, stage 2 "
-        "dense for "
-        f"{args.pretrain_steps - stage1} steps (data overlap between stages: {len(s1 & s2)} blocks)\n"
-        f"  effective sparsity {eff:.1%}; pre-training FLOPs {C.fmt_flops(pre.flops['train_flops'])} vs "
-        "dense "
-        f"{C.fmt_flops(pre.flops['dense_equivalent_flops'])}: {saved:.1%} saved "
-        f"({pre.flops['flop_reduction']:.2f}x fewer)\n"
+        f"\nVariable SPDF ({args.stage2_schedule}): stage 1 {args.stage1_sparsity:.0%} sparse for {stage1} "
+        f"steps, stage 2 dense for {stage2} steps (data overlap between stages: {overlap} blocks)\n"
+        f"  effective sparsity {eff:.1%}; pre-training FLOPs {C.fmt_flops(spent)} vs dense "
+        f"{C.fmt_flops(dense)}: {saved:.1%} saved ({dense / spent:.2f}x fewer)\n"
         f"  pre-training validation loss {pre.final_eval_loss:.4f}; after dense fine-tuning on "
         f"{args.finetune_dataset} ({args.finetune_steps} steps): {ft.final_eval_loss:.4f}\n"
-        f"  wall {pre.wall_s + ft.wall_s:.0f}s; results: {args.output_dir}/results.json, plot: {plot}"
+        f"  wall {sum(st.wall_s for st in stages) + ft.wall_s:.0f}s; results: "
+        f"{args.output_dir}/results.json, plot: {plot}"
     )
     return results
 

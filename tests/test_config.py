@@ -1,4 +1,4 @@
-"""SparsityConfig: every input form of the seeds, round trips, and clear errors."""
+"""SparsityConfig: every input form of the Cerebras `sparsity:` section, round trips, and clear errors."""
 
 import json
 

@@ -173,11 +173,11 @@ def test_native_step_stops_at_eos_and_falls_back_where_it_does_not_apply():
     eos = int(free[0, ids.shape[1] + 2])
     got = greedy_decode(model, ids, 12, eos_token_id=eos, step="native")
     assert int(got[0, -1]) == eos and torch.equal(got, free[:, : got.shape[1]])
-    gpt2 = tiny_model("gpt2").eval()  # not a Llama-family model: auto takes the forward loop, native refuses
-    gpt2.generation_config.eos_token_id = None
-    assert torch.equal(greedy_decode(gpt2, ids, 8), _generate(gpt2, ids, 8))
-    with pytest.raises(SparsityError, match="model type 'gpt2'.*step='model'"):
-        greedy_decode(gpt2, ids, 8, step="native")
+    neox = tiny_model("gpt_neox").eval()  # an architecture it does not run: auto takes the forward loop
+    neox.generation_config.eos_token_id = None
+    assert torch.equal(greedy_decode(neox, ids, 8), _generate(neox, ids, 8))
+    with pytest.raises(SparsityError, match="model type 'gpt_neox'.*step='model'"):
+        greedy_decode(neox, ids, 8, step="native")
     with pytest.raises(SparsityError, match="step='fast'"):
         greedy_decode(model, ids, 8, step="fast")
 

@@ -273,7 +273,7 @@ BOOTSTRAP_STDERRS = {"perplexity_stderr"}
 def test_offline_harness_equals_lm_eval_cli(shared_data, tmp_path, model_dirs):
     """The in-process offline suite, on a sparse folder (masks beside dense weights, applied on load),
     gives exactly the numbers of lm-eval's own CLI on the finalized folder: every metric it reports."""
-    from hf_sparsity.storage.finalize import finalize_checkpoint
+    from hf_sparsity.export.finalize import finalize_checkpoint
 
     _, sparse = model_dirs
     final = tmp_path / "final"

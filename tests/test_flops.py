@@ -1,4 +1,4 @@
-"""FLOP and parameter accounting: the seeds' GPT-3 XL anchors, Chinchilla App. F term by term, masks, CLI,
+"""FLOP and parameter accounting: the published GPT-3 XL anchors, Chinchilla App. F term by term, masks, CLI,
 and the training-time FlopAccountant."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def xl_dense():
     return count_flops_from_config(GPT3_XL)
 
 
-# ---------------------------------------------------------------------- the seeds' anchors
+# ---------------------------------------------------------------------- the published anchors
 def test_gpt3_xl_838_inference_and_params(xl_dense):
     """Seed 001: 83.8% sparse GPT-3 XL has 3x fewer inference FLOPs and 4.3x fewer parameters."""
     sparse = count_flops_from_config(GPT3_XL, 0.838)

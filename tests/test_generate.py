@@ -98,3 +98,54 @@ def test_generate_compiled_streams_the_dense_tokens(folders, capsys):
     assert out.startswith(prompt) and want.strip() in out
     assert "compiled, compile + first run dense" in err and "bitmask" in err
     assert "stock dense (eager)" in err  # the uncompiled baseline is printed beside the compiled one
+
+
+@pytest.fixture
+def llama_folder(tmp_path, shared_data):
+    """A masked Llama-family folder (realistic random weights: norms away from 1, GQA)."""
+    from transformers import AutoModelForCausalLM, GPT2TokenizerFast, LlamaConfig
+
+    from hf_sparsity.config import SparsityConfig
+    from hf_sparsity.engine import SparsityEngine
+
+    tok = GPT2TokenizerFast.from_pretrained(shared_data / "tokenizer/gpt2")
+    cfg = LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, bos_token_id=0, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3) if p.ndim == 2 else p.uniform_(0.5, 1.5)
+    eng = SparsityEngine(model, SparsityConfig(sparsity=0.5, init_method="topk"))
+    eng.build_masks()
+    eng.apply()
+    folder = tmp_path / "llama"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    eng.save(folder)
+    return model, tok, folder
+
+
+def test_generate_runs_the_native_step_by_default_and_says_so(llama_folder, capsys):
+    """A Llama-family model on a native format: model.generate on the native step (the same text as
+    transformers' loop, which --loop generate keeps), the loop and the tok/s definition printed."""
+    from hf_sparsity.cli import main
+
+    model, tok, folder = llama_folder
+    prompt = "Sparse models are"
+    want = _dense_text(model, tok, prompt, 8)
+    argv = ["generate", str(folder), "--prompt", prompt, "--max-new-tokens", "8", "--backend", "bitmask"]
+    assert main([*argv, "--no-dense"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith(prompt) and want.strip() in out
+    assert "loop: the native step" in err and "after the first over their time" in err
+    assert main([*argv, "--no-dense", "--loop", "generate"]) == 0
+    out2, err2 = capsys.readouterr()
+    assert out2 == out and "loop: transformers' generate loop (--loop generate)" in err2
+    assert main([*argv, "--backend", "masked_dense", "--no-dense"]) == 0  # no native call: said why
+    out3, err3 = capsys.readouterr()
+    assert want.strip() in out3 and "the native step does not run this model" in err3
+    assert main([*argv, "--no-dense", "--loop", "generate", "--lean"]) == 2
+    assert "two decoding loops" in capsys.readouterr().err

@@ -222,11 +222,3 @@ def test_transformed_model_trains_with_the_callback(tmp_path):
         assert (model.get_parameter(name).detach()[mask == 0] == 0).all()
     low_rank = model.model.layers[0].mlp.up_proj.low_rank_b
     assert (low_rank != 0).any()  # the dense low-rank factor trained (it starts at 0)
-
-
-def test_folders_written_before_the_ift_package_still_import_their_code():
-    """``modeling_sparse_ift.py`` files written earlier import ``hf_sparsity.ift_models``."""
-    import hf_sparsity.ift as ift
-    import hf_sparsity.ift_models as old
-
-    assert old.apply_ift_section is ift.apply_ift_section and old.build_ift_model is ift.build_ift_model

@@ -9,8 +9,8 @@ import yaml
 
 from hf_sparsity import SparsityConfig, SparsityEngine, SparsityError
 from hf_sparsity.cli import main as cli_main
+from hf_sparsity.export.model_card import split_front_matter
 from hf_sparsity.storage.folders import inspect_checkpoint
-from hf_sparsity.storage.model_card import split_front_matter
 
 from .conftest import tiny_model
 
@@ -100,7 +100,7 @@ def test_no_model_card_and_bad_results_change_nothing(tmp_path):
     assert not (out / "README.md").exists()
     (tmp_path / "bad.json").write_text(json.dumps({"rows": []}))
     with pytest.raises(SparsityError, match="not an `hf_sparsity eval` results file"):
-        from hf_sparsity.storage.finalize import finalize_checkpoint
+        from hf_sparsity.export.finalize import finalize_checkpoint
 
         finalize_checkpoint(src, tmp_path / "final2", results=tmp_path / "bad.json")
     assert not (tmp_path / "final2").exists()
@@ -135,7 +135,7 @@ def test_invalid_hand_edited_section_is_refused_before_anything_is_written(tmp_p
     _edit_section(src, sparsity=7)
     out = tmp_path / "final"
     with pytest.raises(SparsityError) as err:
-        from hf_sparsity.storage.finalize import finalize_checkpoint
+        from hf_sparsity.export.finalize import finalize_checkpoint
 
         finalize_checkpoint(src, out)
     msg = str(err.value)

@@ -23,6 +23,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from .formats import _PackedBackend
+
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
@@ -50,8 +52,6 @@ def huge_buffer(nbytes: int) -> torch.Tensor:
 
 def _packed_backends(model: nn.Module) -> list:
     """The native packed backends of ``model``'s converted layers, in module order, each once."""
-    from .formats import _PackedBackend
-
     found, seen = [], set()
     for m in model.modules():
         b = getattr(m, "backend", None)

@@ -23,6 +23,7 @@ import torch
 from ..utils import SparsityError
 from . import _native, ops
 from .base import BackendCapabilities, SparseBackend
+from .formats import scratch_buffer
 from .registry import register_backend
 
 KERNELS = ("auto", "native", "torch")
@@ -183,8 +184,6 @@ class CSRBackend(SparseBackend):
             return self.to_dense()
         if torch.compiler.is_compiling():
             return torch.ops.hf_sparsity.csr_unpack(n.rowptr, n.idx, n.values, n.rows, n.cols_n)
-        from .formats import scratch_buffer
-
         return _native.csr_unpack_into(scratch_buffer(n.rows, n.cols_n), n.rowptr, n.idx, n.values)
 
     def to_dense(self) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """``emulator``: a reference model of a sparsity-accelerating dataflow machine.
 
-The machine (seed 000: a sparse GEMM is one AXPY per nonzero
-weight, and the hardware only does work for nonzero data):
+The machine (Cerebras 2022, "Harnessing the Power of Sparsity for Large GPT AI Models": a sparse
+GEMM is one AXPY per nonzero weight, and the hardware only does work for nonzero data):
 
 * Weights stream as compressed rows: per nonzero, its value and a 16-bit column
   index (32-bit when ``in_features > 65536``), plus one 32-bit length per row.

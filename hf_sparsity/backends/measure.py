@@ -11,7 +11,9 @@ from typing import Any
 
 import torch
 
+from . import _native
 from .arena import huge_buffer, pack_backends
+from .registry import get_backend
 
 
 def decode_tok_s(model, ids: torch.Tensor, new_tokens: int, **generate_kwargs: Any) -> float:
@@ -100,8 +102,6 @@ def kernel_read_gbs(
     machines), the fastest of ``repeats`` calls with ``threads``; ``None`` without the native kernels.
     The kernel prefetches its streams in software, which on some machines reads faster than
     :func:`read_bandwidth_gbs`'s sum: a bound on decoding speed takes the faster of the two."""
-    from . import _native, get_backend
-
     if _native.load() is None:
         return None
     key = f"{rows}x{cols}"

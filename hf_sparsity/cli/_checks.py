@@ -9,6 +9,8 @@ problem and the fix; the CLI prints it as ``error: ...`` and exits 2. They run b
 any model is loaded or any output is written, so a bad argument leaves nothing on disk.
 """
 
+# Lazy imports: a subcommand imports the library when it runs, so `--help` and the others start fast.
+
 from __future__ import annotations
 
 import os

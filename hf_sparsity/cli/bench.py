@@ -14,6 +14,8 @@ Whole-model decoding (tokens/s, dense vs backend, interleaved rounds, medians)::
 :mod:`hf_sparsity.tools.bench` (imported when the command runs).
 """
 
+# Lazy imports: a subcommand imports the library when it runs, so `--help` and the others start fast.
+
 from __future__ import annotations
 
 import contextlib

@@ -1,5 +1,7 @@
 """``hf_sparsity convert``: finalize a sparse checkpoint, or move to/from Cerebras NaN sentinels."""
 
+# Lazy imports: a subcommand imports the library when it runs, so `--help` and the others start fast.
+
 from __future__ import annotations
 
 
@@ -29,7 +31,7 @@ def convert_command_parser(subparsers):
 
 
 def convert_command(args) -> int:
-    from ..storage.finalize import finalize_checkpoint, from_sentinel, to_sentinel
+    from ..export.finalize import finalize_checkpoint, from_sentinel, to_sentinel
     from . import _checks
 
     _checks.model_dir(args.input, "IN")

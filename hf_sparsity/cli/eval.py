@@ -3,9 +3,11 @@
 Examples::
 
     hf_sparsity eval out/checkpoint-1000 --suite pile,wikitext103,harness7 \\
-        --data-dir ../shared/data --limit 200 --out results/ckpt1000
+        --data-dir DATA_DIR --limit 200 --out results/ckpt1000
     hf_sparsity eval --compare results/dense results/sparse50 --out results/compare
 """
+
+# Lazy imports: a subcommand imports the library when it runs, so `--help` and the others start fast.
 
 from __future__ import annotations
 
@@ -35,9 +37,9 @@ def eval_command_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--data-dir",
-        help="local data folder laid out like ../shared/data (tasks/, corpus/, text/wikitext-103/) or a "
-        "tasks "
-        "folder: lm-eval tasks run offline from it; without it they are lm-eval's stock (online) tasks",
+        help="local data folder with tasks/, corpus/, text/wikitext-103/, text/wikitext-2-raw/ (any of "
+        "them) or a tasks folder: lm-eval tasks run offline from it; without it they are lm-eval's "
+        "stock (online) tasks",
     )
     p.add_argument("--pile-data", nargs="+", help="Pile-format .jsonl/.jsonl.zst file(s), folder or glob")
     p.add_argument("--wikitext", help="WikiText-103 word-level file (wiki.test.tokens)")

@@ -11,6 +11,8 @@ Examples::
     hf_sparsity flops --config llama/config.json --sparsity 0.75 --seq-len 4096 --per-layer
 """
 
+# Lazy imports: a subcommand imports the library when it runs, so `--help` and the others start fast.
+
 from __future__ import annotations
 
 import argparse

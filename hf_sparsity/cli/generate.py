@@ -1,17 +1,29 @@
 """``hf_sparsity generate``: greedy generation on a sparse backend, streamed, with tokens/s against dense.
 
     hf_sparsity generate MODEL_DIR --prompt "The capital of France is"             # backend auto
+    hf_sparsity generate MODEL_DIR --prompt TEXT --loop generate    # transformers' own decoding loop
     hf_sparsity generate MODEL_DIR --prompt TEXT --backend bitmask --max-new-tokens 64
     hf_sparsity generate MODEL_DIR --prompt TEXT --masks zeros      # a finalized folder: its exact zeros
     hf_sparsity generate MODEL_DIR --prompt TEXT --compile          # torch.compile'd forward, static cache
     hf_sparsity generate MODEL_DIR --prompt TEXT --values int8      # int8 values, per-row scales
-    hf_sparsity generate MODEL_DIR --prompt TEXT --lean             # the lean greedy loop (same tokens)
+    hf_sparsity generate MODEL_DIR --prompt TEXT --lean             # greedy_decode's loop (same tokens)
 
 Masks: ``--masks`` (a mask file / folder, or ``zeros``); by default the folder's
 ``sparsity_masks.safetensors``, or, for a finalized folder without one, the exact zeros of
 the targeted weights (said on stderr). The dense model generates the same number of tokens
 first (not shown; ``--no-dense`` skips it), then the sparse one streams its tokens, and both
 speeds are printed.
+
+Decoding loop (``--loop``): by default (``auto``) ``model.generate`` with
+``custom_generate=hf_sparsity.decoding.native_generate``: one native call per token where the model allows it
+(Llama-family models on native formats, float32; the line printed at the end says which loop ran and, if
+not the native step, why), else transformers' own loop. ``--loop generate``: transformers' own loop (the
+model's forward per token); ``--loop lean`` (or ``--lean``): ``hf_sparsity.decoding.greedy_decode``.
+``--compile`` runs transformers' loop over the compiled forward.
+
+The tok/s printed is the decoding rate the benchmarks report (``benchmarks/decode.py``, llama.cpp's
+``eval time``): the new tokens after the first over the time from the first to the last (the prompt's
+processing excluded); the end-to-end rate (all new tokens over the whole call) is printed beside it.
 """
 
 from __future__ import annotations
@@ -48,36 +60,90 @@ def _load(model_dir: str, dtype: str | None, prompt: str, max_new_tokens: int):
     return model, tok, ids
 
 
-def _generate(model, ids, n: int, streamer=None, lean: bool = False, **kw) -> tuple[object, float]:
+LOOPS = ("auto", "generate", "lean")
+"""``--loop``: ``auto`` (model.generate on the native step where the model allows it), ``generate``
+(transformers' own loop), ``lean`` (greedy_decode)."""
+
+
+class _Stamps:
+    """A streamer that timestamps each new token and hands it on (the first ``put`` is the prompt)."""
+
+    def __init__(self, inner=None) -> None:
+        self.inner, self.stamps, self.prompt = inner, [], True
+
+    def put(self, value) -> None:
+        if self.prompt:
+            self.prompt = False
+        else:
+            self.stamps.append(time.perf_counter())
+        if self.inner is not None:
+            self.inner.put(value)
+
+    def end(self) -> None:
+        if self.inner is not None:
+            self.inner.end()
+
+
+def decode_rate(stamps: list[float]) -> float | None:
+    """Tokens/s after the first new token: the tokens after the first over their time (the prompt's
+    processing excluded), the quantity ``benchmarks/decode.py`` reports."""
+    if len(stamps) < 2 or stamps[-1] <= stamps[0]:
+        return None
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def _generate(model, ids, n: int, streamer=None, loop: str = "generate", **kw) -> tuple[object, float, float]:
+    """(output ids, decoding tok/s after the first token, end-to-end tok/s)."""
     import torch
 
-    if lean:  # greedy_decode: the native step or the forward loop (the same tokens as generate's greedy)
+    stamps = _Stamps(streamer)
+    if loop == "lean":  # greedy_decode: the native step or the forward loop (generate's greedy tokens)
         from ..decoding import greedy_decode
 
         t = time.perf_counter()
-        if streamer is not None:
-            streamer.put(ids)  # the prompt (skipped by the streamer)
-        put = (lambda tok: streamer.put(torch.tensor([tok]))) if streamer is not None else None
-        out = greedy_decode(model, ids, n, on_token=put)
+        stamps.put(ids)  # the prompt (skipped by the streamer)
+        out = greedy_decode(model, ids, n, on_token=lambda tok: stamps.put(torch.tensor([tok])))
         dt = time.perf_counter() - t
-        if streamer is not None:
-            streamer.end()
-        return out, (out.shape[1] - ids.shape[1]) / max(dt, 1e-9)
-    t = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=n,
-            do_sample=False,
-            streamer=streamer,
-            pad_token_id=getattr(model.generation_config, "pad_token_id", None)
-            or getattr(model.generation_config, "eos_token_id", None)
-            or 0,
-            **kw,
+        stamps.end()
+    else:
+        if loop == "native":
+            from ..decoding import native_generate
+
+            kw = {**kw, "custom_generate": native_generate}
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                do_sample=False,
+                streamer=stamps,
+                pad_token_id=getattr(model.generation_config, "pad_token_id", None)
+                or getattr(model.generation_config, "eos_token_id", None)
+                or 0,
+                **kw,
+            )
+        dt = time.perf_counter() - t
+    new = out.shape[1] - ids.shape[1]
+    e2e = new / max(dt, 1e-9)
+    return out, decode_rate(stamps.stamps) or e2e, e2e
+
+
+def _loop_for(model, loop: str, length: int) -> tuple[str, str]:
+    """(the loop ``_generate`` runs, the words saying so) for ``--loop``."""
+    from ..decoding import native_step_reason
+
+    if loop == "generate":
+        return "generate", "transformers' generate loop (--loop generate)"
+    if loop == "lean":
+        reason = native_step_reason(model, length)
+        return "lean", "greedy_decode: " + (
+            "the native step (one call per token)" if reason is None else f"the forward loop ({reason})"
         )
-    dt = time.perf_counter() - t
-    return out, (out.shape[1] - ids.shape[1]) / max(dt, 1e-9)
+    reason = native_step_reason(model, length)
+    if reason is None:
+        return "native", "the native step (model.generate, custom_generate=native_generate; a call per token)"
+    return "generate", f"transformers' generate loop (the native step does not run this model: {reason})"
 
 
 def generate_command(args) -> int:
@@ -89,9 +155,19 @@ def generate_command(args) -> int:
     from ..inference import auto_report, resident_weight_bytes, sparsify_for_inference
 
     _checks.generate_args(args)  # one-line errors for bad input before anything loads
+    loop = "lean" if args.lean else args.loop
+    if loop not in LOOPS:
+        raise SparsityError(f"--loop {loop!r}: use one of {', '.join(LOOPS)}.")
+    if args.lean and args.loop not in ("auto", "lean"):
+        raise SparsityError(f"--lean and --loop {args.loop} are two decoding loops; pick one.")
+    if args.compile and loop == "lean":
+        raise SparsityError("--lean and --compile are two decoding loops; pick one.")
+    if args.compile:
+        loop = "generate"  # the compiled forward runs in transformers' loop
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok, ids = _load(args.model_dir, args.dtype, args.prompt, args.max_new_tokens)
+    length = ids.shape[1] + args.max_new_tokens
     masks = args.masks
     if masks is None and not os.path.isfile(os.path.join(args.model_dir, SPARSITY_MASKS_NAME)):
         print(
@@ -105,7 +181,7 @@ def generate_command(args) -> int:
     kw, compile_s = {}, {}
     if args.compile and not args.no_dense:  # stock transformers (eager) too: what a user has today
         _generate(model, ids, 2)
-        _, stock_tok_s = _generate(model, ids, args.max_new_tokens)
+        _, stock_tok_s, _ = _generate(model, ids, args.max_new_tokens)
     if args.compile:
         from ..inference import compiled_generate_kwargs
 
@@ -113,10 +189,11 @@ def generate_command(args) -> int:
     # warm-up; compiled: the same lengths as the timed run (a new length compiles again)
     warm = args.max_new_tokens if args.compile else 2
     if not args.no_dense:
+        dense_loop, dense_said = _loop_for(model, loop, length)
         t = time.perf_counter()
-        _generate(model, ids, warm, lean=args.lean, **kw)
+        _generate(model, ids, warm, loop=dense_loop, **kw)
         compile_s["dense"] = time.perf_counter() - t
-        _, dense_tok_s = _generate(model, ids, args.max_new_tokens, lean=args.lean, **kw)
+        _, dense_tok_s, _ = _generate(model, ids, args.max_new_tokens, loop=dense_loop, **kw)
     t = time.perf_counter()
     values = {"values": args.values} if args.values else {}
     if args.activations:
@@ -129,28 +206,26 @@ def generate_command(args) -> int:
         from ..hooks import forget_compiled_forward
 
         forget_compiled_forward(model)  # the converted model is another graph
+    run_loop, said = _loop_for(model, loop, length)
     t = time.perf_counter()
-    _generate(model, ids, warm, lean=args.lean, **kw)
+    _generate(model, ids, warm, loop=run_loop, **kw)
     compile_s[args.backend] = time.perf_counter() - t
     print(args.prompt, end="", flush=True)
     streamer = TextStreamer(tok, skip_prompt=True)
-    _, tok_s = _generate(model, ids, args.max_new_tokens, streamer, lean=args.lean, **kw)
+    _, tok_s, e2e = _generate(model, ids, args.max_new_tokens, streamer, loop=run_loop, **kw)
     line = f"\n[{args.backend}: {tok_s:.2f} tok/s"
     if dense_tok_s:
         line += f", dense {dense_tok_s:.2f} tok/s ({tok_s / dense_tok_s:.2f}x)"
     if stock_tok_s:
         line += f", stock dense (eager) {stock_tok_s:.2f} tok/s ({tok_s / stock_tok_s:.2f}x)"
     line += (
-        f"; weights {resident_weight_bytes(model) / 2**20:.1f} MiB vs dense {dense_bytes / 2**20:.1f} MiB; "
-        f"conversion {convert_s:.1f} s; {torch.get_num_threads()} threads"
+        f" (tok/s: the new tokens after the first over their time, as benchmarks/decode.py; end to end "
+        f"{e2e:.2f}); weights {resident_weight_bytes(model) / 2**20:.1f} MiB vs dense "
+        f"{dense_bytes / 2**20:.1f} MiB; conversion {convert_s:.1f} s; {torch.get_num_threads()} threads; "
+        f"loop: {said}"
     )
-    if args.lean:
-        from ..decoding import native_step_reason
-
-        reason = native_step_reason(model, ids.shape[1] + args.max_new_tokens)
-        line += "; lean decoding: " + (
-            "the native step (one call per token)" if reason is None else f"the forward loop ({reason})"
-        )
+    if not args.no_dense and dense_said != said:
+        line += f" (dense: {dense_said})"
     if args.compile:
         line += "; compiled, compile + first run " + ", ".join(f"{k} {v:.0f} s" for k, v in compile_s.items())
     line += "]"
@@ -196,10 +271,18 @@ def generate_command_parser(subparsers):
         help="Compile the forward (static KV cache, inductor) for both runs; the first run of each compiles",
     )
     p.add_argument(
+        "--loop",
+        default="auto",
+        choices=LOOPS,
+        help="Decoding loop of both runs: auto (default; model.generate on the native step, one native call "
+        "per token, where the model allows it, else transformers' loop), generate (transformers' own loop "
+        "over the model's forward), lean (hf_sparsity.decoding.greedy_decode)",
+    )
+    p.add_argument(
         "--lean",
         action="store_true",
-        help="Both runs decode with hf_sparsity.decoding.greedy_decode: one native call per token for "
-        "Llama-family models on native formats, else the forward loop (the same tokens as generate)",
+        help="--loop lean: both runs decode with hf_sparsity.decoding.greedy_decode (the native step where "
+        "it applies, else its forward loop; the same tokens as generate)",
     )
     p.set_defaults(func=generate_command)
     return p

@@ -1,5 +1,7 @@
 """``hf_sparsity inspect DIR``: per-layer sparsity of a model folder."""
 
+# Lazy imports: a subcommand imports the library when it runs, so `--help` and the others start fast.
+
 from __future__ import annotations
 
 import json

@@ -3,12 +3,14 @@
 Examples::
 
     hf_sparsity prune models/dense out/wanda50 --method wanda --sparsity 0.5 \\
-        --calib-data ../shared/data/corpus/openwebtext-1000.jsonl --nsamples 32 --seqlen 512
+        --calib-data DATA_DIR/corpus/openwebtext-1000.jsonl --nsamples 32 --seqlen 512
     hf_sparsity prune models/dense out/sgpt24 --method sparsegpt --structure 2:4 --calib-data c4.jsonl \\
         --refit --reconstruct
 
 Every input is checked by the library (``prune_folder``); this module only parses.
 """
+
+# Lazy imports: a subcommand imports the library when it runs, so `--help` and the others start fast.
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """``hf_sparsity validate``: dry run of a sparsity config against a model, touching no weights."""
 
+# Lazy imports: a subcommand imports the library when it runs, so `--help` and the others start fast.
+
 from __future__ import annotations
 
 import json

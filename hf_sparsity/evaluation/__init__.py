@@ -1,4 +1,4 @@
-"""Evaluation of dense and sparse causal LMs: the metrics of the Cerebras sparsity seeds.
+"""Evaluation of dense and sparse causal LMs: the metrics of Cerebras' sparse GPT work.
 
 * :func:`pile_loss`: Pile-style validation loss (token-weighted cross-entropy over a
   Pile-format ``{"text", "meta"}`` jsonl / jsonl.zst corpus, non-overlapping windows).
@@ -15,6 +15,8 @@
 
 The command line is ``hf_sparsity eval`` (see ``hf_sparsity eval --help``).
 """
+
+# Lazy imports: EvalCallback imports transformers' Trainer machinery; it loads on first use.
 
 from .harness import HARNESS7, run_harness, write_offline_tasks
 from .models import apply_masks, load_model_for_eval, sparsity_summary

@@ -33,7 +33,7 @@ class EvalCallback(TrainerCallback):
 
     Example::
 
-        cb = EvalCallback("pile,lambada", data_dir="../shared/data", limit=50)
+        cb = EvalCallback("pile,lambada", data_dir="DATA_DIR", limit=50)
         trainer = Trainer(model=model, args=args, train_dataset=ds, eval_dataset=ev, callbacks=[cb])
         cb.bind(trainer)
 

@@ -7,7 +7,7 @@ version) is copied; only the data source is swapped to ``dataset_path: json`` wi
 absolute ``data_files``, and splits the folder lacks are set to ``null``. ``!function``
 references point at the stock Python modules inside ``lm_eval.tasks``, so the offline
 task runs the very same code. The folder layout is ``DIR/<task>/<split>.jsonl``, as in
-``../shared/data/tasks``.
+``DATA_DIR/tasks`` (``<task>/<split>.jsonl``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from ..utils import SparsityError, atomic_write_text
 logger = logging.getLogger(__name__)
 
 HARNESS7 = ("arc_easy", "arc_challenge", "hellaswag", "lambada_openai", "openbookqa", "piqa", "winogrande")
-"""The seven zero-shot tasks of Cerebras-GPT and the (Variable) SPDF seeds."""
+"""The seven zero-shot tasks of Cerebras-GPT (Dey et al. 2023, arXiv:2304.03208) and Variable SPDF."""
 
 # Where the stock YAML of each harness7 task lives inside lm_eval/tasks (saves indexing ~10k files).
 _STOCK_YAML = {
@@ -145,7 +145,7 @@ def offline_task_config(task: str, data_dir: str | os.PathLike) -> dict[str, Any
     if not files:
         raise SparsityError(
             f"No local data for task {task!r}: expected {Path(data_dir) / task}/<split>.jsonl "
-            "(a folder laid out like ../shared/data/tasks)."
+            "(a folder holding <task>/<split>.jsonl, or its parent)."
         )
     eval_split = cfg.get("test_split") or cfg.get("validation_split")
     if eval_split not in files:
@@ -233,8 +233,8 @@ def parse_results(raw: dict[str, Any], tasks: Sequence[str]) -> dict[str, dict[s
 def harness_averages(
     per_task: dict[str, dict[str, Any]], tasks: Sequence[str] = HARNESS7
 ) -> dict[str, float]:
-    """Mean ``acc`` over ``tasks`` (the seeds' "average accuracy") and mean ``acc_norm`` (``acc`` where
-    absent)."""
+    """Mean ``acc`` over ``tasks`` (the "average accuracy" of Dey et al. 2023, arXiv:2304.03208) and
+    mean ``acc_norm`` (``acc`` where absent)."""
     accs = [per_task[t]["acc"] for t in tasks if t in per_task and per_task[t].get("acc") is not None]
     norms = [
         per_task[t].get("acc_norm", per_task[t]["acc"])
@@ -259,7 +259,7 @@ def run_harness(
 ) -> dict[str, Any]:
     """Zero-shot lm-eval tasks on an in-memory HF model via ``lm_eval.simple_evaluate``.
 
-    With ``data_dir`` (a folder like ``../shared/data/tasks``, or its parent) the tasks
+    With ``data_dir`` (a folder holding ``<task>/<split>.jsonl``, or its parent) the tasks
     are generated offline (:func:`write_offline_tasks`, into ``tasks_out`` or a temp
     folder) and lm-eval's built-in tasks are not indexed; without, lm-eval's stock
     tasks are used (network). Returns ``{"tasks": per-task metrics, "tasks_dir": ...,

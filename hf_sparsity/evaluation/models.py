@@ -9,9 +9,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config import SparsityConfig
+from ..flops import count_flops
 from ..loading import load_model_folder, load_tokenizer, resolve_device
 from ..modeling import apply_masks, sparsity_table
 from ..storage.masks_file import load_masks_for
+from ..targeting import plan_sparsity
 
 __all__ = ["apply_masks", "load_masks_for", "load_model_for_eval", "sparsity_summary", "flops_summary"]
 
@@ -51,8 +54,6 @@ def sparsity_summary(
     total and nonzero parameters (tied weights once) and, when ``hf_sparsity.flops`` is
     available, inference FLOPs per token at ``seq_len`` (default: the model's context).
     """
-    from ..config import SparsityConfig
-    from ..targeting import plan_sparsity
 
     params = dict(model.named_parameters())
     if masks:
@@ -88,12 +89,8 @@ def flops_summary(
     """Inference FLOPs per token from :mod:`hf_sparsity.flops` (Chinchilla App. F, embeddings excluded).
 
     Returns ``{"flops": {...}}`` with the sparse and dense inference FLOPs per token and
-    their ratio, or ``{}`` when the FLOPs module is not available.
+    their ratio, or ``{}`` when the model cannot be counted.
     """
-    try:
-        from ..flops import count_flops
-    except ImportError:
-        return {}
     try:
         if masks:
             report = count_flops(model, masks=masks, seq_len=seq_len)

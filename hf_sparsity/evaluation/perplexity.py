@@ -406,7 +406,7 @@ def wikitext103_perplexity(
         if not p.is_file():
             raise SparsityError(
                 f"No WikiText-103 file at {str(p)!r}. Pass the word-level wiki.test.tokens file "
-                "(the one with <unk> and @-@), e.g. ../shared/data/text/wikitext-103/wiki.test.tokens."
+                "(the one with <unk> and @-@), e.g. DATA_DIR/text/wikitext-103/wiki.test.tokens."
             )
         text = p.read_bytes().decode("utf-8")
     if limit is not None:

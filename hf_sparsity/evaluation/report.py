@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..utils import SparsityError, atomic_path, atomic_write_text
+from .harness import HARNESS7
 
 RESULTS_NAME = "results.json"
 MARKDOWN_NAME = "results.md"
@@ -57,8 +58,6 @@ def metric_rows(flat: dict[str, float]) -> list[tuple[str, str, bool]]:
     tasks = sorted(
         {k.split("/")[0] for k in flat} - {"pile", "wikitext103", "wikitext2", "lambada", "harness7"}
     )
-    from .harness import HARNESS7
-
     tasks = [t for t in HARNESS7 if t in tasks] + [t for t in tasks if t not in HARNESS7]
     for t in tasks:
         for metric in ("acc", "acc_norm", "perplexity"):

@@ -22,7 +22,7 @@ from ..loading import (
     resolve_dtype,
 )
 from ..utils import SparsityError, library_version
-from .harness import HARNESS7, run_harness
+from .harness import HARNESS7, find_stock_yaml, harness_averages, resolve_tasks_dir, run_harness
 from .models import load_model_for_eval, sparsity_summary
 from .perplexity import pile_loss, wikitext103_perplexity
 from .wikitext2 import DEFAULT_WIKITEXT2, wikitext2_perplexity
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 SUITES = ("pile", "lambada", "wikitext103", "wikitext2", "harness7")
 """Named suites; any other name is taken as an lm-eval task name."""
 
-DEFAULT_PILE = "corpus"  # under a data root such as ../shared/data
+DEFAULT_PILE = "corpus"  # under the data folder (--data-dir)
 DEFAULT_WIKITEXT = "text/wikitext-103/wiki.test.tokens"
 
 
@@ -117,7 +117,7 @@ def check_inputs(
             check_tokenizer_source(str(model), None if tokenizer is None else str(tokenizer))
     if data_dir and not os.path.isdir(data_dir):
         raise SparsityError(
-            f"--data-dir {str(data_dir)!r} does not exist. Give a folder laid out like shared/data."
+            f"--data-dir {str(data_dir)!r} does not exist. Give a folder with tasks/, corpus/ or text/."
         )
     spec = suites if isinstance(suites, str) else ",".join(suites)
     if model is not None:
@@ -156,8 +156,6 @@ def _check_limit(spec: str | None) -> None:
 def check_suites(spec: str, data_dir: str | None = None) -> None:
     """Every name in ``--suite`` is a named suite, a harness7 task, or a task the data folder (or lm-eval)
     has."""
-    from .harness import HARNESS7, resolve_tasks_dir
-
     known = set(SUITES) | set(HARNESS7)
     unknown = [s for s in parse_suites(spec) if s not in known]
     if not unknown:
@@ -172,7 +170,6 @@ def check_suites(spec: str, data_dir: str | None = None) -> None:
                 f"tasks in {str(tasks_dir)!r}: {', '.join(local) or 'none'}."
             )
         return
-    from .harness import find_stock_yaml
 
     for s in unknown:
         try:
@@ -198,7 +195,7 @@ def check_offline_tasks(spec: str, data_dir: str | None) -> None:
     if tasks and not data_dir and offline:
         raise SparsityError(
             f"{', '.join(tasks)} would download their data, but HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set: "
-            "pass --data-dir DIR with local task data (laid out like shared/data/tasks)."
+            "pass --data-dir DIR with local task data (tasks/<task>/<split>.jsonl)."
         )
 
 
@@ -266,7 +263,7 @@ def evaluate(
         model: a model folder (its ``sparsity_masks.safetensors`` is applied when present)
             or an in-memory causal LM (scored as is; pass ``tokenizer``).
         suites: ``pile``, ``lambada``, ``wikitext103``, ``wikitext2``, ``harness7``, or lm-eval task names.
-        data_dir: a folder laid out like ``../shared/data`` (``tasks/``, ``corpus/``,
+        data_dir: a local data folder (``tasks/``, ``corpus/``,
             ``text/wikitext-103/``) or a tasks folder alone; makes lm-eval tasks offline.
         pile_data: Pile-format jsonl(.zst) file(s)/folder/glob; default ``DATA_DIR/corpus``.
         wikitext_file: ``wiki.test.tokens``; default under ``DATA_DIR``.
@@ -382,8 +379,6 @@ def evaluate(
             lam = out["tasks"]["lambada_openai"]
             metrics["lambada"] = {k: lam.get(k) for k in ("acc", "acc_stderr", "perplexity", "samples")}
         if "harness7" in suites:
-            from .harness import harness_averages
-
             metrics["harness7"] = harness_averages(out["tasks"])
     results["wall_time_s"]["total"] = round(time.time() - t_start, 2)
     return results

@@ -1,9 +1,9 @@
 """FLOPs and parameter accounting for dense and sparse causal LMs.
 
-FLOPs follow Chinchilla (Hoffmann et al. 2022) Appendix F, as the seeds do
-(``001_*`` footnote 1): embedding FLOPs excluded, attention logits, softmax and
-the attention-weighted reduction included, final logits included, biases, norms
-and non-linearities ignored; the backward pass costs twice the forward pass, so
+FLOPs follow Chinchilla (Hoffmann et al. 2022, arXiv:2203.15556) Appendix F, as Cerebras' sparse
+GPT results do ("Creating Sparse GPT-3 Models with Iterative Pruning", 2022, footnote 1): embedding
+FLOPs excluded, attention logits, softmax and the attention-weighted reduction included, final
+logits included, biases, norms and non-linearities ignored; the backward pass costs twice the forward pass, so
 training is 3x forward. Each linear layer is scaled by its own density
 (``1 - sparsity``): a sparse GEMM is one multiply-add per nonzero weight, and the
 backward pass (input and weight gradients) skips the same positions.

@@ -34,8 +34,8 @@ class FlopAccountant:
     * ``dense_training_flops``: the same tokens trained fully dense;
     * ``effective_sparsity``: the FLOP-weighted average level of the sparsifiable
       layers, ``1 - spent / dense`` over those layers only. This is the "effective
-      75%" of Variable SPDF (seed ``004_*``): 90% sparse for 5/6 of the tokens and
-      dense for the rest gives 0.75;
+      75%" of Variable SPDF (Gupta et al. 2023, after SPDF, arXiv:2303.10464): 90% sparse for 5/6
+      of the tokens and dense for the rest gives 0.75;
     * ``flop_reduction``: ``dense_training_flops / training_flops`` for the whole model
       (attention and logits included, so it stays below ``1 / (1 - effective)``).
 
@@ -61,7 +61,7 @@ class FlopAccountant:
                 self._linear[t.name] = self._linear.get(t.name, 0.0) + t.dense_flops_per_token
             elif t.kind in ("attention", "logits"):
                 self._fixed += t.dense_forward_flops_per_token(self.seq_len)
-            # embeddings: excluded from FLOPs, as in the seeds
+            # embeddings: excluded from FLOPs, as in Cerebras' sparse GPT FLOP counts
         self._dense_forward = self._fixed + sum(self._linear.values())
         self._ignored: set[str] = set()
         self.targets: set[str] = self._known(targets or ())

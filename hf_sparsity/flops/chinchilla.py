@@ -20,7 +20,7 @@ def chinchilla_forward_flops(
     """Chinchilla Appendix F, term by term, forward FLOPs per sequence (a GPT-style block, 2-matrix MLP).
 
     ``sparsity`` scales the projection and feed-forward terms (QKV, attention output,
-    both MLP matrices), as in the seeds; attention logits, softmax and final logits
+    both MLP matrices), as in Cerebras' sparse GPT FLOP counts; attention logits, softmax and final logits
     stay dense. This closed form is the reference the module-based count is tested against.
     """
     key_size = key_size or d_model // num_heads

@@ -11,8 +11,7 @@ from torch import nn
 
 from ..config import SparsityConfig, get_sparsity_config
 from ..constants import CONFIG_NAME, SPARSITY_MASKS_NAME
-from ..ift.models import build_ift_model
-from ..modeling import meta_causal_lm
+from ..modeling import architecture_builder, meta_causal_lm
 from ..storage.masks_file import mask_levels
 from ..utils import SparsityError
 from .counting import (
@@ -58,12 +57,11 @@ def load_config(source: Any):
 def build_meta_model(config: Any) -> nn.Module:
     """Instantiate the causal LM of ``config`` (a config, folder or dict) on the ``meta`` device.
 
-    A Sparse-IFT config (one with a ``sparse_ift`` section) builds its transformed architecture.
+    A config with an architecture section registered in :mod:`hf_sparsity.modeling` builds that
+    architecture (a Sparse-IFT config, with its ``sparse_ift`` section, its transformed layers).
     """
     config = load_config(config)
-    if getattr(config, "sparse_ift", None):
-        return meta_causal_lm(config, build_ift_model)
-    return meta_causal_lm(config)
+    return meta_causal_lm(config, architecture_builder(config))
 
 
 def mask_levels_from_file(path: str | os.PathLike) -> dict[str, float]:

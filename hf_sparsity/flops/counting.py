@@ -60,7 +60,7 @@ def _levels_from_masks(masks: Mapping[str, torch.Tensor]) -> dict[str, tuple[int
 
 
 def _zeros(level: float, numel: int) -> int:
-    return int(round(level * numel))  # the seeds' per-tensor rule (masks.num_zeros)
+    return int(round(level * numel))  # the per-tensor rule of the Cerebras Model Zoo (masks.num_zeros)
 
 
 def count_flops(
@@ -146,8 +146,8 @@ def count_flops(
             wname = param_names.get(id(w), prefix + "weight")
             zeros, level = level_of(wname)
             n = 0 if id(w) in seen else v * d
-            # Chinchilla's embedding term (2*V*d per token) belongs to token embeddings only; the seeds
-            # exclude it from the totals, so it is informational.
+            # Chinchilla's embedding term (2*V*d per token) belongs to token embeddings only; Cerebras'
+            # FLOP counts exclude it from the totals, so it is informational.
             emb_flops = 2.0 * v * d if mod is in_emb else 0.0
             layers.append(LayerFlops(wname, "embedding", (v, d), n, max(n - zeros, 0), level, emb_flops))
             seen.add(id(w))

@@ -36,7 +36,7 @@ class LayerFlops:
         if self.kind == "attention":
             return self.dense_flops_per_token * seq_len
         if self.kind == "embedding":
-            return 0.0  # excluded, as in the seeds
+            return 0.0  # excluded, as in Cerebras' sparse GPT FLOP counts
         return self.dense_flops_per_token * (1.0 - self.sparsity)
 
     def dense_forward_flops_per_token(self, seq_len: int) -> float:

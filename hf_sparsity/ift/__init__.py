@@ -6,8 +6,10 @@
   :func:`build_ift_model`.
 * :mod:`~hf_sparsity.ift.result`: :class:`IFTResult`, per-layer and whole-model FLOPs, saving.
 
-``models`` is a leaf (:mod:`hf_sparsity.flops` builds Sparse-IFT architectures with it);
-``transform`` and ``result`` count FLOPs, so they are loaded on first use.
+The whole package sits above :mod:`hf_sparsity.flops`, which never imports it: ``models``
+registers the ``sparse_ift`` architecture with :func:`hf_sparsity.modeling.register_architecture`
+(the package root imports this package, so the registration is always in place), and the FLOP
+counter's config-only path builds whatever a config's registered section describes.
 """
 
 from .models import (
@@ -20,21 +22,8 @@ from .models import (
     apply_ift_section,
     build_ift_model,
 )
-
-
-def __getattr__(name: str):
-    # result and transform sit above hf_sparsity.flops, which imports .models (FLOPs of a Sparse-IFT
-    # config): loaded on first use, so importing the layers never imports flops.
-    if name in ("IFTLayer", "IFTResult"):
-        from . import result
-
-        return getattr(result, name)
-    if name in ("read_ift_config", "sparse_ift", "wide_width"):
-        from . import transform
-
-        return getattr(transform, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+from .result import IFTLayer, IFTResult
+from .transform import read_ift_config, sparse_ift, wide_width
 
 __all__ = [
     "IFT_SECTION",

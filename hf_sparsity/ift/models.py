@@ -2,7 +2,7 @@
 
 Each layer replaces one dense ``d_in -> d_out`` projection (an ``nn.Linear`` or a
 GPT-2 ``Conv1D``) and is trained sparse so its FLOPs match the dense original
-(seed ``003_*``; Thangarasa et al., "Sparse-IFT", 2023):
+(Thangarasa et al. 2023, "Sparse-IFT", arXiv:2303.11525):
 
 * :class:`ParallelLinear` (Sparse-Parallel): ``k`` sparse branches of the same
   shape, outputs summed;
@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..modeling import linear_dims as _dims
+from ..modeling import register_architecture
 from ..utils import SparsityError
 
 TRANSFORMS = ("wide", "parallel", "factorized", "doped")
@@ -197,6 +198,9 @@ def build_ift_model(config: Any) -> nn.Module:
     if section:
         apply_ift_section(model, section)
     return model
+
+
+register_architecture(IFT_SECTION, build_ift_model)
 
 
 MODELING_TEMPLATE = '''"""Sparse-IFT ({transform}) {base}: written by `hf_sparsity ift`;

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..config import SparsityConfig, get_sparsity_config
 from ..flops import FlopReport
+from ..modeling import meta_causal_lm
 from ..utils import atomic_dir
 from .models import (
     MODULE_TRANSFORMS,
@@ -24,8 +25,6 @@ _BLOCK_RE = re.compile(r"\.\d+\.")
 
 
 def _causal_lm_class(config: Any) -> str:
-    from ..modeling import meta_causal_lm
-
     return type(meta_causal_lm(config)).__name__
 
 

@@ -1,6 +1,6 @@
 """Sparse-IFT: transform a model config so each projection / FFN layer is iso-FLOP at a sparsity.
 
-Seed ``003_*`` (Thangarasa et al., "Sparse-IFT", 2023). Given a sparsity ``s``,
+Thangarasa et al. 2023, "Sparse-IFT", arXiv:2303.11525. Given a sparsity ``s``,
 every layer the default targeting rule picks (Q/K/V, attention output and MLP
 matrices of every block) is made larger and sparse so that its FLOPs stay those
 of the dense original:

@@ -29,6 +29,7 @@ from torch import nn
 
 from ..checks import LORA_MODES, check_lora_mode
 from ..utils import SparsityError
+from .masked import apply_masked_mode
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +125,6 @@ class PeftBaseView:
         """Called by the engine whenever its masks change: (re)install masked mode if the config asks."""
         self.peft_model._hf_sparsity = {"masks": engine.masks, "config": engine.config, "engine": engine}
         if getattr(engine.config, "lora", None) == "masked":
-            from .masked import apply_masked_mode
-
             apply_masked_mode(self, engine.masks)
 
 

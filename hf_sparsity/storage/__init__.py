@@ -6,9 +6,10 @@
   the check that a mask file belongs to the weights beside it.
 * :mod:`~hf_sparsity.storage.resume`: which Trainer ``checkpoint-N`` folder is complete and
   resumable.
-* :mod:`~hf_sparsity.storage.finalize`: conversions: finalize (masks baked into zeros), Cerebras
-  NaN sentinels.
-* :mod:`~hf_sparsity.storage.model_card`: the Hub card of a finalized folder.
+
+Storage sits on the ground floor: it imports nothing above it. Finalize and the model card, which
+present what the layers above made, live in :mod:`hf_sparsity.export` (their old paths here still
+import, with a warning).
 
 Nothing is imported here: import the module you need (``from hf_sparsity.storage.masks_file
 import load_masks``); the public entry points are also on the package root.

@@ -1435,7 +1435,7 @@ int hfs_set_openmp(int on) {
 #endif
   return g_use_omp;
 }
-int hfs_version(void) { return 10; }
+int hfs_version(void) { return 11; }
 int hfs_simd(void) { return HFS_SIMD; }
 /* 0 scalar, 1 AVX2 + FMA, 2 AVX-512 (the bitmask expand and CSR gather paths) */
 int hfs_isa(void) {
@@ -1449,19 +1449,23 @@ int hfs_isa(void) {
    ones too (VBMI2's byte expand); 0: they run on the dequantized activations */
 int hfs_vnni(void) { return HFS_VNNI + HFS_VNNI_EXPAND; }
 
-/* ---- One decoded token of a Llama-family model in one call (hf_sparsity/decoding.py, NativeDecoder) -------
+/* ---- One decoded token of a Llama-family or GPT-2 model in one call (hf_sparsity/decoding.py, NativeDecoder) --
    Each projection is a prepared batch-1 call of any native format (bitmask, 2:4, CSR, dense GEMV; fp32,
    bf16 or int8 values); everything between them runs here: RMSNorm, the rotary embedding (rotate-half
    convention, cos / sin tables computed by the model's own rotary module), the attention of one query over
    the key / value cache (grouped heads), the SiLU-gated MLP, the residuals, the final norm, the LM head and
    the argmax. One ctypes call per token replaces transformers' ~2000 small torch operations. Float32
    throughout, in transformers' order of operations up to the order of sums (the products' and the attention's
-   dot products sum in vector lanes; RMSNorm's and the softmax's sums accumulate in double). */
+   dot products sum in vector lanes; RMSNorm's and the softmax's sums accumulate in double).
+   GPT-2 (arch 1): learned positions added to the embedding, LayerNorm with a bias, one fused q / k / v
+   product (`q` alone; its output is q, k, v side by side), no rotary embedding, a GELU MLP (`up` = c_fc,
+   `down` = c_proj; no `gate`), biases everywhere; the last logits stay in `logits` for sampling. */
 typedef struct {
   const prepared_t *q, *k, *v, *o, *gate, *up, *down;
   const float *bq, *bk, *bv, *bo, *bgate, *bup, *bdown;
   const float *norm1, *norm2;
-  float *kc, *vc; /* [kv_heads, max_len, head_dim] */
+  float *kc, *vc;               /* [kv_heads, max_len, head_dim] */
+  const float *nbias1, *nbias2; /* LayerNorm biases (GPT-2) */
 } hfs_layer_t;
 
 typedef struct {
@@ -1476,6 +1480,10 @@ typedef struct {
   const float* sin;
   float* work;   /* hfs_decode_work_floats() floats */
   float* logits; /* [vocab] */
+  int64_t arch;  /* 0: Llama family (RMSNorm, rotary, SiLU-gated MLP); 1: GPT-2 (see above) */
+  int64_t act;   /* GPT-2's MLP activation: 0 GELU with the tanh approximation, 1 GELU (erf) */
+  const float* pos_embed;       /* [positions, hidden] (GPT-2) */
+  const float* final_norm_bias; /* (GPT-2) */
 } hfs_decoder_t;
 
 int64_t hfs_decode_work_floats(const hfs_decoder_t* d) {
@@ -1590,6 +1598,36 @@ __attribute__((optimize("fp-contract=off"))) static void rms_norm(const float* x
   for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
 }
 
+/* LayerNorm (GPT-2): mean and variance in double, then (x - mean) * rstd * w + b in float */
+__attribute__((optimize("fp-contract=off"))) static void layer_norm(const float* x, const float* w, const float* b,
+                                                                    float* out, int64_t n, double eps) {
+  double s = 0.0, ss = 0.0;
+  for (int64_t i = 0; i < n; i++) s += (double)x[i];
+  const double mean = s / (double)n;
+  for (int64_t i = 0; i < n; i++) ss += ((double)x[i] - mean) * ((double)x[i] - mean);
+  const float m = (float)mean, r = (float)(1.0 / sqrt(ss / (double)n + eps));
+  for (int64_t i = 0; i < n; i++) out[i] = (x[i] - m) * r * w[i] + b[i];
+}
+
+static void norm(const float* x, const float* w, const float* b, float* out, int64_t n, double eps) {
+  if (b)
+    layer_norm(x, w, b, out, n, eps);
+  else
+    rms_norm(x, w, out, n, eps);
+}
+
+/* GELU in place: act 0 the tanh approximation (transformers' gelu_new / gelu_pytorch_tanh), 1 erf */
+static void gelu(float* g, int64_t n, int64_t act) {
+  if (act == 1) {
+    for (int64_t i = 0; i < n; i++) g[i] = 0.5f * g[i] * (1.0f + erff(g[i] * 0.70710678118654752f));
+    return;
+  }
+  for (int64_t i = 0; i < n; i++) {
+    const float v = g[i];
+    g[i] = 0.5f * v * (1.0f + tanhf(0.79788456080286536f * (v + 0.044715f * v * v * v)));
+  }
+}
+
 __attribute__((optimize("fp-contract=off"))) static void rope(float* t, int64_t nheads, int64_t hd,
                                                               const float* cs, const float* sn) {
   const int64_t half = hd / 2;
@@ -1609,19 +1647,25 @@ static void decode_layers(const hfs_decoder_t* d, int64_t token, int64_t pos) {
   float *x = d->work, *h = x + D, *o = h + D, *att = o + D, *q = att + H * hd, *k = q + H * hd, *v = k + G * hd;
   float *g = v + G * hd, *u = g + F, *sc = u + F;
   memcpy(x, d->embed + token * D, (size_t)D * sizeof(float));
-  const float *cs = d->cos + pos * hd, *sn = d->sin + pos * hd;
+  if (d->pos_embed)
+    for (int64_t i = 0; i < D; i++) x[i] += d->pos_embed[pos * D + i];
+  const float *cs = d->cos ? d->cos + pos * hd : NULL, *sn = d->sin ? d->sin + pos * hd : NULL;
   const int64_t rep = H / G;
   for (int64_t l = 0; l < d->nlayers; l++) {
     const hfs_layer_t* L = d->layers + l;
-    rms_norm(x, L->norm1, h, D, d->eps);
-    {
+    norm(x, L->norm1, L->nbias1, h, D, d->eps);
+    if (!L->k) { /* one fused product: q, k, v side by side (GPT-2's c_attn) */
+      hfs_run_prepared(L->q, h, q, L->bq);
+    } else {
       const prepared_t* ps[3] = {L->q, L->k, L->v};
       float* ys[3] = {q, k, v};
       const float* bs[3] = {L->bq, L->bk, L->bv};
       hfs_run_fused(ps, 3, h, ys, bs);
     }
-    rope(q, H, hd, cs, sn);
-    rope(k, G, hd, cs, sn);
+    if (cs) {
+      rope(q, H, hd, cs, sn);
+      rope(k, G, hd, cs, sn);
+    }
     for (int64_t j = 0; j < G; j++) {
       memcpy(L->kc + (j * T + pos) * hd, k + j * hd, (size_t)hd * sizeof(float));
       memcpy(L->vc + (j * T + pos) * hd, v + j * hd, (size_t)hd * sizeof(float));
@@ -1634,14 +1678,17 @@ static void decode_layers(const hfs_decoder_t* d, int64_t token, int64_t pos) {
     }
     hfs_run_prepared(L->o, att, o, L->bo);
     for (int64_t i = 0; i < D; i++) x[i] += o[i];
-    rms_norm(x, L->norm2, h, D, d->eps);
-    {
+    norm(x, L->norm2, L->nbias2, h, D, d->eps);
+    if (!L->gate) { /* GPT-2: c_fc, GELU */
+      hfs_run_prepared(L->up, h, g, L->bup);
+      gelu(g, F, d->act);
+    } else {
       const prepared_t* ps[2] = {L->gate, L->up};
       float* ys[2] = {g, u};
       const float* bs[2] = {L->bgate, L->bup};
       hfs_run_fused(ps, 2, h, ys, bs);
+      silu_mul(g, u, F);
     }
-    silu_mul(g, u, F);
     hfs_run_prepared(L->down, g, o, L->bdown);
     for (int64_t i = 0; i < D; i++) x[i] += o[i];
   }
@@ -1650,7 +1697,7 @@ static void decode_layers(const hfs_decoder_t* d, int64_t token, int64_t pos) {
 /* The final norm, the LM head and the argmax of the hidden state decode_layers left */
 static int64_t decode_head(const hfs_decoder_t* d) {
   float *x = d->work, *h = x + d->hidden;
-  rms_norm(x, d->final_norm, h, d->hidden, d->eps);
+  norm(x, d->final_norm, d->final_norm_bias, h, d->hidden, d->eps);
   hfs_run_prepared(d->head, h, d->logits, d->head_bias);
   int64_t best = 0;
   for (int64_t i = 1; i < d->vocab; i++)

@@ -1,0 +1,322 @@
+"""``model.generate(custom_generate=native_generate)`` and the text-generation pipeline on the native step:
+generate's greedy tokens, sampling from the same processed probabilities, streamers, stopping criteria, and
+generate's own loop (with one line saying why) where the native step does not run the call."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from hf_sparsity.config import SparsityConfig
+from hf_sparsity.decoding import native_generate, native_generate_kwargs
+from hf_sparsity.engine import SparsityEngine
+from hf_sparsity.inference import sparsify_for_inference
+from hf_sparsity.utils import SparsityError
+
+from .conftest import tiny_model
+
+LAYOUTS = {  # hidden, heads, kv heads, head_dim (None: hidden / heads)
+    "gqa": (32, 4, 2, None),
+    "mqa-wide-heads": (64, 4, 1, 16),
+    "mha-hd32": (64, 2, 2, 32),
+}
+
+
+def _model(arch: str = "llama", layout: str = "gqa", vocab: int = 128, **kw):
+    """A tiny Llama-family model with realistic random weights: norms away from 1, large attention logits."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+    hidden, heads, kv, hd = LAYOUTS[layout]
+    klass = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[arch]
+    extra = {"sliding_window": None} if arch == "mistral" else {}
+    cfg = klass(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden + 8, num_hidden_layers=2,
+        num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd or hidden // heads,
+        max_position_embeddings=512, bos_token_id=0, eos_token_id=1, pad_token_id=1, **extra, **kw,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.3)
+            elif "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:  # biases (Qwen2's q / k / v)
+                p.normal_(0, 0.1)
+    return model
+
+
+GPT2_LAYOUTS = {"h4-hd16": (64, 4), "h2-hd32": (64, 2), "h8-hd4": (32, 8)}  # hidden, heads
+
+
+def _gpt2(layout: str = "h4-hd16", act: str = "gelu_new", vocab: int = 128):
+    """A tiny GPT-2 with realistic random weights: LayerNorm weights away from 1, random biases."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    hidden, heads = GPT2_LAYOUTS[layout]
+    cfg = GPT2Config(
+        n_layer=2, n_embd=hidden, n_head=heads, n_positions=256, vocab_size=vocab, bos_token_id=0,
+        eos_token_id=1, pad_token_id=1, activation_function=act,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.3)
+            elif ".ln_" in name and name.endswith("weight"):
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 0.1)
+    return model
+
+
+def _sparse(model, backend: str = "bitmask", **options):
+    eng = SparsityEngine(model, SparsityConfig(sparsity=0.5, init_method="topk"))
+    eng.build_masks()
+    eng.apply()
+    sparsify_for_inference(model, backend, masks=eng.masks, **options)
+    return model
+
+
+def _ids(n: int, seed: int = 0, vocab: int = 128) -> torch.Tensor:
+    return torch.randint(2, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+SAMPLING = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9, repetition_penalty=1.3)
+
+
+@pytest.mark.parametrize("backend", [None, "bitmask"])
+@pytest.mark.parametrize(
+    "arch,layout", [("llama", "gqa"), ("mistral", "mqa-wide-heads"), ("qwen2", "mha-hd32")]
+)
+def test_greedy_is_token_identical_to_generate(arch, layout, backend):
+    model = _model(arch, layout)
+    if backend:
+        _sparse(model, backend)
+    model.generation_config.eos_token_id = None
+    for seed, n in enumerate((5, 21)):  # the prompt token by token, and through the model's forward
+        ids = _ids(n, seed)
+        want = model.generate(ids, max_new_tokens=30, do_sample=False)
+        got = model.generate(ids, max_new_tokens=30, do_sample=False, custom_generate=native_generate)
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "backend,options",
+    [(None, {}), ("bitmask", {}), ("csr", {}), ("bitmask", {"values": "int8"}), ("native_dense", {})],
+)
+@pytest.mark.parametrize("layout,act", [("h4-hd16", "gelu_new"), ("h2-hd32", "gelu"), ("h8-hd4", "gelu_new")])
+def test_gpt2_greedy_is_token_identical_to_generate(layout, act, backend, options):
+    """GPT-2 on the native step (learned positions, LayerNorm with a bias, fused Conv1D q / k / v, GELU,
+    biases): plain Conv1D layers and every native format give generate's greedy tokens (int8 values:
+    the forward loop's, on the same kernels)."""
+    from hf_sparsity.decoding import greedy_decode, native_step_reason
+
+    model = _gpt2(layout, act)
+    if backend:
+        _sparse(model, backend, **options)
+    assert native_step_reason(model) is None
+    model.generation_config.eos_token_id = None
+    for seed, n in enumerate((4, 19)):  # the prompt token by token, and through the model's forward
+        ids = _ids(n, seed)
+        want = model.generate(ids, max_new_tokens=40, do_sample=False)
+        got = model.generate(ids, max_new_tokens=40, do_sample=False, custom_generate=native_generate)
+        assert torch.equal(got, want)
+        assert torch.equal(greedy_decode(model, ids, 40, step="native"), want)
+
+
+def test_gpt2_plain_conv1d_weights_are_transposed_once_and_follow_changes():
+    from hf_sparsity.decoding import greedy_decode
+
+    model = _gpt2()
+    model.generation_config.eos_token_id = None
+    ids = _ids(5, 8)
+    assert torch.equal(greedy_decode(model, ids, 10, step="native"), model.generate(ids, max_new_tokens=10))
+    with torch.no_grad():  # a changed weight: the native step sees the change
+        model.transformer.h[0].mlp.c_fc.weight.mul_(-1.5)
+    assert torch.equal(greedy_decode(model, ids, 10, step="native"), model.generate(ids, max_new_tokens=10))
+
+
+def test_greedy_stops_at_eos_and_pads_like_generate():
+    model = _model()
+    ids = _ids(6, 1)
+    free = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    eos = int(free[0, ids.shape[1] + 3])  # the 4th new token ends the sequence
+    want = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=eos, pad_token_id=1)
+    got = model.generate(
+        ids, max_new_tokens=12, do_sample=False, eos_token_id=eos, pad_token_id=1, **native_generate_kwargs()
+    )
+    assert int(got[0, -1]) == eos and got.shape[1] == ids.shape[1] + 4 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("arch,layout", [("llama", "gqa"), ("qwen2", "mqa-wide-heads"), ("gpt2", "h4-hd16")])
+def test_sampling_draws_from_generates_processed_probabilities(arch, layout):
+    """At every step of a sampled run (temperature, top-k, top-p, repetition penalty) the processed
+    probabilities equal those transformers' own loop computes for the same prefix, within float rounding;
+    every drawn token has positive probability there."""
+    model = _sparse(_gpt2(layout) if arch == "gpt2" else _model(arch, layout))
+    model.generation_config.eos_token_id = None
+    ids = _ids(7, 2)
+    torch.manual_seed(0)
+    out = model.generate(
+        ids, max_new_tokens=16, **SAMPLING, custom_generate=native_generate, native_step="native",
+        return_dict_in_generate=True, output_scores=True, output_logits=True,
+    )  # fmt: skip
+    seq = out.sequences
+    assert seq.shape[1] == ids.shape[1] + 16 and len(out.scores) == 16 == len(out.logits)
+    for t in range(16):
+        prefix = seq[:, : ids.shape[1] + t]
+        ref = model.generate(
+            prefix, max_new_tokens=1, **SAMPLING, return_dict_in_generate=True, output_scores=True,
+            output_logits=True,
+        )  # fmt: skip
+        torch.testing.assert_close(out.logits[t], ref.logits[0], rtol=1e-4, atol=1e-4)
+        p_ref = torch.softmax(ref.scores[0].double(), -1)
+        p_got = torch.softmax(out.scores[t].double(), -1)
+        torch.testing.assert_close(p_got, p_ref, rtol=0, atol=1e-5)
+        assert p_ref[0, int(seq[0, ids.shape[1] + t])] > 0
+
+
+def test_sampling_with_the_same_seed_draws_generates_tokens():
+    model = _model()
+    model.generation_config.eos_token_id = None
+    ids = _ids(5, 3)
+    torch.manual_seed(7)
+    want = model.generate(ids, max_new_tokens=20, **SAMPLING)
+    torch.manual_seed(7)
+    got = model.generate(ids, max_new_tokens=20, **SAMPLING, custom_generate=native_generate)
+    assert torch.equal(got, want)
+
+
+def test_streamer_and_stopping_criteria_see_what_generate_gives_them():
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Record:
+        def __init__(self):
+            self.calls = []
+
+        def put(self, x):
+            self.calls.append(x.tolist())
+
+        def end(self):
+            self.calls.append("end")
+
+    class StopAfter(StoppingCriteria):  # stops once the sequence reaches `n` tokens
+        def __init__(self, n):
+            self.n = n
+
+        def __call__(self, input_ids, scores, **kw):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.n, dtype=torch.bool)
+
+    model = _model()
+    model.generation_config.eos_token_id = None
+    ids = _ids(4, 4)
+    runs = []
+    for extra in ({}, {"custom_generate": native_generate}):
+        rec = Record()
+        out = model.generate(
+            ids, max_new_tokens=20, do_sample=False, streamer=rec,
+            stopping_criteria=StoppingCriteriaList([StopAfter(ids.shape[1] + 7)]), **extra,
+        )  # fmt: skip
+        runs.append((out, rec.calls))
+    assert runs[0][0].shape[1] == ids.shape[1] + 7
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]
+    assert runs[1][1][0] == ids.tolist() and runs[1][1][-1] == "end" and len(runs[1][1]) == 9
+
+
+def test_long_generations_grow_the_native_cache(monkeypatch):
+    from hf_sparsity import decoding
+
+    monkeypatch.setattr(decoding, "_CACHE_STEP", 8)  # the cache is reallocated several times
+    model = _sparse(_model("llama", "mqa-wide-heads"))
+    model.generation_config.eos_token_id = None
+    ids = _ids(5, 5)
+    want = model.generate(ids, max_new_tokens=60, do_sample=False)
+    got = model.generate(ids, max_new_tokens=60, do_sample=False, custom_generate=native_generate)
+    assert torch.equal(got, want)
+
+
+def test_pipeline_forwards_it(shared_data):
+    from transformers import GPT2TokenizerFast, pipeline
+
+    tok = GPT2TokenizerFast.from_pretrained(shared_data / "tokenizer/gpt2")
+    model = _sparse(_model(vocab=len(tok)))
+    model.generation_config.eos_token_id = None
+    pipe = pipeline("text-generation", model=model, tokenizer=tok)
+    want = pipe("Sparse models are", max_new_tokens=10, do_sample=False)
+    fast = native_generate_kwargs("native")
+    assert pipe("Sparse models are", max_new_tokens=10, do_sample=False, **fast) == want
+    fast = pipeline("text-generation", model=model, tokenizer=tok, custom_generate=native_generate)
+    assert fast("Sparse models are", max_new_tokens=10, do_sample=False) == want
+
+
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("beam", "beam search"),
+        ("batch", "batch of 2"),
+        ("padding", "padding"),
+        ("gpt_neox", "model type 'gpt_neox'"),
+        ("bf16", "float32"),
+        ("masked_dense", "no native batch-1 call"),
+        ("train", "training mode"),
+        ("dynamic_rope", "dynamic rotary"),
+    ],
+)
+def test_what_the_native_step_does_not_run_takes_generates_loop(case, match, caplog):
+    """The standard loop runs (the same output as without custom_generate) and one line names why;
+    native_step='native' raises a one-line error naming the reason and the alternative."""
+    model = _model()
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=1)
+    ids = _ids(5, 6)
+    if case == "beam":
+        kw["num_beams"] = 2
+    elif case == "batch":
+        ids = torch.cat([ids, _ids(5, 7)])
+    elif case == "padding":
+        kw["attention_mask"] = torch.tensor([[0, 1, 1, 1, 1]])
+    elif case == "gpt_neox":
+        model = tiny_model("gpt_neox").eval()
+    elif case == "bf16":
+        model = model.to(torch.bfloat16)
+    elif case == "masked_dense":
+        _sparse(model, "masked_dense")
+    elif case == "train":
+        model.train()
+    elif case == "dynamic_rope":
+        model.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    model.generation_config.eos_token_id = None
+    want = model.generate(ids, **kw)  # (training mode: dropout is 0, the same tokens)
+    with caplog.at_level(logging.WARNING, logger="hf_sparsity.decoding"):
+        got = model.generate(ids, **kw, custom_generate=native_generate)
+    assert torch.equal(got, want)
+    lines = [r.getMessage() for r in caplog.records if r.name == "hf_sparsity.decoding"]
+    assert len(lines) == 1 and match in lines[0] and "\n" not in lines[0]
+    with pytest.raises(SparsityError, match=match) as err:
+        model.generate(ids, **kw, custom_generate=native_generate, native_step="native")
+    assert "\n" not in str(err.value) and "custom_generate" in str(err.value)
+
+
+def test_gpt2_reasons():
+    from hf_sparsity.decoding import native_step_reason
+
+    gpt2 = tiny_model("gpt2").eval()  # 64 learned positions
+    assert native_step_reason(gpt2, 64) is None
+    assert "beyond its 64 positions" in native_step_reason(gpt2, 65)
+    gpt2.config.activation_function = "relu"
+    assert "activation 'relu'" in native_step_reason(gpt2)
+    gpt2.config.activation_function = "gelu_new"
+    gpt2.config.scale_attn_by_inverse_layer_idx = True
+    assert "scale_attn_by_inverse_layer_idx" in native_step_reason(gpt2)
+
+
+def test_bad_native_step_value():
+    with pytest.raises(SparsityError, match="native_step='fast'"):
+        native_generate_kwargs("fast")
+    model = _model()
+    with pytest.raises(SparsityError, match="native_step='fast'"):
+        model.generate(_ids(3), max_new_tokens=2, custom_generate=native_generate, native_step="fast")
