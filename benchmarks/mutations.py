@@ -224,8 +224,8 @@ MUTATIONS = (
         (
             (
                 "hf_sparsity/decoding.py",
-                "entry.norm2 = layer.post_attention_layernorm.weight.data_ptr()",
-                "entry.norm2 = layer.input_layernorm.weight.data_ptr()",
+                "entry.norm1, entry.norm2 = _ptr(w1.detach()), _ptr(w2.detach())",
+                "entry.norm1, entry.norm2 = _ptr(w1.detach()), _ptr(w1.detach())",
             ),
         ),
         (
@@ -284,8 +284,8 @@ MUTATIONS = (
         (
             (
                 "hf_sparsity/decoding.py",
-                "if not _f32(base.embed_tokens.weight.detach()) or not _f32(base.norm.weight):",
-                "if not _f32(base.embed_tokens.weight.detach()):",
+                "for t in (parts.embed, parts.pos_embed, *parts.final)):",
+                "for t in (parts.embed, parts.pos_embed)):",
             ),
         ),
         (
@@ -299,8 +299,8 @@ MUTATIONS = (
         (
             (
                 "hf_sparsity/backends/csrc/hfs_kernels.c",
-                "rms_norm(x, d->final_norm, h, d->hidden, d->eps);",
-                "rms_norm(x, d->layers[0].norm1, h, d->hidden, d->eps);",
+                "norm(x, d->final_norm, d->final_norm_bias, h, d->hidden, d->eps);",
+                "norm(x, d->layers[0].norm1, d->final_norm_bias, h, d->hidden, d->eps);",
             ),
         ),
         (
