@@ -148,9 +148,9 @@ MUTATIONS = (
         "OWL's outlier ratios use |W| without the activation norms",
         (
             (
-                "hf_sparsity/pruning/oneshot.py",
-                "M.wanda_score(_linear_view(model.get_parameter(d.name), d), stats[d.name])",
-                "_linear_view(model.get_parameter(d.name), d).abs()",
+                "hf_sparsity/pruning/levels.py",
+                "wanda_score(linear_view(model.get_parameter(d.name), d), stats[d.name])",
+                "linear_view(model.get_parameter(d.name), d).abs()",
             ),
         ),
         PRUNING_TESTS,
@@ -224,8 +224,8 @@ MUTATIONS = (
         (
             (
                 "hf_sparsity/decoding.py",
-                "entry.norm1, entry.norm2 = _ptr(w1.detach()), _ptr(w2.detach())",
-                "entry.norm1, entry.norm2 = _ptr(w1.detach()), _ptr(w1.detach())",
+                "(layer.post_attention_layernorm.weight, None)]",
+                "(layer.input_layernorm.weight, None)]",
             ),
         ),
         (
@@ -368,7 +368,7 @@ MUTATIONS = (
         "auto's plan cache ignores the dtype: a bfloat16 group reuses the float32 decision",
         (
             (
-                "hf_sparsity/backends/auto.py",
+                "hf_sparsity/backends/auto/planner.py",
                 'cache.key("layer", shape, dtype, level, is24, cands, threads, settings)',
                 'cache.key("layer", shape, level, is24, cands, threads, settings)',
             ),
@@ -383,7 +383,7 @@ MUTATIONS = (
         "auto's plan cache ignores values='int8': an int8 group reuses the float32 decision",
         (
             (
-                "hf_sparsity/backends/auto.py",
+                "hf_sparsity/backends/auto/planner.py",
                 "stream_bytes, keep_dense_for_prefill, values)",
                 "stream_bytes, keep_dense_for_prefill)",
             ),
@@ -398,7 +398,7 @@ MUTATIONS = (
         "auto's predicted whole-model ratio counts a pass over all timed copies as one layer's saving",
         (
             (
-                "hf_sparsity/backends/auto.py",
+                "hf_sparsity/backends/auto/backend.py",
                 'saved += (ms["dense"] - ms[c["decode"]]) / per',
                 'saved += ms["dense"] - ms[c["decode"]]',
             ),
@@ -486,7 +486,7 @@ MUTATIONS = (
         "token counts under DDP multiply the local count by the world size instead of summing",
         (
             (
-                "hf_sparsity/callback.py",
+                "hf_sparsity/flops/callback.py",
                 "    dist.all_reduce(total)\n    return int(total)",
                 "    return int(total) * dist.get_world_size()",
             ),
@@ -502,7 +502,7 @@ MUTATIONS = (
         "a resumed run whose Trainer counts tokens counts every earlier token again",
         (
             (
-                "hf_sparsity/callback.py",
+                "hf_sparsity/flops/callback.py",
                 '        self.seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)\n'
                 "        self.pending = 0",
                 "        self.seen = 0\n        self.pending = 0",
