@@ -244,6 +244,7 @@ def test_trainer_events_invariants_listeners_and_logs(tmp_path):
     assert any(k.startswith("sparsity/layer/") for k in logs[0])
 
 
+@pytest.mark.slow  # Trainer runs: whole, interrupted and resumed
 def test_trainer_resume_mid_schedule_is_bit_identical(tmp_path):
     cfg = SparsityConfig(
         sparsity=0.5, schedule=[{"step": 2, "sparsity": 0.8, "rewind_to": 1}, {"step": 5, "densify": True}]
