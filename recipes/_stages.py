@@ -77,7 +77,8 @@ def stage_done(args, out: str) -> StageResult | None:
 
 def train_and_save(trainer: Trainer, metrics_cb, resume: bool) -> StageResult:
     """Run ``trainer`` (from its last complete checkpoint with ``resume``), evaluate, save ``final/``,
-    record the stage.
+    record the stage. Under DDP it returns once the main process has written ``final/``, so every
+    process may load it.
 
     ``metrics_cb``: the run's :class:`SparsityCallback` or :class:`FlopCallback`; it is moved in
     front of Trainer's own callbacks so its scalars reach TensorBoard. An interrupted run (one a
@@ -127,6 +128,7 @@ def train_and_save(trainer: Trainer, metrics_cb, resume: bool) -> StageResult:
         d = result.to_dict()
         d["log_history"] = result.log_history
         (out / STAGE_DONE).write_text(json.dumps(d, indent=1, default=float))
+    _wait_for_main_process()  # every process may load ``final/`` next: the main one has written it
     log(f"[{name}] done: {steps} steps, eval loss {result.final_eval_loss:.4f}, {result.wall_s:.0f}s")
     return result
 
@@ -160,12 +162,17 @@ class _Printer(TrainerCallback):
             print("  ".join(parts), flush=True)
 
 
+def _wait_for_main_process() -> None:
+    """Under DDP, every process waits here until the main one (which alone writes) gets here too."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
 def finalize(model_dir: str, out_dir: str) -> str:
     """Bake the masks into zeros (``hf_sparsity convert --finalize``): a vanilla checkpoint to fine-tune."""
     if is_main_process() and not os.path.isdir(out_dir):
         finalize_checkpoint(model_dir, out_dir)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
+    _wait_for_main_process()
     return out_dir
 
 

@@ -40,15 +40,12 @@ with masks), ``stage1_finalized/``, ``stage2/`` (``continue``: ``pretrain/`` and
 import os
 
 import _common as C  # the recipes' folder: the script's own, first on sys.path
-import torch
-from transformers import Trainer, TrainingArguments
 
 from hf_sparsity import SparsityCallback, SparsityConfig
-from hf_sparsity.callback import FlopCallback
-from hf_sparsity.data import BlockDataset
+from hf_sparsity.flops.callback import FlopCallback
 
 # ----------------------------------------------------------------------------- defaults
-DEFAULTS = dict(
+DEFAULTS = C.recipe_defaults(
     output_dir="outputs/variable_spdf",
     # Variable SPDF
     stage1_sparsity=0.9,
@@ -61,90 +58,11 @@ DEFAULTS = dict(
     pretrain_steps=250,  # both stages
     finetune_steps=100,
     finetune_learning_rate=1e-3,
-    finetune_dataset="embedded-d2t",
-    # model: tiny-gpt2 (built here) | a config.json path | an HF model name or path
-    model="tiny-gpt2",
-    n_embd=64,
-    n_layer=2,
-    n_head=4,
-    vocab_size=512,
-    tokenizer="",
-    # data: embedded | a .txt/.jsonl file | an HF dataset name
-    dataset="embedded",
-    text_column="text",
-    max_texts=0,
-    block_size=64,
-    eval_blocks=32,
-    # training
-    batch_size=8,
-    grad_accum=1,
-    learning_rate=3e-3,  # pre-training (restart: stage 1's peak)
-    weight_decay=0.1,
-    warmup_steps=20,
-    lr_scheduler="cosine",
-    logging_steps=10,
-    save_steps=0,
-    tensorboard=True,
-    seed=0,
-    # run control
-    resume=False,
-    overwrite=False,
+    finetune_dataset="embedded-d2t",  # embedded-d2t | a .txt/.jsonl file | an HF dataset name
+    # model, data, training (learning_rate: pre-training, restart: stage 1's peak), run control:
+    # the recipes' shared defaults (recipes/_args.py)
 )
 # ---------------------------------------------------------------------------------------
-
-
-def train(
-    args,
-    name,
-    model,
-    tokenizer,
-    data,
-    eval_blocks,
-    steps,
-    metrics_cb,
-    callbacks=(),
-    learning_rate=None,
-    warmup_steps=None,
-):
-    """One stage: its TrainingArguments, Trainer and metrics callback, in plain view."""
-    out = os.path.join(args.output_dir, name)
-    done = C.stage_done(args, out)
-    if done is not None:
-        return done
-    training_args = TrainingArguments(
-        output_dir=out,
-        max_steps=steps,
-        per_device_train_batch_size=args.batch_size,
-        per_device_eval_batch_size=args.batch_size * 2,
-        gradient_accumulation_steps=args.grad_accum,
-        learning_rate=learning_rate or args.learning_rate,
-        weight_decay=args.weight_decay,
-        warmup_steps=args.warmup_steps if warmup_steps is None else warmup_steps,
-        lr_scheduler_type=args.lr_scheduler,
-        max_grad_norm=1.0,
-        logging_steps=args.logging_steps,
-        eval_strategy="steps",
-        eval_steps=C.eval_every(steps),
-        save_strategy="steps",
-        save_steps=args.save_steps or max(steps // 2, 1),
-        save_total_limit=2,
-        report_to=["tensorboard"] if args.tensorboard else [],
-        seed=args.seed,
-        use_cpu=not torch.cuda.is_available(),
-        disable_tqdm=True,
-        include_num_input_tokens_seen=True,
-        ddp_find_unused_parameters=False,
-        train_sampling_strategy="sequential",  # the stream's own seeded order (resume-exact)
-    )
-    trainer = Trainer(
-        model=model,
-        args=training_args,
-        train_dataset=data,
-        eval_dataset=BlockDataset(eval_blocks),
-        processing_class=tokenizer,
-        callbacks=[metrics_cb, *callbacks],
-    )
-    return C.train_and_save(trainer, metrics_cb, resume=args.resume)
 
 
 def stage_steps(args) -> tuple[int, int]:
@@ -206,10 +124,12 @@ def main(argv=None, callbacks=()):
         schedule=[{"step": stage1, "densify": True}] if continue_ else None,
     )
     model = C.build_model(args, tokenizer)
+    # Each stage is one transformers Trainer run, its SparsityCallback (or FlopCallback) first among
+    # the callbacks: C.train_stage (recipes/_stages.py) builds its TrainingArguments and Trainer.
     if continue_:
         # One Trainer run, one LR schedule: a densify event at the stage boundary.
         data = C.stage_data(train_blocks, args, args.pretrain_steps, [(0, pool1), (stage1, pool2)])
-        pre = train(
+        pre = C.train_stage(
             args,
             "pretrain",
             model,
@@ -229,7 +149,7 @@ def main(argv=None, callbacks=()):
     else:
         # Stage 1: a sparse pre-training run of its own (warm-up and decay over its steps).
         data1 = C.stage_data(train_blocks, args, stage1, [(0, pool1)])
-        s1 = train(
+        s1 = C.train_stage(
             args,
             "stage1",
             model,
@@ -246,7 +166,7 @@ def main(argv=None, callbacks=()):
         converted = C.finalize(s1.model_dir, os.path.join(args.output_dir, "stage1_finalized"))
         # Stage 2: dense pre-training of its own, its own warm-up, decay and peak LR, unseen data.
         data2 = C.stage_data(train_blocks, args, stage2, [(0, pool2)])
-        s2 = train(
+        s2 = C.train_stage(
             args,
             "stage2",
             C.load_model(converted),
@@ -264,26 +184,11 @@ def main(argv=None, callbacks=()):
         seen = [data1.order, data2.order]
         stages = [s1, s2]
         start = s2.model_dir
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.barrier()  # every process loads what the main one saved
     pre = stages[-1]
     overlap = len(set(seen[0]) & set(seen[1]))
 
     # Dense fine-tuning on the second dataset, from the dense pre-trained model.
-    ft_data = C.stage_data(ft_train, args, args.finetune_steps, [(0, list(range(len(ft_train))))])
-    ft = train(
-        args,
-        "finetune",
-        C.load_model(start),
-        tokenizer,
-        ft_data,
-        ft_eval,
-        args.finetune_steps,
-        FlopCallback(args.block_size),
-        callbacks,
-        learning_rate=args.finetune_learning_rate,
-        warmup_steps=max(args.finetune_steps // 10, 1),
-    )
+    ft = C.dense_finetune(args, start, tokenizer, ft_train, ft_eval, callbacks)
     if ft.interrupted:
         return None
 
@@ -293,12 +198,11 @@ def main(argv=None, callbacks=()):
     spent, dense = sum(f["train_flops"] for f in fl), sum(f["dense_equivalent_flops"] for f in fl)
     eff = sum(f["effective_sparsity"] * f["tokens"] for f in fl) / sum(f["tokens"] for f in fl)
     saved = 1.0 - spent / dense
-    plot = C.plot_stages(
-        [*stages, ft],
-        os.path.join(args.output_dir, "loss.png"),
+    title = (
         f"Variable SPDF ({args.stage2_schedule}): {args.stage1_sparsity:.0%} sparse x{stage1} steps, dense x"
-        f"{stage2} -> fine-tuning",
+        f"{stage2} -> fine-tuning"
     )
+    plot = C.plot_stages([*stages, ft], os.path.join(args.output_dir, "loss.png"), title)
     results = {
         "recipe": "variable_spdf",
         "args": vars(args),
