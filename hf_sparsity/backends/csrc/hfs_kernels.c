@@ -1,6 +1,7 @@
 /* Native CPU kernels of hf_sparsity (see hf_sparsity/backends/_native.py). C11 + pthreads, no torch headers. */
 #define _GNU_SOURCE
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 #include <stdlib.h>
@@ -1729,4 +1730,55 @@ int64_t hfs_decode_prompt(const hfs_decoder_t* d, const int64_t* tokens, int64_t
   const int64_t best = decode_head(d);
   tl_pool_only = 0;
   return best;
+}
+
+/* ---- The layout of the structs Python mirrors with ctypes (tests/test_struct_mirrors.py compares) -----------
+   prepared_t: _native.Prepared; hfs_layer_t, hfs_decoder_t: decoding.py's _Layer, _Decoder. Every field, in
+   declaration order. */
+typedef struct {
+  const char *type, *field;
+  int64_t offset, size;
+} hfs_field_t;
+#define HFS_FIELD(T, F) {#T, #F, (int64_t)offsetof(T, F), (int64_t)sizeof(((T*)0)->F)}
+static const hfs_field_t g_fields[] = {
+    HFS_FIELD(prepared_t, op), HFS_FIELD(prepared_t, rows), HFS_FIELD(prepared_t, in), HFS_FIELD(prepared_t, chunk),
+    HFS_FIELD(prepared_t, nthreads), HFS_FIELD(prepared_t, rowptr), HFS_FIELD(prepared_t, meta),
+    HFS_FIELD(prepared_t, v), HFS_FIELD(prepared_t, vbf16),
+    HFS_FIELD(hfs_layer_t, q), HFS_FIELD(hfs_layer_t, k), HFS_FIELD(hfs_layer_t, v), HFS_FIELD(hfs_layer_t, o),
+    HFS_FIELD(hfs_layer_t, gate), HFS_FIELD(hfs_layer_t, up), HFS_FIELD(hfs_layer_t, down),
+    HFS_FIELD(hfs_layer_t, bq), HFS_FIELD(hfs_layer_t, bk), HFS_FIELD(hfs_layer_t, bv), HFS_FIELD(hfs_layer_t, bo),
+    HFS_FIELD(hfs_layer_t, bgate), HFS_FIELD(hfs_layer_t, bup), HFS_FIELD(hfs_layer_t, bdown),
+    HFS_FIELD(hfs_layer_t, norm1), HFS_FIELD(hfs_layer_t, norm2), HFS_FIELD(hfs_layer_t, kc),
+    HFS_FIELD(hfs_layer_t, vc), HFS_FIELD(hfs_layer_t, nbias1), HFS_FIELD(hfs_layer_t, nbias2),
+    HFS_FIELD(hfs_layer_t, qnorm), HFS_FIELD(hfs_layer_t, knorm),
+    HFS_FIELD(hfs_decoder_t, nlayers), HFS_FIELD(hfs_decoder_t, hidden), HFS_FIELD(hfs_decoder_t, heads),
+    HFS_FIELD(hfs_decoder_t, kv_heads), HFS_FIELD(hfs_decoder_t, head_dim), HFS_FIELD(hfs_decoder_t, ffn),
+    HFS_FIELD(hfs_decoder_t, max_len), HFS_FIELD(hfs_decoder_t, vocab), HFS_FIELD(hfs_decoder_t, threads),
+    HFS_FIELD(hfs_decoder_t, eps), HFS_FIELD(hfs_decoder_t, scale), HFS_FIELD(hfs_decoder_t, layers),
+    HFS_FIELD(hfs_decoder_t, head), HFS_FIELD(hfs_decoder_t, head_bias), HFS_FIELD(hfs_decoder_t, final_norm),
+    HFS_FIELD(hfs_decoder_t, embed), HFS_FIELD(hfs_decoder_t, cos), HFS_FIELD(hfs_decoder_t, sin),
+    HFS_FIELD(hfs_decoder_t, work), HFS_FIELD(hfs_decoder_t, logits), HFS_FIELD(hfs_decoder_t, arch),
+    HFS_FIELD(hfs_decoder_t, act), HFS_FIELD(hfs_decoder_t, pos_embed), HFS_FIELD(hfs_decoder_t, final_norm_bias),
+};
+#undef HFS_FIELD
+
+/* sizeof the struct named `type` (-1: not a mirrored struct) */
+int64_t hfs_struct_size(const char* type) {
+  if (!strcmp(type, "prepared_t")) return (int64_t)sizeof(prepared_t);
+  if (!strcmp(type, "hfs_layer_t")) return (int64_t)sizeof(hfs_layer_t);
+  if (!strcmp(type, "hfs_decoder_t")) return (int64_t)sizeof(hfs_decoder_t);
+  return -1;
+}
+
+/* field i (declaration order) of the struct named `type`: its name, offset and size; 0 past the last */
+int hfs_struct_field(const char* type, int i, const char** field, int64_t* offset, int64_t* size) {
+  for (size_t k = 0; k < sizeof(g_fields) / sizeof(g_fields[0]); k++) {
+    if (strcmp(g_fields[k].type, type)) continue;
+    if (i-- > 0) continue;
+    *field = g_fields[k].field;
+    *offset = g_fields[k].offset;
+    *size = g_fields[k].size;
+    return 1;
+  }
+  return 0;
 }
