@@ -298,9 +298,9 @@ MUTATIONS = (
         "the C decode step applies layer 0's input-norm weight as the final norm's",
         (
             (
-                "hf_sparsity/backends/csrc/hfs_kernels.c",
-                "rms_norm(x, d->final_norm, h, d->hidden, d->eps);",
-                "rms_norm(x, d->layers[0].norm1, h, d->hidden, d->eps);",
+                "hf_sparsity/backends/csrc/decode.c",
+                "norm(x, d->final_norm, d->final_norm_bias, h, d->hidden, d->eps);",
+                "norm(x, d->layers[0].norm1, d->final_norm_bias, h, d->hidden, d->eps);",
             ),
         ),
         (
@@ -313,7 +313,7 @@ MUTATIONS = (
         "the fused q / k / v products of the C decode step add q's bias to all three",
         (
             (
-                "hf_sparsity/backends/csrc/hfs_kernels.c",
+                "hf_sparsity/backends/csrc/decode.c",
                 "const float* bs[3] = {L->bq, L->bk, L->bv};",
                 "const float* bs[3] = {L->bq, L->bq, L->bq};",
             ),
@@ -329,7 +329,7 @@ MUTATIONS = (
         "the C decode step drops the down projection's bias (Llama with mlp_bias)",
         (
             (
-                "hf_sparsity/backends/csrc/hfs_kernels.c",
+                "hf_sparsity/backends/csrc/decode.c",
                 "hfs_run_prepared(L->down, g, o, L->bdown);",
                 "hfs_run_prepared(L->down, g, o, NULL);",
             ),

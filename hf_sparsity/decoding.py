@@ -74,7 +74,7 @@ def _eos_ids(model, eos_token_id) -> set[int]:
     return {int(e) for e in (eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id])}
 
 
-class _Layer(ctypes.Structure):  # hfs_layer_t in csrc/hfs_kernels.c
+class _Layer(ctypes.Structure):  # hfs_layer_t in csrc/api.h (tests/test_struct_mirrors.py)
     _fields_ = [
         *[(f"p_{n}", ctypes.c_void_p) for n in _PROJ],
         *[(f"b_{n}", ctypes.c_void_p) for n in _PROJ],
@@ -86,7 +86,7 @@ _SIZES = ("nlayers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "max_len"
 _POINTERS = ("layers", "head", "head_bias", "final_norm", "embed", "cos", "sin", "work", "logits")
 
 
-class _Decoder(ctypes.Structure):  # hfs_decoder_t in csrc/hfs_kernels.c
+class _Decoder(ctypes.Structure):  # hfs_decoder_t in csrc/api.h (tests/test_struct_mirrors.py)
     _fields_ = [
         *[(n, ctypes.c_int64) for n in _SIZES],
         ("eps", ctypes.c_double),
