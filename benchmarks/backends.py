@@ -80,8 +80,7 @@ if "--omp-passive" in sys.argv:  # before torch loads libgomp; see the docstring
 import torch  # noqa: E402
 
 from hf_sparsity.backends import _native, get_backend  # noqa: E402
-from hf_sparsity.masks import random_mask  # noqa: E402
-from hf_sparsity.tools.bench import (  # noqa: E402
+from hf_sparsity.inference.bench import (  # noqa: E402
     auto_groups,
     decode_breakdown,
     decode_bytes_per_token,
@@ -89,6 +88,7 @@ from hf_sparsity.tools.bench import (  # noqa: E402
     interleaved_ms,
     peak_read_gbs,
 )
+from hf_sparsity.masks import random_mask  # noqa: E402
 
 SHAPES = [(768, 768), (3072, 768), (768, 3072)]
 LEVELS = [0.5, 0.75, 0.9, 0.95]

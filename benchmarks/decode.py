@@ -156,10 +156,10 @@ def main(argv=None) -> int:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_sparsity.decoding import greedy_decode
     from hf_sparsity.evaluation.wikitext2 import wikitext2_perplexity
     from hf_sparsity.inference import sparsify_for_inference
-    from hf_sparsity.tools.bench import decode_bytes_per_token, kernel_read_gbs, read_bandwidth_gbs
+    from hf_sparsity.inference.bench import decode_bytes_per_token, kernel_read_gbs, read_bandwidth_gbs
+    from hf_sparsity.inference.decoding import greedy_decode
 
     load0 = os.getloadavg()
     if args.model_dir in RANDOM:  # a random-weight model of a known shape (no tokenizer, no perplexity)

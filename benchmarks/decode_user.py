@@ -10,7 +10,7 @@ Each ``NAME=FOLDER[:int8]`` is a model folder (``hf_sparsity prune`` output: wei
 ``sparsity_masks.safetensors``; ``:int8``: int8 values with per-row scales). Per folder the model is loaded
 once and converted with ``sparsify_for_inference(model, "auto")``; the rows (one prompt, batch 1):
 
-* ``native loop``: :func:`hf_sparsity.decoding.greedy_decode` (one native call per token);
+* ``native loop``: :func:`hf_sparsity.inference.decoding.greedy_decode` (one native call per token);
 * ``generate+native``: ``model.generate(ids, do_sample=False, custom_generate=native_generate)``;
 * ``generate+native, sampling``: the same with ``do_sample=True, temperature=0.7, top_k=50, top_p=0.9,
   repetition_penalty=1.1``;
@@ -94,10 +94,10 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
     import hf_sparsity
-    from hf_sparsity.decoding import greedy_decode, native_generate, native_step_reason
     from hf_sparsity.evaluation.wikitext2 import wikitext2_perplexity
     from hf_sparsity.inference import sparse_layer_bytes, sparsify_for_inference
-    from hf_sparsity.tools.bench import decode_bytes_per_token
+    from hf_sparsity.inference.bench import decode_bytes_per_token
+    from hf_sparsity.inference.decoding import greedy_decode, native_generate, native_step_reason
 
     load0 = os.getloadavg()
     models = {}

@@ -45,8 +45,8 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_sparsity.backends.arena import huge_buffer
-    from hf_sparsity.decoding import greedy_decode
     from hf_sparsity.inference import sparsify_for_inference
+    from hf_sparsity.inference.decoding import greedy_decode
 
     if args.model_dir in RANDOM:
         dense = build_random(args.model_dir)

@@ -223,7 +223,7 @@ MUTATIONS = (
         "the native step's norm before the MLP uses the input norm's weight, not the post-attention one's",
         (
             (
-                "hf_sparsity/decoding.py",
+                "hf_sparsity/inference/decoding.py",
                 "(layer.post_attention_layernorm.weight, None)]",
                 "(layer.input_layernorm.weight, None)]",
             ),
@@ -238,7 +238,7 @@ MUTATIONS = (
         "native_step_reason no longer refuses a GELU / ReLU MLP (the native step runs SiLU)",
         (
             (
-                "hf_sparsity/decoding.py",
+                "hf_sparsity/inference/decoding.py",
                 'if getattr(cfg, "hidden_act", None) != "silu":',
                 'if getattr(cfg, "hidden_act", None) not in ("silu", "gelu", "gelu_pytorch_tanh", "relu"):',
             ),
@@ -253,7 +253,7 @@ MUTATIONS = (
         "longrope past original_max_position_embeddings runs natively (its tables are built once)",
         (
             (
-                "hf_sparsity/decoding.py",
+                "hf_sparsity/inference/decoding.py",
                 'if rope.get("rope_type") == "longrope" and original is not None and length > original:',
                 "if False:",
             ),
@@ -268,7 +268,7 @@ MUTATIONS = (
         "a generation reaching exactly the sliding window is refused (>= instead of >)",
         (
             (
-                "hf_sparsity/decoding.py",
+                "hf_sparsity/inference/decoding.py",
                 'getattr(cfg, "use_sliding_window", True) and length > window:',
                 'getattr(cfg, "use_sliding_window", True) and length >= window:',
             ),
@@ -283,7 +283,7 @@ MUTATIONS = (
         "a final norm whose weight is not contiguous float32 is read by the native step as if it were",
         (
             (
-                "hf_sparsity/decoding.py",
+                "hf_sparsity/inference/decoding.py",
                 "for t in (parts.embed, parts.pos_embed, *parts.final)):",
                 "for t in (parts.embed, parts.pos_embed)):",
             ),
@@ -298,7 +298,7 @@ MUTATIONS = (
         "the C decode step applies layer 0's input-norm weight as the final norm's",
         (
             (
-                "hf_sparsity/backends/csrc/hfs_kernels.c",
+                "hf_sparsity/backends/csrc/decode.c",
                 "norm(x, d->final_norm, d->final_norm_bias, h, d->hidden, d->eps);",
                 "norm(x, d->layers[0].norm1, d->final_norm_bias, h, d->hidden, d->eps);",
             ),
@@ -313,7 +313,7 @@ MUTATIONS = (
         "the fused q / k / v products of the C decode step add q's bias to all three",
         (
             (
-                "hf_sparsity/backends/csrc/hfs_kernels.c",
+                "hf_sparsity/backends/csrc/decode.c",
                 "const float* bs[3] = {L->bq, L->bk, L->bv};",
                 "const float* bs[3] = {L->bq, L->bq, L->bq};",
             ),
@@ -329,7 +329,7 @@ MUTATIONS = (
         "the C decode step drops the down projection's bias (Llama with mlp_bias)",
         (
             (
-                "hf_sparsity/backends/csrc/hfs_kernels.c",
+                "hf_sparsity/backends/csrc/decode.c",
                 "hfs_run_prepared(L->down, g, o, L->bdown);",
                 "hfs_run_prepared(L->down, g, o, NULL);",
             ),

@@ -12,10 +12,11 @@ last torch op) take the sparse layer's chunks instead of a second pool fighting 
 cores. A pool of the kernel's own is still built, for compilers without OpenMP or
 ``HF_SPARSITY_NATIVE_POOL=pthread``.
 
-The source (``csrc/hfs_kernels.c``, package data) is plain C11 + pthreads + OpenMP (no torch headers),
+The source (``csrc/``, package data: ``hfs_kernels.c``, one translation unit that includes the pieces
+beside it, one concern each) is plain C11 + pthreads + OpenMP (no torch headers),
 so it builds with the system C compiler in a few seconds (``cc -O3 -march=native -shared -fopenmp``)
-into ``$HF_SPARSITY_CACHE`` (default ``~/.cache/hf_sparsity``), keyed by a hash of the
-source, flags, compiler and CPU, then loaded with ``ctypes`` (which releases the
+into ``$HF_SPARSITY_CACHE`` (default ``~/.cache/hf_sparsity``), keyed by a hash of
+every source file, the flags, compiler and CPU, then loaded with ``ctypes`` (which releases the
 GIL during calls; callers on other Python threads get OpenMP teams of their own, or, with the
 pthread pool, run serially rather than share it).
 Anything failing (no compiler, read-only cache, non-Linux platform) makes
@@ -40,13 +41,26 @@ from ..import_utils import c_compiler
 
 logger = logging.getLogger(__name__)
 
-SOURCE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "hfs_kernels.c")
+SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+SOURCE_PATH = os.path.join(SOURCE_DIR, "hfs_kernels.c")  # the unit compiled; it includes the others
+_SOURCE_SUFFIXES = (".c", ".h", ".cpp")  # as [tool.setuptools.package-data] ships them
+
+
+def sources() -> dict[str, str]:
+    """Every source file of ``backends/csrc/`` (shipped as package data), by name: ``hfs_kernels.c`` and
+    the pieces it includes (the kernel cache key hashes all of them), and the C++ ops' source."""
+    found = {}
+    for name in sorted(os.listdir(SOURCE_DIR)):
+        path = os.path.join(SOURCE_DIR, name)
+        if name.endswith(_SOURCE_SUFFIXES) and os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                found[name] = f.read()
+    return found
 
 
 def source() -> str:
-    """The kernel's C source (``backends/csrc/hfs_kernels.c``, shipped as package data)."""
-    with open(SOURCE_PATH, encoding="utf-8") as f:
-        return f.read()
+    """The kernels' C sources as one text: every file of :func:`sources`, each after a line naming it."""
+    return "".join(f"/* ---- {name} */\n{text}" for name, text in sources().items())
 
 
 _BASE_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread"]
@@ -99,7 +113,8 @@ def _cpu_id() -> str:
 
 
 def _build(cc: str, openmp: bool = True) -> str:
-    code = source()
+    files = sources()
+    code = "".join(f"{name}\0{text}\0" for name, text in files.items())
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     last = ""
     # HF_SPARSITY_NATIVE_PORTABLE=1: skip -march=native (the scalar path; for machines that share a cache)
@@ -115,9 +130,10 @@ def _build(cc: str, openmp: bool = True) -> str:
             return out
         os.makedirs(cache_dir(), exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
-            src = os.path.join(tmp, "hfs_spmv.c")
-            with open(src, "w") as f:
-                f.write(code)
+            for name, text in files.items():  # the sources hashed, beside each other (the includes)
+                with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
+                    f.write(text)
+            src = os.path.join(tmp, os.path.basename(SOURCE_PATH))
             so = os.path.join(tmp, "hfs_spmv.so")
             proc = subprocess.run([cc, *flags, src, "-o", so], capture_output=True, text=True, timeout=120)
             if proc.returncode == 0:
@@ -285,7 +301,8 @@ def csr_matmul(
 
 
 class Prepared(ctypes.Structure):
-    """The fixed arguments of a batch-1 :func:`run_op` call (``hfs_run_prepared`` in the C source)."""
+    """The fixed arguments of a batch-1 :func:`run_op` call (``hfs_run_prepared`` in the C source; the
+    struct ``prepared_t`` in ``csrc/api.h``, checked field by field by ``tests/test_struct_mirrors.py``)."""
 
     _fields_ = [
         ("op", ctypes.c_int64), ("rows", ctypes.c_int64), ("in_features", ctypes.c_int64),

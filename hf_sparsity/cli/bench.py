@@ -11,7 +11,7 @@ Whole-model decoding (tokens/s, dense vs backend, interleaved rounds, medians)::
     hf_sparsity bench --model DIR --backend emulator       # + the modeled speedup of the dataflow machine
 
 ``ratio`` is ``dense_ms / backend_ms`` (above 1: the backend is faster). The library code is in
-:mod:`hf_sparsity.tools.bench` (imported when the command runs).
+:mod:`hf_sparsity.inference.bench` (imported when the command runs).
 """
 
 # Lazy imports: a subcommand imports the library when it runs, so `--help` and the others start fast.
@@ -58,7 +58,7 @@ def bench_command(args) -> int:
 
 
 def _run(args, dtype, options) -> dict:
-    from ..tools.bench import bench_layer, bench_model, parse_shape
+    from ..inference.bench import bench_layer, bench_model, parse_shape
 
     if args.model:
         return bench_model(

@@ -98,7 +98,7 @@ def _generate(model, ids, n: int, streamer=None, loop: str = "generate", **kw) -
 
     stamps = _Stamps(streamer)
     if loop == "lean":  # greedy_decode: the native step or the forward loop (generate's greedy tokens)
-        from ..decoding import greedy_decode
+        from ..inference.decoding import greedy_decode
 
         t = time.perf_counter()
         stamps.put(ids)  # the prompt (skipped by the streamer)
@@ -107,7 +107,7 @@ def _generate(model, ids, n: int, streamer=None, loop: str = "generate", **kw) -
         stamps.end()
     else:
         if loop == "native":
-            from ..decoding import native_generate
+            from ..inference.decoding import native_generate
 
             kw = {**kw, "custom_generate": native_generate}
         t = time.perf_counter()
@@ -131,7 +131,7 @@ def _generate(model, ids, n: int, streamer=None, loop: str = "generate", **kw) -
 
 def _loop_for(model, loop: str, length: int) -> tuple[str, str]:
     """(the loop ``_generate`` runs, the words saying so) for ``--loop``."""
-    from ..decoding import native_step_reason
+    from ..inference.decoding import native_step_reason
 
     if loop == "generate":
         return "generate", "transformers' generate loop (--loop generate)"

@@ -1,2 +1,2 @@
-"""Tools around the library that the library itself never imports: the benchmark harness behind
-``hf_sparsity bench`` and ``benchmarks/``."""
+"""The old home of the benchmark harness: :mod:`hf_sparsity.tools.bench` is now
+:mod:`hf_sparsity.inference.bench` (this path still imports, with a DeprecationWarning)."""

@@ -21,7 +21,7 @@ quantize the activations too (``activations="int8"``, the default; see :func:`qu
 AVX-512 VNNI a batch-1 product multiplies int8 by int8, elsewhere the dequantized activations go through
 the float kernels. ``activations="float32"`` keeps float32 activations (``sum(q * x) * scale`` in fp32).
 ``to_dense()`` returns the dequantized weight. The native
-AVX2/FMA kernels (:mod:`hf_sparsity.backends._native`, ``csrc/hfs_kernels.c``) run batch 1
+AVX2/FMA kernels (:mod:`hf_sparsity.backends._native`, ``csrc/``) run batch 1
 and small batches; larger batches (prefill) go through a dense GEMM on the weight rebuilt
 on the fly (``prefill="unpack"``, default: no dense copy kept) or, from 17 rows, the native
 blocked sparse kernel (``prefill="native"``; ``hfs_spmm`` in the C source: as fast as dense at

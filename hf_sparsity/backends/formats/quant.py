@@ -26,7 +26,7 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     ``[..., in]``: symmetric int8 codes ``round(x / s)`` (half to even), one scale ``s = max|x_group| / 127``
     per group of columns, dequantized back to float32 (``codes * s``). Column ``c`` is in group
     ``(c // 64 % ACT_GROUPS) * 16 + c % 64 // 4``: four adjacent columns every ``64 * ACT_GROUPS``, so a group
-    is one lane of the native kernel's int32 accumulators (``csrc/hfs_kernels.c``) and its scale applies
+    is one lane of the native kernel's int32 accumulators (``csrc/packed_int8.c``) and its scale applies
     once per row. The native batch-1 kernel multiplies the codes themselves (int8 dot products); this is the
     same sum up to float32 rounding, for every other path (larger batches, the torch kernel, gradients)."""
     xf = x.float()

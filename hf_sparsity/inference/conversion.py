@@ -4,7 +4,7 @@
 
     model = AutoModelForCausalLM.from_pretrained(ckpt)        # ckpt holds sparsity_masks.safetensors
     sparsify_for_inference(model, backend="csr")              # swaps targeted nn.Linear / Conv1D
-    model.generate(**inputs, custom_generate=native_generate) # hf_sparsity.decoding: the native step
+    model.generate(**inputs, custom_generate=native_generate) # inference.decoding: the native step
     restore_dense(model)                                      # the original modules are back
 
 Where masks come from (``masks=``):
@@ -30,14 +30,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .backends import LayerTarget, SparseBackend, get_backend
-from .backends.arena import pack_weights
-from .modeling import is_conv1d as _is_conv1d
-from .modeling import replace_module
-from .targeting import unwrap_model
-from .utils import SparsityError
+from ..backends import LayerTarget, SparseBackend, get_backend
+from ..backends.arena import pack_weights
+from ..modeling import is_conv1d as _is_conv1d
+from ..modeling import replace_module
+from ..targeting import unwrap_model
+from ..utils import SparsityError
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("hf_sparsity.inference")  # the name it logged under before the package
 
 
 class SparseLinear(nn.Module):
@@ -82,14 +82,14 @@ class SparseLinear(nn.Module):
 
 
 def _resolve_masks(model: nn.Module, masks: Any, config: Any) -> dict[str, torch.Tensor]:
-    from .constants import SPARSITY_MASKS_NAME
-    from .storage.masks_file import load_masks_for
+    from ..constants import SPARSITY_MASKS_NAME
+    from ..storage.masks_file import load_masks_for
 
     if isinstance(masks, dict):
         return dict(masks)
     if isinstance(masks, str) and masks == "zeros":
-        from .config import SparsityConfig
-        from .targeting import plan_sparsity
+        from ..config import SparsityConfig
+        from ..targeting import plan_sparsity
 
         cfg = config if config is not None else SparsityConfig(sparsity=0.5)  # level unused: targets only
         names = [d.name for d in plan_sparsity(model, cfg) if d.sparsify]
@@ -192,8 +192,8 @@ def sparsify_for_inference(
     structure raises a :class:`~hf_sparsity.utils.SparsityError` with the model untouched.
     Returns the same model, modified in place. ``model.generate`` works as before; batch-1 decoding
     (greedy or sampled) runs one native call per token with
-    ``model.generate(**inputs, custom_generate=hf_sparsity.decoding.native_generate)`` (the same argument
-    for a text-generation ``pipeline``; :mod:`hf_sparsity.decoding`).
+    ``model.generate(**inputs, custom_generate=hf_sparsity.inference.decoding.native_generate)`` (the
+    same argument for a text-generation ``pipeline``; :mod:`hf_sparsity.inference.decoding`).
     """
     model_u = unwrap_model(model)
     klass = get_backend(backend)
@@ -232,7 +232,7 @@ def _check_values(model_u: nn.Module, klass: type[SparseBackend], values: Any) -
     if values != "int8":
         raise SparsityError(f"values={values!r}: use 'int8', or leave it unset to keep the weight's dtype.")
     if not klass.capabilities.int8_values:
-        from .backends import available_backends, get_backend
+        from ..backends import available_backends, get_backend
 
         have = [n for n in available_backends() if get_backend(n).capabilities.int8_values]
         raise SparsityError(
@@ -346,8 +346,8 @@ def compiled_generate_kwargs(fullgraph: bool = True, backend: str = "inductor") 
     """
     from transformers import CompileConfig
 
-    from .backends import ops
-    from .hooks import compile_generate_on_any_device
+    from ..backends import ops
+    from ..hooks import compile_generate_on_any_device
 
     ops.build_cpp_ops()  # the sparse layers' custom ops with a C++ body, when they can be built
     cc = CompileConfig(fullgraph=fullgraph, dynamic=False, backend=backend, mode="default")

@@ -1,0 +1,70 @@
+/* The C API of the native kernels: the structs Python mirrors with ctypes (_native.Prepared,
+   decoding.py's _Layer and _Decoder; tests/test_struct_mirrors.py checks they agree) and the exported
+   functions (_native.load declares their argument types). */
+/* Part of the native kernels' one translation unit, hfs_kernels.c (included there, not compiled alone). */
+#ifndef HFS_API_H
+#define HFS_API_H
+
+#include <stdint.h>
+
+/* A batch-1 call whose fixed arguments were prepared once (Python: _native.Prepared): four arguments
+   cross ctypes per call instead of thirteen (~1 us instead of ~3 us; ~200 calls per decoded token). */
+typedef struct {
+  int64_t op, rows, in, chunk, nthreads;
+  const int64_t* rowptr;
+  const void* meta;
+  const void* v;
+  int64_t vbf16;
+} prepared_t;
+
+/* One decoded token of a Llama-family or GPT-2 model in one call: a layer's projections (prepared calls)
+   and tensors, and the model (decode.c describes the step). */
+typedef struct {
+  const prepared_t *q, *k, *v, *o, *gate, *up, *down;
+  const float *bq, *bk, *bv, *bo, *bgate, *bup, *bdown;
+  const float *norm1, *norm2;
+  float *kc, *vc;               /* [kv_heads, max_len, head_dim] */
+  const float *nbias1, *nbias2; /* LayerNorm biases (GPT-2) */
+  const float *qnorm, *knorm;   /* per-head RMSNorm of q and k before the rotary embedding (Qwen3); NULL: none */
+} hfs_layer_t;
+
+typedef struct {
+  int64_t nlayers, hidden, heads, kv_heads, head_dim, ffn, max_len, vocab, threads;
+  double eps, scale;
+  const hfs_layer_t* layers;
+  const prepared_t* head;
+  const float* head_bias;
+  const float* final_norm;
+  const float* embed; /* [embedding rows, hidden] */
+  const float* cos;   /* [max_len, head_dim] */
+  const float* sin;
+  float* work;   /* hfs_decode_work_floats() floats */
+  float* logits; /* [vocab] */
+  int64_t arch;  /* 0: Llama family (RMSNorm, rotary, SiLU-gated MLP); 1: GPT-2 (see above) */
+  int64_t act;   /* GPT-2's MLP activation: 0 GELU with the tanh approximation, 1 GELU (erf) */
+  const float* pos_embed;       /* [positions, hidden] (GPT-2) */
+  const float* final_norm_bias; /* (GPT-2) */
+} hfs_decoder_t;
+
+int hfs_spmm(int fmt, int64_t rows, int64_t in, int nthreads, const int64_t* rowptr, const void* idx,
+             const void* v, int vbf16, const float* x, float* y, int64_t B, const float* bias);
+void hfs_matmul(int kind, int64_t rows, int64_t in, int64_t chunk, int nthreads, const int64_t* rowptr,
+                const void* idx, const float* v, const float* x, float* y, int64_t B, const float* bias);
+void hfs_run(int op, int64_t rows, int64_t in, int64_t chunk, int nthreads, const int64_t* rowptr,
+             const void* meta, const void* v, int vbf16, const float* x, float* y, int64_t B,
+             const float* bias);
+void hfs_run_prepared(const prepared_t* p, const float* x, float* y, const float* bias);
+void hfs_run_fused(const prepared_t* const* ps, int n, const float* x, float* const* ys, const float* const* bs);
+void hfs_set_spin(int64_t spin);
+int hfs_set_openmp(int on);
+int hfs_version(void);
+int hfs_simd(void);
+int hfs_isa(void);
+int hfs_vnni(void);
+int64_t hfs_decode_work_floats(const hfs_decoder_t* d);
+int64_t hfs_decode_step(const hfs_decoder_t* d, int64_t token, int64_t pos);
+int64_t hfs_decode_prompt(const hfs_decoder_t* d, const int64_t* tokens, int64_t n, int64_t pos);
+int64_t hfs_struct_size(const char* type);
+int hfs_struct_field(const char* type, int i, const char** field, int64_t* offset, int64_t* size);
+
+#endif

@@ -1,0 +1,200 @@
+/* Bitmask, 2:4 and dense GEMV row kernels on float32 activations (fp32, bf16 or int8 values). */
+/* Part of the native kernels' one translation unit, hfs_kernels.c (included there, not compiled alone). */
+
+static inline __attribute__((always_inline)) void bm_rows_(const job_t* j, int64_t r0, int64_t r1, const int BF) {
+  const void* const V = vbase(j->v, BF, j->rows);
+  const int64_t in = j->in, mb = (in + 7) >> 3, B = j->B, rows = j->rows;
+  const uint8_t* M = (const uint8_t*)j->idx;
+  const float* x = j->x;
+  for (int64_t r = r0; r < r1; r++) {
+    const uint8_t* m = M + r * mb;
+    for (int64_t b0 = 0; b0 < B; b0 += 4) {
+      const int64_t nb = B - b0 < 4 ? B - b0 : 4;
+      int64_t o = j->rowptr[r], g = 0;
+      float s[4] = {0.f, 0.f, 0.f, 0.f};
+#if HFS_SIMD
+      const int64_t ng = in >> 3;
+      if (nb == 1) {
+        const float* xb = x + b0 * in;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        float z = 0.f;
+#if defined(__AVX512F__)
+        /* AVX-512: sixteen columns per step; vexpandps (register form) puts the packed values in
+           the lanes of the set bits, zeroing the rest. */
+        {
+          __m512 z0 = _mm512_setzero_ps(), z1 = _mm512_setzero_ps();
+          for (; g + 4 <= ng; g += 4) {
+            uint16_t k0, k1;
+            memcpy(&k0, m + g, 2);
+            memcpy(&k1, m + g + 2, 2);
+            PREFETCH((const char*)V + ((o) << (BF == 2 ? 0 : BF ? 1 : 2)));
+            z0 = _mm512_fmadd_ps(_mm512_maskz_expand_ps(k0, loadv16_(V, BF, o)), _mm512_loadu_ps(xb + 8 * g), z0);
+            o += __builtin_popcount(k0);
+            z1 = _mm512_fmadd_ps(_mm512_maskz_expand_ps(k1, loadv16_(V, BF, o)), _mm512_loadu_ps(xb + 8 * g + 16), z1);
+            o += __builtin_popcount(k1);
+          }
+          z = _mm512_reduce_add_ps(_mm512_add_ps(z0, z1));
+        }
+#endif
+        for (; g + 2 <= ng; g += 2) {
+          uint32_t m0 = m[g], m1 = m[g + 1];
+          PREFETCH((const char*)V + ((o) << (BF == 2 ? 0 : BF ? 1 : 2)));
+          __m256 w0 = bm_expand(m0, loadv8_(V, BF, o));
+          o += __builtin_popcount(m0);
+          __m256 w1 = bm_expand(m1, loadv8_(V, BF, o));
+          o += __builtin_popcount(m1);
+          a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xb + 8 * g), a0);
+          a1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8 * g + 8), a1);
+        }
+        for (; g < ng; g++) {
+          uint32_t m0 = m[g];
+          a0 = _mm256_fmadd_ps(bm_expand(m0, loadv8_(V, BF, o)), _mm256_loadu_ps(xb + 8 * g), a0);
+          o += __builtin_popcount(m0);
+        }
+        s[0] = hsum8(_mm256_add_ps(a0, a1)) + z;
+      } else {
+        __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (; g < ng; g++) {
+          uint32_t m0 = m[g];
+          __m256 w = bm_expand(m0, loadv8_(V, BF, o));
+          o += __builtin_popcount(m0);
+          if (nb == 4) {
+            a[0] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + (b0 + 0) * in + 8 * g), a[0]);
+            a[1] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + (b0 + 1) * in + 8 * g), a[1]);
+            a[2] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + (b0 + 2) * in + 8 * g), a[2]);
+            a[3] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + (b0 + 3) * in + 8 * g), a[3]);
+          } else {
+            for (int64_t k = 0; k < nb; k++)
+              a[k] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + (b0 + k) * in + 8 * g), a[k]);
+          }
+        }
+        for (int64_t k = 0; k < nb; k++) s[k] = hsum8(a[k]);
+      }
+      g *= 8;
+#endif
+      for (int64_t c = g; c < in; c++) { /* scalar: the tail, or every column without AVX2 */
+        if (!(m[c >> 3] >> (c & 7) & 1)) continue;
+        const float w = VALB(V, BF, o);
+        o++;
+        for (int64_t k = 0; k < nb; k++) s[k] += w * x[(b0 + k) * in + c];
+      }
+      const float sc = vscale(j->v, BF, r);
+      for (int64_t k = 0; k < nb; k++)
+        j->y[(b0 + k) * rows + r] = j->bias ? s[k] * sc + j->bias[r] : s[k] * sc;
+    }
+  }
+}
+static void bm_rows(const job_t* j, int64_t r0, int64_t r1) {
+  if (j->vbf16 == 2)
+    bm_rows_(j, r0, r1, 2);
+  else if (j->vbf16)
+    bm_rows_(j, r0, r1, 1);
+  else
+    bm_rows_(j, r0, r1, 0);
+}
+
+static inline __attribute__((always_inline)) void nm24_rows_(const job_t* j, int64_t r0, int64_t r1, const int BF) {
+  const void* const V = vbase(j->v, BF, j->rows);
+  const int64_t in = j->in, B = j->B, rows = j->rows, mb = in >> 3, half = in >> 1;
+  (void)mb;
+  const uint8_t* M = (const uint8_t*)j->idx;
+  const float* x = j->x;
+  for (int64_t r = r0; r < r1; r++) {
+    const uint8_t* m = M + r * ((in + 7) >> 3);
+    const int64_t vo = r * half;
+    for (int64_t b0 = 0; b0 < B; b0 += 4) {
+      const int64_t nb = B - b0 < 4 ? B - b0 : 4;
+      int64_t c = 0;
+      float s[4] = {0.f, 0.f, 0.f, 0.f};
+#if HFS_SIMD
+      __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      __m256 a1 = _mm256_setzero_ps();
+      int64_t q = 0;
+      if (nb == 1) {
+        const float* xb = x + b0 * in;
+        for (; q + 4 <= mb; q += 4, c += 32) {
+          PREFETCH((const char*)V + ((vo + c / 2) << (BF == 2 ? 0 : BF ? 1 : 2)));
+          uint64_t l0 = (uint64_t)g_nm_lane[m[q]] | (uint64_t)g_nm_lane[m[q + 1]] << 32;
+          uint64_t l1 = (uint64_t)g_nm_lane[m[q + 2]] | (uint64_t)g_nm_lane[m[q + 3]] << 32;
+          __m256i i0 = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)l0));
+          __m256i i1 = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)l1));
+          __m256 x0 = _mm256_blend_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(xb + c), i0),
+                                      _mm256_permutevar8x32_ps(_mm256_loadu_ps(xb + c + 8), i0), 0xF0);
+          __m256 x1 = _mm256_blend_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(xb + c + 16), i1),
+                                      _mm256_permutevar8x32_ps(_mm256_loadu_ps(xb + c + 24), i1), 0xF0);
+          a[0] = _mm256_fmadd_ps(loadv8_(V, BF, vo + c / 2), x0, a[0]);
+          a1 = _mm256_fmadd_ps(loadv8_(V, BF, vo + c / 2 + 8), x1, a1);
+        }
+        a[0] = _mm256_add_ps(a[0], a1);
+      }
+      for (; q + 2 <= mb; q += 2, c += 16) {
+        uint64_t l0 = (uint64_t)g_nm_lane[m[q]] | (uint64_t)g_nm_lane[m[q + 1]] << 32;
+        __m256i i0 = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)l0));
+        __m256 w = loadv8_(V, BF, vo + c / 2);
+        for (int64_t k = 0; k < nb; k++) {
+          const float* xb = x + (b0 + k) * in + c;
+          __m256 xv = _mm256_blend_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(xb), i0),
+                                      _mm256_permutevar8x32_ps(_mm256_loadu_ps(xb + 8), i0), 0xF0);
+          a[k] = _mm256_fmadd_ps(w, xv, a[k]);
+        }
+      }
+      for (int64_t k = 0; k < nb; k++) s[k] = hsum8(a[k]);
+#endif
+      for (; c < in; c += 4) { /* scalar: per group of four, two (value, position) pairs */
+        const uint32_t bits = (uint32_t)(m[c >> 3] >> ((c & 4) ? 4 : 0)) & 15u;
+        const int64_t k0 = vo + c / 2;
+        const float w0 = VALB(V, BF, k0), w1 = VALB(V, BF, k0 + 1);
+        const int64_t c0 = c + (bits & 3), c1 = c + (bits >> 2);
+        for (int64_t k = 0; k < nb; k++) s[k] += w0 * x[(b0 + k) * in + c0] + w1 * x[(b0 + k) * in + c1];
+      }
+      const float sc = vscale(j->v, BF, r);
+      for (int64_t k = 0; k < nb; k++) j->y[(b0 + k) * rows + r] = j->bias ? s[k] * sc + j->bias[r] : s[k] * sc;
+    }
+  }
+}
+static void nm24_rows(const job_t* j, int64_t r0, int64_t r1) {
+  if (j->vbf16 == 2)
+    nm24_rows_(j, r0, r1, 2);
+  else if (j->vbf16)
+    nm24_rows_(j, r0, r1, 1);
+  else
+    nm24_rows_(j, r0, r1, 0);
+}
+
+/* Dense y = x W^T: W [rows, in] float32 (or bf16 bits). For the LM head: torch's fp32 GEMV may run on
+   one thread; this one splits rows over the pool. */
+static inline __attribute__((always_inline)) void gemv_rows_(const job_t* j, int64_t r0, int64_t r1, const int BF) {
+  const void* const V = vbase(j->v, BF, j->rows);
+  const int64_t in = j->in, B = j->B, rows = j->rows;
+  const float* x = j->x;
+  for (int64_t r = r0; r < r1; r++) {
+    const int64_t o = r * in;
+    for (int64_t b = 0; b < B; b++) {
+      const float* xb = x + b * in;
+      int64_t c = 0;
+      float s = 0.f;
+#if HFS_SIMD
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+      for (; c + 32 <= in; c += 32) {
+        a0 = _mm256_fmadd_ps(loadv8_(V, BF, o + c), _mm256_loadu_ps(xb + c), a0);
+        a1 = _mm256_fmadd_ps(loadv8_(V, BF, o + c + 8), _mm256_loadu_ps(xb + c + 8), a1);
+        a2 = _mm256_fmadd_ps(loadv8_(V, BF, o + c + 16), _mm256_loadu_ps(xb + c + 16), a2);
+        a3 = _mm256_fmadd_ps(loadv8_(V, BF, o + c + 24), _mm256_loadu_ps(xb + c + 24), a3);
+      }
+      for (; c + 8 <= in; c += 8) a0 = _mm256_fmadd_ps(loadv8_(V, BF, o + c), _mm256_loadu_ps(xb + c), a0);
+      s = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#endif
+      for (; c < in; c++) s += VALB(V, BF, o + c) * xb[c];
+      s *= vscale(j->v, BF, r);
+      j->y[b * rows + r] = j->bias ? s + j->bias[r] : s;
+    }
+  }
+}
+static void gemv_rows(const job_t* j, int64_t r0, int64_t r1) {
+  if (j->vbf16 == 2)
+    gemv_rows_(j, r0, r1, 2);
+  else if (j->vbf16)
+    gemv_rows_(j, r0, r1, 1);
+  else
+    gemv_rows_(j, r0, r1, 0);
+}

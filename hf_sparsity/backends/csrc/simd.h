@@ -1,0 +1,80 @@
+/* The SIMD macros of the native kernels, in one place: which instruction set the build targets (from the
+   compiler's -march flags), the vector width of the blocked products, software prefetch and a spin pause.
+   Every kernel keeps its AVX-512 / AVX2 / scalar ladder under these macros. */
+/* Part of the native kernels' one translation unit, hfs_kernels.c (included there, not compiled alone). */
+#ifndef HFS_SIMD_H
+#define HFS_SIMD_H
+
+#if defined(__x86_64__) || defined(__i386__)
+#define CPU_RELAX() __builtin_ia32_pause()
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
+/* Software prefetch of the packed value stream, PF_BYTES ahead. The rows of a packed weight are short
+   (a 576-column row at 50% is 1.2 KB of values) and threads take chunks of rows, so the hardware
+   prefetcher ramps up and stops too often: measured on a 2-core Xeon VM, 1536x576 at 50% out of cache,
+   the bitmask kernel went from 1.1x to 1.7x dense with one prefetch per 64 bytes of values 4 KB ahead
+   (2 KB and 1 KB ahead: 1.6x, 1.45x; prefetching dense rows gained nothing). */
+#define PF_BYTES 4096
+#define PREFETCH(p) __builtin_prefetch((const char*)(p) + PF_BYTES, 0, 3)
+
+/* HFS_SIMD: AVX2 + FMA (the vector paths; AVX-512 where __AVX512F__ is defined too), else the scalar
+   loops. */
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HFS_SIMD 1
+static inline float hsum8(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#else
+#define HFS_SIMD 0
+#endif
+
+/* HFS_VNNI: the int8 x int8 products with int8 activations (packed_int8.c) */
+#if HFS_SIMD && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__BMI2__)
+#define HFS_VNNI 1
+#if defined(__AVX512VBMI2__)
+#define HFS_VNNI_EXPAND 1 /* vpexpandb: the bitmask and 2:4 codes into their columns' lanes */
+#else
+#define HFS_VNNI_EXPAND 0
+#endif
+#else
+#define HFS_VNNI 0
+#define HFS_VNNI_EXPAND 0
+#endif
+
+/* The blocked products' vector (spmm.c): VW floats */
+#if HFS_SIMD && defined(__AVX512F__)
+#define VW 16
+typedef __m512 vw_t;
+#define VZERO() _mm512_setzero_ps()
+#define VLOAD(p) _mm512_load_ps(p)
+#define VSTORE(p, a) _mm512_store_ps(p, a)
+#define VFMA(w, p, a) _mm512_fmadd_ps(w, _mm512_load_ps(p), a)
+#define VSET1(w) _mm512_set1_ps(w)
+#define VADD(a, b) _mm512_add_ps(a, b)
+#elif HFS_SIMD
+#define VW 8
+typedef __m256 vw_t;
+#define VZERO() _mm256_setzero_ps()
+#define VLOAD(p) _mm256_load_ps(p)
+#define VSTORE(p, a) _mm256_store_ps(p, a)
+#define VFMA(w, p, a) _mm256_fmadd_ps(w, _mm256_load_ps(p), a)
+#define VSET1(w) _mm256_set1_ps(w)
+#define VADD(a, b) _mm256_add_ps(a, b)
+#else
+#define VW 4
+#endif
+
+/* HFS_VEXP: the decoding step's vector exp (exp16 in decode.c) */
+#if HFS_SIMD && defined(__AVX512F__)
+#define HFS_VEXP 1
+#else
+#define HFS_VEXP 0
+#endif
+
+#endif
