@@ -223,7 +223,7 @@ MUTATIONS = (
         "the native step's norm before the MLP uses the input norm's weight, not the post-attention one's",
         (
             (
-                "hf_sparsity/inference/decoding.py",
+                "hf_sparsity/inference/native_step.py",
                 "(layer.post_attention_layernorm.weight, None)]",
                 "(layer.input_layernorm.weight, None)]",
             ),
@@ -238,7 +238,7 @@ MUTATIONS = (
         "native_step_reason no longer refuses a GELU / ReLU MLP (the native step runs SiLU)",
         (
             (
-                "hf_sparsity/inference/decoding.py",
+                "hf_sparsity/inference/native_step.py",
                 'if getattr(cfg, "hidden_act", None) != "silu":',
                 'if getattr(cfg, "hidden_act", None) not in ("silu", "gelu", "gelu_pytorch_tanh", "relu"):',
             ),
@@ -253,7 +253,7 @@ MUTATIONS = (
         "longrope past original_max_position_embeddings runs natively (its tables are built once)",
         (
             (
-                "hf_sparsity/inference/decoding.py",
+                "hf_sparsity/inference/native_step.py",
                 'if rope.get("rope_type") == "longrope" and original is not None and length > original:',
                 "if False:",
             ),
@@ -268,7 +268,7 @@ MUTATIONS = (
         "a generation reaching exactly the sliding window is refused (>= instead of >)",
         (
             (
-                "hf_sparsity/inference/decoding.py",
+                "hf_sparsity/inference/native_step.py",
                 'getattr(cfg, "use_sliding_window", True) and length > window:',
                 'getattr(cfg, "use_sliding_window", True) and length >= window:',
             ),
@@ -283,7 +283,7 @@ MUTATIONS = (
         "a final norm whose weight is not contiguous float32 is read by the native step as if it were",
         (
             (
-                "hf_sparsity/inference/decoding.py",
+                "hf_sparsity/inference/native_step.py",
                 "for t in (parts.embed, parts.pos_embed, *parts.final)):",
                 "for t in (parts.embed, parts.pos_embed)):",
             ),

@@ -1,7 +1,7 @@
 """Every ctypes mirror of a C struct agrees with the C definition, field by field.
 
 The native library is called through ``ctypes`` with structures built in Python (``_native.Prepared``
-for ``prepared_t``, ``decoding._Layer`` / ``_Decoder`` for ``hfs_layer_t`` / ``hfs_decoder_t``). Nothing
+for ``prepared_t``, ``native_step._Layer`` / ``_Decoder`` for ``hfs_layer_t`` / ``hfs_decoder_t``). Nothing
 in C or Python checks that the two declarations agree: a field added, removed, retyped or reordered on
 one side only makes the kernels read the wrong bytes. The library itself reports each struct's
 ``sizeof`` and every field's name, ``offsetof`` and size (``hfs_struct_size`` / ``hfs_struct_field``,
@@ -17,16 +17,16 @@ from pathlib import Path
 
 import pytest
 
-from hf_sparsity import decoding
 from hf_sparsity.backends import _native
+from hf_sparsity.inference import native_step
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_sparsity"
 
 # C struct name -> its ctypes mirror
 MIRRORS = {
     "prepared_t": _native.Prepared,
-    "hfs_layer_t": decoding._Layer,
-    "hfs_decoder_t": decoding._Decoder,
+    "hfs_layer_t": native_step._Layer,
+    "hfs_decoder_t": native_step._Decoder,
 }
 
 
