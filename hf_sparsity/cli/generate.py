@@ -151,32 +151,16 @@ def generate_command(args) -> int:
     import torch
     from transformers import TextStreamer
 
-    from ..constants import SPARSITY_MASKS_NAME
     from ..inference import auto_report, resident_weight_bytes, sparsify_for_inference
 
     _checks.generate_args(args)  # one-line errors for bad input before anything loads
-    loop = "lean" if args.lean else args.loop
-    if loop not in LOOPS:
-        raise SparsityError(f"--loop {loop!r}: use one of {', '.join(LOOPS)}.")
-    if args.lean and args.loop not in ("auto", "lean"):
-        raise SparsityError(f"--lean and --loop {args.loop} are two decoding loops; pick one.")
-    if args.compile and loop == "lean":
-        raise SparsityError("--lean and --compile are two decoding loops; pick one.")
-    if args.compile:
-        loop = "generate"  # the compiled forward runs in transformers' loop
+    loop = _requested_loop(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok, ids = _load(args.model_dir, args.dtype, args.prompt, args.max_new_tokens)
     length = ids.shape[1] + args.max_new_tokens
-    masks = args.masks
-    if masks is None and not os.path.isfile(os.path.join(args.model_dir, SPARSITY_MASKS_NAME)):
-        print(
-            f"{args.model_dir} holds no {SPARSITY_MASKS_NAME}: using the exact zeros of the targeted weights "
-            "(a finalized checkpoint).",
-            file=sys.stderr,
-        )
-        masks = "zeros"
-    dense_tok_s = stock_tok_s = None
+    masks = _masks_arg(args)
+    dense_tok_s = stock_tok_s = dense_said = None
     dense_bytes = resident_weight_bytes(model)
     kw, compile_s = {}, {}
     if args.compile and not args.no_dense:  # stock transformers (eager) too: what a user has today
@@ -213,6 +197,21 @@ def generate_command(args) -> int:
     print(args.prompt, end="", flush=True)
     streamer = TextStreamer(tok, skip_prompt=True)
     _, tok_s, e2e = _generate(model, ids, args.max_new_tokens, streamer, loop=run_loop, **kw)
+    line = _summary(
+        args, tok_s, e2e, dense_tok_s, stock_tok_s, resident_weight_bytes(model), dense_bytes, convert_s,
+        said, dense_said, compile_s,
+    )  # fmt: skip
+    print(line, file=sys.stderr)
+    return 0
+
+
+def _summary(
+    args, tok_s, e2e, dense_tok_s, stock_tok_s, weight_bytes, dense_bytes, convert_s, said, dense_said,
+    compile_s,
+) -> str:  # fmt: skip
+    """The line printed after the streamed text: the speeds, the weights' sizes, the loop that ran."""
+    import torch
+
     line = f"\n[{args.backend}: {tok_s:.2f} tok/s"
     if dense_tok_s:
         line += f", dense {dense_tok_s:.2f} tok/s ({tok_s / dense_tok_s:.2f}x)"
@@ -220,7 +219,7 @@ def generate_command(args) -> int:
         line += f", stock dense (eager) {stock_tok_s:.2f} tok/s ({tok_s / stock_tok_s:.2f}x)"
     line += (
         f" (tok/s: the new tokens after the first over their time, as benchmarks/decode.py; end to end "
-        f"{e2e:.2f}); weights {resident_weight_bytes(model) / 2**20:.1f} MiB vs dense "
+        f"{e2e:.2f}); weights {weight_bytes / 2**20:.1f} MiB vs dense "
         f"{dense_bytes / 2**20:.1f} MiB; conversion {convert_s:.1f} s; {torch.get_num_threads()} threads; "
         f"loop: {said}"
     )
@@ -228,9 +227,36 @@ def generate_command(args) -> int:
         line += f" (dense: {dense_said})"
     if args.compile:
         line += "; compiled, compile + first run " + ", ".join(f"{k} {v:.0f} s" for k, v in compile_s.items())
-    line += "]"
-    print(line, file=sys.stderr)
-    return 0
+    return line + "]"
+
+
+def _requested_loop(args) -> str:
+    """The decoding loop ``--loop`` / ``--lean`` / ``--compile`` ask for (one of :data:`LOOPS`)."""
+    loop = "lean" if args.lean else args.loop
+    if loop not in LOOPS:
+        raise SparsityError(f"--loop {loop!r}: use one of {', '.join(LOOPS)}.")
+    if args.lean and args.loop not in ("auto", "lean"):
+        raise SparsityError(f"--lean and --loop {args.loop} are two decoding loops; pick one.")
+    if args.compile and loop == "lean":
+        raise SparsityError("--lean and --compile are two decoding loops; pick one.")
+    if args.compile:
+        loop = "generate"  # the compiled forward runs in transformers' loop
+    return loop
+
+
+def _masks_arg(args):
+    """``--masks``, or ``zeros`` (said on stderr) for a folder without a mask file (a finalized one)."""
+    from ..constants import SPARSITY_MASKS_NAME
+
+    masks = args.masks
+    if masks is None and not os.path.isfile(os.path.join(args.model_dir, SPARSITY_MASKS_NAME)):
+        print(
+            f"{args.model_dir} holds no {SPARSITY_MASKS_NAME}: using the exact zeros of the targeted weights "
+            "(a finalized checkpoint).",
+            file=sys.stderr,
+        )
+        masks = "zeros"
+    return masks
 
 
 def generate_command_parser(subparsers):

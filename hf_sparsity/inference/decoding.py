@@ -201,8 +201,6 @@ def native_generate(
     backend, training mode, beam search, a batch, padding, ...) ``generate``'s own loop runs and one line
     is logged naming why; ``native_step="native"`` (a ``generate`` keyword) raises instead.
     """
-    from transformers.generation.utils import GENERATION_MODES_MAPPING, GenerateDecoderOnlyOutput
-
     if native_step not in NATIVE_STEPS:
         raise SparsityError(f"native_step={native_step!r}: use one of {', '.join(NATIVE_STEPS)}.")
     if streamer is None:
@@ -211,23 +209,44 @@ def native_generate(
     if synced_gpus:
         reason = "synced_gpus"
     if reason is not None:
-        if native_step == "native":
-            raise SparsityError(
-                f"The native decoding step does not run this generation: {reason}. Drop "
-                "native_step='native' (generate's own loop runs), or custom_generate altogether."
-            )
-        logger.warning("hf_sparsity: generate's own loop runs (not the native step): %s.", reason)
-        mode = generation_config.get_generation_mode()
-        method = GENERATION_MODES_MAPPING.get(mode)
-        if method not in ("_sample", "_beam_search"):
-            raise SparsityError(
-                f"{_mode_name(generation_config)} with custom_generate=native_generate: drop custom_generate."
-            )
-        extra = {"streamer": streamer} if method == "_sample" else {}
-        return getattr(type(model), method)(
-            model, input_ids, logits_processor, stopping_criteria, generation_config,
-            synced_gpus=synced_gpus, **extra, **model_kwargs,
+        return _generate_loop(
+            model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
+            native_step, reason, model_kwargs,
         )  # fmt: skip
+    return _native_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer)
+
+
+def _generate_loop(
+    model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
+    native_step, reason, model_kwargs,
+):  # fmt: skip
+    """``generate``'s own loop for a call the native step does not run (``reason``), or the error
+    ``native_step="native"`` asks for."""
+    from transformers.generation.utils import GENERATION_MODES_MAPPING
+
+    if native_step == "native":
+        raise SparsityError(
+            f"The native decoding step does not run this generation: {reason}. Drop "
+            "native_step='native' (generate's own loop runs), or custom_generate altogether."
+        )
+    logger.warning("hf_sparsity: generate's own loop runs (not the native step): %s.", reason)
+    mode = generation_config.get_generation_mode()
+    method = GENERATION_MODES_MAPPING.get(mode)
+    if method not in ("_sample", "_beam_search"):
+        raise SparsityError(
+            f"{_mode_name(generation_config)} with custom_generate=native_generate: drop custom_generate."
+        )
+    extra = {"streamer": streamer} if method == "_sample" else {}
+    return getattr(type(model), method)(
+        model, input_ids, logits_processor, stopping_criteria, generation_config,
+        synced_gpus=synced_gpus, **extra, **model_kwargs,
+    )  # fmt: skip
+
+
+def _native_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer):
+    """``generate``'s greedy / sampling loop with each token's logits from one native call."""
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
     want_dict = generation_config.return_dict_in_generate
     keep_scores = want_dict and generation_config.output_scores
     keep_logits = want_dict and generation_config.output_logits
