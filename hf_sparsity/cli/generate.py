@@ -26,8 +26,11 @@ The tok/s printed is the decoding rate the benchmarks report (``benchmarks/decod
 processing excluded); the end-to-end rate (all new tokens over the whole call) is printed beside it.
 """
 
+# Lazy imports: a subcommand imports the library when it runs, so `--help` and the others start fast.
+
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -261,8 +264,6 @@ def _masks_arg(args):
 
 def generate_command_parser(subparsers):
     """Register ``hf_sparsity generate``."""
-    import argparse
-
     p = subparsers.add_parser(
         "generate",
         help="Generate text on a sparse backend (streamed) and print tokens/s against dense.",

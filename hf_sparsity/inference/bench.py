@@ -14,12 +14,18 @@ arguments) and ``benchmarks/backends.py``; the library never imports it:
 
 from __future__ import annotations
 
+import math
+import os
 import statistics
 import time
 from typing import Any
 
 import torch
+from torch import nn
 
+from .. import masks as M
+from ..backends import EmulatorBackend, MachineSpec, get_backend
+from ..backends.auto import PLAN_KEYS
 from ..backends.measure import (  # noqa: F401
     decode_tok_s,
     interleaved_ms,
@@ -27,8 +33,20 @@ from ..backends.measure import (  # noqa: F401
     peak_read_gbs,
     read_bandwidth_gbs,
 )
-from ..modeling import apply_masks, linear_dims
+from ..config import SparsityConfig, check_level, check_structure
+from ..constants import SPARSITY_MASKS_NAME
+from ..engine import SparsityEngine
+from ..loading import load_model_folder
+from ..modeling import apply_masks, is_conv1d, linear_dims
 from ..utils import SparsityError
+from .conversion import (
+    SparseLinear,
+    auto_choices,
+    resolve_masks,
+    restore_dense,
+    sparse_layers,
+    sparsify_for_inference,
+)
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -47,8 +65,6 @@ def parse_shape(text: str) -> tuple[int, int]:
 
 def make_mask(weight: torch.Tensor, sparsity: float, init: str, structure: str | None, seed: int = 0):
     """A uint8 ``[out, in]`` mask: random / topk at ``sparsity``, or N:M along the input dim."""
-    from .. import masks as M
-    from ..config import check_level, check_structure
 
     if structure:
         n, m = check_structure(structure)
@@ -79,7 +95,6 @@ def bench_layer(
     **options: Any,
 ) -> dict[str, Any]:
     """Time one ``[out, in]`` layer on ``backend`` against dense ``F.linear``; error vs the emulator."""
-    from ..backends import get_backend
 
     klass = get_backend(backend)
     if klass.capabilities.structure and not structure:
@@ -125,10 +140,6 @@ def build_masks_for(
 ):
     """Masks for a model bench: ``masks`` (path or "zeros"), else the model folder's file, else
     prune to ``sparsity``."""
-    import os
-
-    from ..constants import SPARSITY_MASKS_NAME
-    from .conversion import resolve_masks
 
     if masks:
         return resolve_masks(model, masks, None), f"masks={masks}"
@@ -139,8 +150,6 @@ def build_masks_for(
             f"{model_dir} holds no {SPARSITY_MASKS_NAME}. Pass --masks zeros (a finalized checkpoint's exact "
             "zeros), --masks PATH, or --sparsity S to prune the targeted layers by magnitude for the bench."
         )
-    from ..config import SparsityConfig
-    from ..engine import SparsityEngine
 
     eng = SparsityEngine(model, SparsityConfig(sparsity=sparsity, init_method=init))
     eng.build_masks()
@@ -215,10 +224,6 @@ def modeled_model_speedup(model, machine=None) -> dict[str, Any]:
     (``lm_head``, untargeted projections) count every weight. Attention scores, norms and
     embeddings are not modeled.
     """
-    import math
-
-    from ..backends import EmulatorBackend, MachineSpec
-    from .conversion import SparseLinear
 
     machine = machine or MachineSpec()
     sparse_c = sparse_d = other = 0
@@ -263,8 +268,6 @@ def modeled_model_speedup(model, machine=None) -> dict[str, Any]:
 
 def auto_groups(model) -> tuple[dict[str, dict[str, Any]], dict | None]:
     """``auto``'s choices per group of like layers (the LM head apart), and its whole-model check."""
-    from ..backends.auto import PLAN_KEYS
-    from .conversion import auto_choices
 
     groups: dict[str, dict[str, Any]] = {}
     check = None
@@ -290,9 +293,6 @@ def bench_model(
     **options: Any,
 ) -> dict[str, Any]:
     """Whole-model greedy decoding, dense vs ``backend``, interleaved rounds; medians and ratio."""
-    from ..backends import get_backend
-    from ..loading import load_model_folder
-    from .conversion import restore_dense, sparse_layers
 
     klass = get_backend(backend)
     if model is None:  # the masks are chosen below (``masks`` / ``sparsity`` / the folder's)
@@ -353,7 +353,6 @@ def bench_model(
 
 def _interleaved_decode(model, klass, masks, ids, dense_logits, new_tokens, rounds, options):
     """Rounds of dense, then converted, greedy decoding (the model is left converted); the logit error."""
-    from .conversion import restore_dense, sparsify_for_inference
 
     dense_t, back_t = [], []
     decode_tok_s(model, ids, 2)  # warm-up
@@ -372,7 +371,6 @@ def _interleaved_decode(model, klass, masks, ids, dense_logits, new_tokens, roun
 
 def _split_backend_vs_dense(model, ids, new_tokens: int, layers: list[str], density: float) -> dict[str, Any]:
     """Per-token split of the converted model, then (restored) of the dense one, and the speed-up bounds."""
-    from .conversion import restore_dense
 
     back_b = decode_breakdown(model, ids, new_tokens, layers)
     restore_dense(model)
@@ -391,10 +389,6 @@ def decode_bytes_per_token(model) -> int:
     packed storage, without a dense copy kept for prefill or restore) and the LM head; the input
     embedding contributes one row. The memory-bandwidth bound of decoding is the read bandwidth over
     this."""
-    from torch import nn
-
-    from ..modeling import is_conv1d
-    from .conversion import SparseLinear
 
     model = getattr(model, "module", model)
     seen: set[int] = set()

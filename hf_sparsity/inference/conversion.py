@@ -30,11 +30,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..backends import LayerTarget, SparseBackend, get_backend
+from ..backends import LayerTarget, SparseBackend, available_backends, get_backend, ops
 from ..backends.arena import pack_weights
+from ..config import SparsityConfig
+from ..constants import SPARSITY_MASKS_NAME
+from ..hooks import compile_generate_on_any_device
 from ..modeling import is_conv1d as _is_conv1d
 from ..modeling import replace_module
-from ..targeting import unwrap_model
+from ..storage.masks_file import load_masks_for
+from ..targeting import plan_sparsity, unwrap_model
 from ..utils import SparsityError
 
 logger = logging.getLogger("hf_sparsity.inference")  # the name it logged under before the package
@@ -82,15 +86,9 @@ class SparseLinear(nn.Module):
 
 
 def _resolve_masks(model: nn.Module, masks: Any, config: Any) -> dict[str, torch.Tensor]:
-    from ..constants import SPARSITY_MASKS_NAME
-    from ..storage.masks_file import load_masks_for
-
     if isinstance(masks, dict):
         return dict(masks)
     if isinstance(masks, str) and masks == "zeros":
-        from ..config import SparsityConfig
-        from ..targeting import plan_sparsity
-
         cfg = config if config is not None else SparsityConfig(sparsity=0.5)  # level unused: targets only
         names = [d.name for d in plan_sparsity(model, cfg) if d.sparsify]
         return {n: (model.get_parameter(n).detach() != 0).to(torch.uint8).cpu() for n in names}
@@ -232,8 +230,6 @@ def _check_values(model_u: nn.Module, klass: type[SparseBackend], values: Any) -
     if values != "int8":
         raise SparsityError(f"values={values!r}: use 'int8', or leave it unset to keep the weight's dtype.")
     if not klass.capabilities.int8_values:
-        from ..backends import available_backends, get_backend
-
         have = [n for n in available_backends() if get_backend(n).capabilities.int8_values]
         raise SparsityError(
             f"Backend {klass.name!r} has no int8 values; backends that do: {', '.join(have) or 'none'}. "
@@ -345,9 +341,6 @@ def compiled_generate_kwargs(fullgraph: bool = True, backend: str = "inductor") 
     ninja; ~10 s, cached; the Python ops serve otherwise). Figures: docs/results/backends.md.
     """
     from transformers import CompileConfig
-
-    from ..backends import ops
-    from ..hooks import compile_generate_on_any_device
 
     ops.build_cpp_ops()  # the sparse layers' custom ops with a C++ body, when they can be built
     cc = CompileConfig(fullgraph=fullgraph, dynamic=False, backend=backend, mode="default")

@@ -17,7 +17,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..backends import _native, get_backend
 from ..utils import SparsityError
+from .conversion import SparseLinear
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 """``config.model_type`` values the native step runs: Llama / Mistral / Qwen2 / Qwen3 (pre-norm blocks with
@@ -185,8 +187,6 @@ def _config_reason(cfg, length: int | None) -> str | None:
 def native_step_reason(model: nn.Module, length: int | None = None) -> str | None:
     """Why :class:`NativeDecoder` cannot run ``model`` (``None``: it can), for generations reaching
     ``length`` tokens (prompt included) when given."""
-    from ..backends import _native
-    from .conversion import SparseLinear
 
     if _native.load() is None:
         return f"the native kernel library is unavailable: {_native.error()}"
@@ -267,8 +267,6 @@ class NativeDecoder:
 
     def _call(self, mod: nn.Module) -> tuple[int, int | None]:
         """(prepared call address, bias address) for a projection / the LM head."""
-        from ..backends import get_backend
-        from .conversion import SparseLinear
 
         if isinstance(mod, SparseLinear):
             prep, addr = mod.backend.decode_call()
@@ -283,7 +281,6 @@ class NativeDecoder:
     def _build(self, total: int, n: int = 0, old: list | None = None) -> None:
         """The C structures for generations up to ``total`` tokens; ``old`` caches' first ``n`` positions are
         copied into the new ones (a longer generation than the cache first allocated)."""
-        from ..backends import _native
 
         parts = _parts(self.model)
         heads, kv, hd = parts.heads, parts.kv, parts.hd
