@@ -4,7 +4,7 @@ and transformers' own loop, beside the native loop
 (``greedy_decode``), on pruned model folders, with WikiText-2 perplexity and bytes per weight.
 
     python benchmarks/decode_user.py wanda50=OUT/wanda50 wanda70=OUT/wanda70 wanda50+int8=OUT/wanda50:int8 \\
-        --threads 2 --tokens 128 --rounds 3 --ppl-windows 16 --data-dir ../shared/data
+        --threads 2 --tokens 128 --rounds 3 --ppl-windows 16 --data-dir DATA_DIR
 
 Each ``NAME=FOLDER[:int8]`` is a model folder (``hf_sparsity prune`` output: weights and
 ``sparsity_masks.safetensors``; ``:int8``: int8 values with per-row scales). Per folder the model is loaded
