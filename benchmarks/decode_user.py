@@ -39,26 +39,10 @@ import sys
 import time
 
 import torch
+from decode import _decode_rate as _rate  # the rate benchmarks/decode.py reports
+from decode import _Stamps
 
 SAMPLING = dict(do_sample=True, temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.1)
-
-
-class _Stamps:
-    """A streamer that timestamps each new token (its first ``put`` is the prompt)."""
-
-    def __init__(self) -> None:
-        self.calls: list[float] = []
-
-    def put(self, value) -> None:
-        self.calls.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
-
-
-def _rate(stamps: list[float]) -> float:
-    """The new tokens after the first over their time."""
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else float("nan")
 
 
 def _cli(folder: str, values: str | None, args) -> tuple[float | None, str]:
