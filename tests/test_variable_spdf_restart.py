@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from .conftest import REPO
+from .test_recipes import StopAt
 
 RECIPES = REPO / "recipes"
 SMALL = ["--max_texts", "1500", "--eval_blocks", "16", "--batch_size", "4", "--tensorboard", "false"]
@@ -164,19 +165,6 @@ def test_continue_keeps_one_schedule_across_the_densify(tmp_path):
         assert lr[step] == pytest.approx(warmup_cosine(PEAK1, WARM1, S1 + S2, step), rel=1e-6, abs=1e-12)
     assert res["effective_sparsity"] == pytest.approx(0.75, abs=2e-3)
     assert res["stage_data_overlap_blocks"] == 0
-
-
-class StopAt(TrainerCallback):
-    """Checkpoint and stop stage ``stage`` at ``step``: a simulated preemption."""
-
-    def __init__(self, stage: str, step: int):
-        self.stage, self.step = stage, step
-
-    def on_step_end(self, args, state, control, **kw):
-        if Path(args.output_dir).name == self.stage and state.global_step == self.step:
-            control.should_save = True
-            control.should_training_stop = True
-        return control
 
 
 @pytest.mark.slow
