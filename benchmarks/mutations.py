@@ -279,6 +279,30 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "native-generate-processors-on-all-threads",
+        "native_generate runs transformers' processors on torch's whole team between native steps",
+        (
+            (
+                "hf_sparsity/inference/decoding.py",
+                "with torch_threads(1):",
+                "with torch_threads(torch.get_num_threads()):",
+            ),
+        ),
+        ("tests/test_native_generate.py",),
+    ),
+    Mutation(
+        "native-step-grows-at-one-thread",
+        "the native cache rebuilt inside native_generate's loop takes the loop's one torch thread",
+        (
+            (
+                "hf_sparsity/inference/native_step.py",
+                "with torch_threads(self.threads):  # the prepared calls",
+                "with torch_threads(torch.get_num_threads()):  # the prepared calls",
+            ),
+        ),
+        ("tests/test_native_generate.py",),
+    ),
+    Mutation(
         "decode-final-norm-unchecked",
         "a final norm whose weight is not contiguous float32 is read by the native step as if it were",
         (

@@ -255,6 +255,66 @@ def test_long_generations_grow_the_native_cache(monkeypatch):
     )
 
 
+def test_per_token_work_runs_on_one_torch_thread_and_the_step_keeps_the_callers(monkeypatch):
+    """Between native steps transformers' processors run on one torch thread (an OpenMP team left spinning
+    slows the step's own pool); every build of the step's structures, the cache's growth included, takes
+    the caller's thread count, and the caller's count is back after the call, also when it raises."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from hf_sparsity import decoding
+    from hf_sparsity.inference.native_step import NativeDecoder
+
+    seen: dict[str, list[int]] = {"build": [], "struct": [], "processor": []}
+    build_at = NativeDecoder._build_at
+
+    def recording_build(self, *a):
+        seen["build"].append(torch.get_num_threads())
+        build_at(self, *a)
+        seen["struct"].append(int(self._dec.threads))
+
+    class Threads(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            seen["processor"].append(torch.get_num_threads())
+            return scores
+
+    class Raises:
+        def __init__(self):
+            self.n = 0
+
+        def put(self, x):
+            self.n += 1
+            if self.n == 6:
+                raise RuntimeError("streamer failed")
+
+        def end(self):
+            pass
+
+    monkeypatch.setattr(NativeDecoder, "_build_at", recording_build)
+    monkeypatch.setattr(decoding, "_CACHE_STEP", 8)  # the cache grows twice inside the loop
+    model = _sparse(_model("llama", "gqa"))
+    model.generation_config.eos_token_id = None
+    ids = _ids(5, 6)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        want = model.generate(ids, max_new_tokens=24, do_sample=False)
+        got = model.generate(
+            ids, max_new_tokens=24, do_sample=False, logits_processor=LogitsProcessorList([Threads()]),
+            custom_generate=native_generate,
+        )  # fmt: skip
+        assert torch.equal(got, want)
+        assert len(seen["build"]) == 3 and seen["build"] == seen["struct"] == [3, 3, 3]
+        assert seen["processor"] == [1] * 24
+        assert torch.get_num_threads() == 3
+        with pytest.raises(RuntimeError, match="streamer failed"):
+            model.generate(
+                ids, max_new_tokens=24, do_sample=False, streamer=Raises(), **native_generate_kwargs()
+            )
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_pipeline_forwards_it(shared_data):
     from transformers import GPT2TokenizerFast, pipeline
 

@@ -10,6 +10,7 @@ names.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import weakref
 from collections.abc import Callable
@@ -240,6 +241,19 @@ def _dense_gemv(mod: nn.Module, klass) -> object:
     return hit[1]
 
 
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op thread count set to ``n`` inside the block, and restored after it."""
+    old = torch.get_num_threads()
+    if n != old:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n != old:
+            torch.set_num_threads(old)
+
+
 def _refuse(reason: str | None) -> None:
     if reason is not None:
         raise SparsityError(
@@ -263,6 +277,7 @@ class NativeDecoder:
         if check:  # greedy_decode checked already
             _refuse(native_step_reason(model))
         self.model = model
+        self.threads = torch.get_num_threads()  # the kernels' threads, whatever torch's are when a step runs
         self._keep: list = []  # prepared structures and dense views the C side points into
 
     def _call(self, mod: nn.Module) -> tuple[int, int | None]:
@@ -281,6 +296,10 @@ class NativeDecoder:
     def _build(self, total: int, n: int = 0, old: list | None = None) -> None:
         """The C structures for generations up to ``total`` tokens; ``old`` caches' first ``n`` positions are
         copied into the new ones (a longer generation than the cache first allocated)."""
+        with torch_threads(self.threads):  # the prepared calls take torch's thread count as theirs
+            self._build_at(total, n, old)
+
+    def _build_at(self, total: int, n: int, old: list | None) -> None:
 
         parts = _parts(self.model)
         heads, kv, hd = parts.heads, parts.kv, parts.hd
@@ -318,7 +337,7 @@ class NativeDecoder:
         self.logits = torch.empty(vocab)
         fw, fb = parts.final
         dec = _Decoder(
-            len(parts.blocks), parts.hidden, heads, kv, hd, parts.ffn, total, vocab, torch.get_num_threads(),
+            len(parts.blocks), parts.hidden, heads, kv, hd, parts.ffn, total, vocab, self.threads,
             parts.eps, parts.scale, ctypes.addressof(layers), head_addr, head_bias, _ptr(fw.detach()),
             parts.embed.detach().data_ptr(), _ptr(self._rope[0]), _ptr(self._rope[1]), None,
             self.logits.data_ptr(), parts.arch, parts.act,
