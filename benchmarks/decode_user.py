@@ -1,9 +1,10 @@
 """Decoding speed as users run it: ``hf_sparsity generate``,
 ``model.generate(custom_generate=native_generate)`` (greedy and sampling), the text-generation ``pipeline``
-and transformers' own loop, beside the native loop
-(``greedy_decode``), on pruned model folders, with WikiText-2 perplexity and bytes per weight.
+and transformers' own loop, beside the native loop (``greedy_decode``) and llama.cpp, on pruned model
+folders, with WikiText-2 perplexity and bytes per weight on every row.
 
     python benchmarks/decode_user.py wanda50=OUT/wanda50 wanda70=OUT/wanda70 wanda50+int8=OUT/wanda50:int8 \\
+        --gguf F32=smol-f32.gguf,Q8_0=smol-q8_0.gguf,Q4_0=smol-q4_0.gguf,Q4_K_M=smol-q4_k_m.gguf \\
         --threads 2 --tokens 128 --rounds 3 --ppl-windows 16 --data-dir DATA_DIR
 
 Each ``NAME=FOLDER[:int8]`` is a model folder (``hf_sparsity prune`` output: weights and
@@ -17,20 +18,27 @@ once and converted with ``sparsify_for_inference(model, "auto")``; the rows (one
 * ``pipeline+native``: ``pipeline("text-generation", model=model, tokenizer=tok)(prompt,
   custom_generate=native_generate)``, greedy;
 * ``generate (transformers loop)``: ``model.generate`` without ``custom_generate`` (the forward per token);
-* ``hf_sparsity generate``: the command (a subprocess, ``--no-dense``; once per folder, after the rounds): the
-  tok/s it prints, and the loop it says ran.
+* ``hf_sparsity generate``: the command as the README writes it (a subprocess, ``--no-dense``, with
+  ``--values int8`` for an ``:int8`` folder): the tok/s it prints, and the loop it says ran;
+* ``--gguf NAME=FILE``: llama.cpp (``llama-cpp-python``, an optional benchmark dependency) on the GGUF file,
+  greedy, the same threads and prompt ids; its perplexity from its own logits on the same windows.
 
-The in-process rows run interleaved over ``--rounds`` (every row once per round), every one forced to
-``--tokens`` new tokens (``min_new_tokens``); the table gives medians of the decoding rate: the new tokens
-after the first over their time (the prompt's processing excluded), the quantity ``benchmarks/decode.py`` and
-``hf_sparsity generate`` report. ``bytes/weight``: the converted projections' resident bytes over their
-weight count (dense float32: 4); ``MB/token``: the bytes of weights one decoded token reads.
+Every row runs once per round, all rows interleaved over ``--rounds``; the table gives medians of the
+decoding rate: the new tokens after the first over their time (the prompt's processing excluded), the
+quantity ``benchmarks/decode.py``, llama.cpp's ``eval time`` and ``hf_sparsity generate`` report. The
+in-process rows decode exactly ``--tokens`` new tokens: the models' generation configs lose their
+end-of-sequence token for the run (as llama.cpp's rows ignore it), so no row pays for a processor a user
+would not have. ``hf_sparsity generate`` runs as a user runs it, stopping at the end-of-sequence token if the
+model says it first. ``bytes/weight``: the block projections' resident bytes over their weight count (ours:
+the converted layers; GGUF: the ``blk.*`` matrices); ``MB/token``: the bytes of weights one decoded token
+reads. The last table divides each ``hf_sparsity generate`` row by each llama.cpp row.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -40,12 +48,14 @@ import time
 
 import torch
 from decode import _decode_rate as _rate  # the rate benchmarks/decode.py reports
-from decode import _Stamps
+from decode import _llama_cpp_runner, _Stamps
 
 SAMPLING = dict(do_sample=True, temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.1)
+CLI_ROW = "hf_sparsity generate"
 
 
 def _cli(folder: str, values: str | None, args) -> tuple[float | None, str]:
+    """One ``hf_sparsity generate`` run: (the tok/s it prints, the loop it says ran)."""
     cmd = [
         sys.executable, "-c", "import sys; from hf_sparsity.cli import main; sys.exit(main(sys.argv[1:]))",
         "generate", folder, "--prompt", args.prompt, "--max-new-tokens", str(args.tokens), "--no-dense",
@@ -61,9 +71,114 @@ def _cli(folder: str, values: str | None, args) -> tuple[float | None, str]:
     return float(m.group(1)), loop.group(1) if loop else "?"
 
 
+def _gguf_sizes(path: str) -> tuple[float, float]:
+    """(bytes per weight of the ``blk.*`` matrices, MB of all tensors) of a GGUF file."""
+    from gguf import GGUFReader
+
+    blk = n = total = 0
+    for t in GGUFReader(path).tensors:
+        total += int(t.n_bytes)
+        if t.name.startswith("blk.") and len(t.shape) == 2:
+            blk += int(t.n_bytes)
+            n += int(t.n_elements)
+    return blk / n, total / 1e6
+
+
+def _gguf_perplexity(path: str, windows: torch.Tensor, threads: int) -> float:
+    """WikiText-2 perplexity from llama.cpp's logits on ``windows`` (the protocol of ``wikitext2_perplexity``:
+    the exponential of the mean of the windows' mean next-token losses)."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    seqlen = int(windows.shape[1])
+    llm = Llama(
+        model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=seqlen, n_batch=seqlen,
+        logits_all=True, verbose=False,
+    )  # fmt: skip
+    losses = []
+    for w in windows.tolist():
+        llm.reset()
+        llm.eval(w)
+        logits = torch.from_numpy(np.array(llm.scores[:seqlen], dtype=np.float64))
+        losses.append(float(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(w[1:]))))
+    return math.exp(sum(losses) / len(losses))
+
+
+def _load(args):
+    """{name: dict(model, tok, ids, folder, values)} for the model folders, converted with ``auto``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_sparsity.inference import sparsify_for_inference
+    from hf_sparsity.inference.decoding import native_step_reason
+
+    models = {}
+    for item in args.models:
+        name, _, spec = item.partition("=")
+        folder, _, values = spec.partition(":")
+        tok = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        model.generation_config.eos_token_id = None  # exactly --tokens new tokens (module docstring)
+        t = time.perf_counter()
+        sparsify_for_inference(model, "auto", **({"values": values} if values else {}))
+        convert_s = time.perf_counter() - t
+        ids = tok(args.prompt, return_tensors="pt").input_ids
+        reason = native_step_reason(model, ids.shape[1] + args.tokens)
+        print(f"{name}: converted in {convert_s:.1f} s; native step: {reason or 'yes'}", file=sys.stderr)
+        models[name] = dict(model=model, tok=tok, ids=ids, folder=folder, values=values or None)
+    return models
+
+
+def _rows_for(m: dict, args) -> dict:
+    """The timed rows of one converted model: name -> a call returning its decoding tok/s."""
+    from transformers import pipeline
+
+    from hf_sparsity.inference.decoding import greedy_decode, native_generate
+
+    model, tok, ids, n = m["model"], m["tok"], m["ids"], args.tokens
+    pipe = pipeline("text-generation", model=model, tokenizer=tok)
+    common = dict(max_new_tokens=n, pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0)
+
+    def native_loop():
+        stamps: list[float] = []
+        greedy_decode(model, ids, n, eos_token_id=[], on_token=lambda _: stamps.append(time.perf_counter()))
+        return _rate(stamps)
+
+    def gen(extra):
+        def run():
+            s = _Stamps()
+            model.generate(ids, attention_mask=torch.ones_like(ids), streamer=s, **common, **extra)
+            return _rate(s.calls[1:])
+
+        return run
+
+    def pipe_run():
+        s = _Stamps()
+        pipe(args.prompt, streamer=s, do_sample=False, custom_generate=native_generate, **common)
+        return _rate(s.calls[1:])
+
+    rows = {
+        "native loop": native_loop,
+        "generate+native": gen({"do_sample": False, "custom_generate": native_generate}),
+        "generate+native, sampling": gen({**SAMPLING, "custom_generate": native_generate}),
+        "pipeline+native": pipe_run,
+        "generate (transformers loop)": gen({"do_sample": False}),
+    }
+    if not args.no_cli:
+        loops = m.setdefault("cli_loops", [])
+
+        def cli():
+            tok_s, loop = _cli(m["folder"], m["values"], args)
+            loops.append(loop)
+            return tok_s if tok_s is not None else float("nan")
+
+        rows[CLI_ROW] = cli
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("models", nargs="+", help="NAME=FOLDER or NAME=FOLDER:int8")
+    p.add_argument("--gguf", default=None, help="llama.cpp rows: NAME=file.gguf,NAME=file.gguf")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
@@ -75,116 +190,76 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
-
     import hf_sparsity
-    from hf_sparsity.evaluation.wikitext2 import wikitext2_perplexity
-    from hf_sparsity.inference import sparse_layer_bytes, sparsify_for_inference
+    from hf_sparsity.evaluation.wikitext2 import wikitext2_perplexity, wikitext2_rows, wikitext2_windows
+    from hf_sparsity.inference import sparse_layer_bytes
     from hf_sparsity.inference.bench import decode_bytes_per_token
-    from hf_sparsity.inference.decoding import greedy_decode, native_generate, native_step_reason
 
     load0 = os.getloadavg()
-    models = {}
-    for item in args.models:
-        name, _, spec = item.partition("=")
-        folder, _, values = spec.partition(":")
-        tok = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        t = time.perf_counter()
-        sparsify_for_inference(model, "auto", **({"values": values} if values else {}))
-        convert_s = time.perf_counter() - t
-        ids = tok(args.prompt, return_tensors="pt").input_ids
-        reason = native_step_reason(model, ids.shape[1] + args.tokens)
-        print(f"{name}: converted in {convert_s:.1f} s; native step: {reason or 'yes'}", file=sys.stderr)
-        models[name] = dict(model=model, tok=tok, ids=ids, folder=folder, values=values or None)
-    n = args.tokens
-
-    def rows_for(m):
-        model, tok, ids = m["model"], m["tok"], m["ids"]
-        pipe = pipeline("text-generation", model=model, tokenizer=tok)
-        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-        common = dict(max_new_tokens=n, min_new_tokens=n, pad_token_id=pad)
-
-        def native_loop():
-            stamps: list[float] = []
-            greedy_decode(
-                model, ids, n, eos_token_id=[], on_token=lambda _: stamps.append(time.perf_counter())
-            )
-            return _rate(stamps)
-
-        def gen(extra):
-            def run():
-                s = _Stamps()
-                model.generate(ids, attention_mask=torch.ones_like(ids), streamer=s, **common, **extra)
-                return _rate(s.calls[1:])
-
-            return run
-
-        def pipe_run():
-            s = _Stamps()
-            pipe(args.prompt, streamer=s, do_sample=False, custom_generate=native_generate, **common)
-            return _rate(s.calls[1:])
-
-        return {
-            "native loop": native_loop,
-            "generate+native": gen({"do_sample": False, "custom_generate": native_generate}),
-            "generate+native, sampling": gen({**SAMPLING, "custom_generate": native_generate}),
-            "pipeline+native": pipe_run,
-            "generate (transformers loop)": gen({"do_sample": False}),
-        }
-
-    runs = {(name, row): fn for name, m in models.items() for row, fn in rows_for(m).items()}
+    models = _load(args)
+    ggufs = dict(item.split("=", 1) for item in args.gguf.split(",")) if args.gguf else {}
+    runs = {(name, row): fn for name, m in models.items() for row, fn in _rows_for(m, args).items()}
+    first = next(iter(models.values()))
+    for name, path in ggufs.items():
+        run = _llama_cpp_runner(path, args.threads, first["ids"][0].tolist(), args.tokens)
+        runs[(name, "llama.cpp")] = lambda run=run: run()[1]
     speeds: dict[tuple, list[float]] = {k: [] for k in runs}
     with torch.inference_mode():
-        for fn in runs.values():  # warm-up
-            fn()
+        for (_, row), fn in runs.items():  # warm-up (the command warms itself up)
+            if row != CLI_ROW:
+                fn()
         for _ in range(args.rounds):
             for k, fn in runs.items():
                 speeds[k].append(fn())
+    load1 = os.getloadavg()
     ppl, bpw, mbt = {}, {}, {}
-    data = args.data_dir or os.environ.get("HF_SPARSITY_SHARED_DATA", "shared/data")
+    path = os.path.join(args.data_dir or "DATA_DIR", "text", "wikitext-2-raw", "wiki.test.raw")
     for name, m in models.items():
-        layers = sparse_layer_bytes(m["model"])
-        bpw[name] = 4 * layers["ratio"]  # the dense projections are float32
+        bpw[name] = 4 * sparse_layer_bytes(m["model"])["ratio"]  # the dense projections are float32
         mbt[name] = decode_bytes_per_token(m["model"]) / 1e6
         if args.ppl_windows:
-            path = os.path.join(data, "text", "wikitext-2-raw", "wiki.test.raw")
             with torch.inference_mode():
                 res = wikitext2_perplexity(
                     m["model"], m["tok"], path, seqlen=512, max_windows=args.ppl_windows
                 )
-                ppl[name] = res["perplexity"]
-    cli = {}
-    if not args.no_cli:
-        for name, m in models.items():
-            cli[name] = _cli(m["folder"], m["values"], args)
+            ppl[name] = res["perplexity"]
+    for name, gpath in ggufs.items():
+        bpw[name], mbt[name] = _gguf_sizes(gpath)
+        if args.ppl_windows:
+            windows = wikitext2_windows(first["tok"], wikitext2_rows(path), 512)[: args.ppl_windows]
+            ppl[name] = _gguf_perplexity(gpath, windows, args.threads)
     print(
         f"\nhf_sparsity {hf_sparsity.__version__}, torch {torch.__version__}, {args.threads} threads; "
-        f"{n} new tokens after a {next(iter(models.values()))['ids'].shape[1]}-token prompt, medians of "
-        f"{args.rounds} interleaved rounds; load average before {load0[0]:.1f}, "
-        f"after {os.getloadavg()[0]:.1f}"
+        f"{args.tokens} new tokens after a {first['ids'].shape[1]}-token prompt, medians of {args.rounds} "
+        f"interleaved rounds; load average before {load0[0]:.1f}, after {load1[0]:.1f}"
     )
-    print(f"{'model':<14} {'row':<30} {'tok/s':>7} {'x native loop':>13} {'ppl':>7} {'bytes/weight':>12} "
+    print(f"{'model':<14} {'row':<30} {'tok/s':>7} {'x native loop':>13} {'ppl':>8} {'bytes/weight':>12} "
           f"{'MB/token':>8}")  # fmt: skip
     results = []
-    for name in models:
-        base = statistics.median(speeds[(name, "native loop")])
-        table = [(row, statistics.median(speeds[(name, row)])) for (nm, row) in runs if nm == name]
-        if name in cli:
-            table.append(("hf_sparsity generate", cli[name][0]))
-        for row, v in table:
-            cells = f"{v:7.1f} {v / base:13.2f}" if v else f"{'-':>7} {'-':>13}"
-            pp = f"{ppl[name]:7.2f}" if name in ppl else f"{'-':>7}"
-            print(f"{name:<14} {row:<30} {cells} {pp} {bpw[name]:12.2f} {mbt[name]:8.1f}")
+    med = {k: statistics.median(v) for k, v in speeds.items()}
+    for name in [*models, *ggufs]:
+        base = med.get((name, "native loop"))
+        for (nm, row), v in med.items():
+            if nm != name:
+                continue
+            ratio = f"{v / base:13.2f}" if base else f"{'-':>13}"
+            pp = f"{ppl[name]:8.2f}" if name in ppl else f"{'-':>8}"
+            print(f"{name:<14} {row:<30} {v:7.1f} {ratio} {pp} {bpw[name]:12.2f} {mbt[name]:8.1f}")
             results.append(
-                dict(model=name, row=row, tok_s=v, rounds=speeds.get((name, row)), ppl=ppl.get(name),
+                dict(model=name, row=row, tok_s=v, rounds=speeds[(nm, row)], ppl=ppl.get(name),
                      bytes_per_weight=bpw[name], mb_per_token=mbt[name])
             )  # fmt: skip
-        if name in cli:
-            print(f"{'':<14} hf_sparsity generate's loop: {cli[name][1]}")
+        if models.get(name, {}).get("cli_loops"):
+            print(f"{'':<14} hf_sparsity generate's loop: {sorted(set(models[name]['cli_loops']))}")
+    if ggufs and not args.no_cli:
+        print(f"\n{CLI_ROW} over llama.cpp (decoding tok/s):")
+        print(f"{'model':<14}" + "".join(f"{g:>9}" for g in ggufs))
+        for name in models:
+            cells = "".join(f"{med[(name, CLI_ROW)] / med[(g, 'llama.cpp')]:9.2f}" for g in ggufs)
+            print(f"{name:<14}{cells}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"threads": args.threads, "tokens": n, "rows": results}, f, indent=2)
+            json.dump({"threads": args.threads, "tokens": args.tokens, "rows": results}, f, indent=2)
     return 0
 
 

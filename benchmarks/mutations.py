@@ -291,6 +291,24 @@ MUTATIONS = (
         ("tests/test_native_generate.py",),
     ),
     Mutation(
+        "native-sampling-uniform-among-survivors",
+        "native_generate draws uniformly among top-k's survivors instead of from their probabilities",
+        (
+            (
+                "hf_sparsity/inference/decoding.py",
+                "keep[torch.multinomial(nn.functional.softmax(sub, dim=-1), num_samples=1)[:, 0]]",
+                "keep[torch.multinomial(torch.ones_like(sub), num_samples=1)[:, 0]]",
+            ),
+        ),
+        ("tests/test_native_generate.py",),
+    ),
+    Mutation(
+        "native-warpers-skipped-on-survivors",
+        "the warpers after top-k (temperature, top-p, min-p) are not run on top-k's survivors",
+        (("hf_sparsity/inference/decoding.py", "sub = p(ids, sub)", "sub = sub + 0"),),
+        ("tests/test_native_generate.py",),
+    ),
+    Mutation(
         "native-step-grows-at-one-thread",
         "the native cache rebuilt inside native_generate's loop takes the loop's one torch thread",
         (

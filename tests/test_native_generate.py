@@ -179,9 +179,9 @@ def test_sampling_draws_from_generates_processed_probabilities(arch, layout):
     assert seq.shape[1] == ids.shape[1] + 16 and len(out.scores) == 16 == len(out.logits)
     for t in range(16):
         prefix = seq[:, : ids.shape[1] + t]
-        ref = model.generate(
-            prefix, max_new_tokens=1, **SAMPLING, return_dict_in_generate=True, output_scores=True,
-            output_logits=True,
+        ref = model.generate(  # a drawn pad token is a token here, not padding
+            prefix, attention_mask=torch.ones_like(prefix), max_new_tokens=1, **SAMPLING,
+            return_dict_in_generate=True, output_scores=True, output_logits=True,
         )  # fmt: skip
         torch.testing.assert_close(out.logits[t], ref.logits[0], rtol=1e-4, atol=1e-4)
         p_ref = torch.softmax(ref.scores[0].double(), -1)
@@ -190,15 +190,84 @@ def test_sampling_draws_from_generates_processed_probabilities(arch, layout):
         assert p_ref[0, int(seq[0, ids.shape[1] + t])] > 0
 
 
-def test_sampling_with_the_same_seed_draws_generates_tokens():
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(top_k=12, min_p=0.05, temperature=0.8),  # min-p on top-k's survivors
+        dict(top_k=12, typical_p=0.9),  # typical-p reads every token: the whole row
+        dict(top_k=5),  # top-k alone: nothing after it
+        dict(top_k=0, top_p=0.8),  # no top-k: top-p on the whole row
+    ],
+    ids=["min-p", "typical-p", "top-k-only", "top-p-only"],
+)
+def test_sampling_configurations_give_generates_processed_probabilities(cfg):
+    model = _sparse(_model("llama", "mqa-wide-heads"))
+    model.generation_config.eos_token_id = None
+    ids = _ids(6, 9)
+    torch.manual_seed(1)
+    out = model.generate(
+        ids, max_new_tokens=10, do_sample=True, **cfg, custom_generate=native_generate,
+        return_dict_in_generate=True, output_scores=True,
+    )  # fmt: skip
+    for t in range(10):
+        prefix = out.sequences[:, : ids.shape[1] + t]
+        ref = model.generate(
+            prefix, attention_mask=torch.ones_like(prefix), max_new_tokens=1, do_sample=True, **cfg,
+            return_dict_in_generate=True, output_scores=True,
+        )  # fmt: skip
+        p_ref = torch.softmax(ref.scores[0].double(), -1)
+        torch.testing.assert_close(torch.softmax(out.scores[t].double(), -1), p_ref, rtol=0, atol=1e-5)
+        assert p_ref[0, int(out.sequences[0, ids.shape[1] + t])] > 0
+
+
+def test_a_processor_asking_for_more_arguments_fails_as_in_generate():
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class NeedsMore(LogitsProcessor):
+        def __call__(self, input_ids, scores, cur_len):
+            return scores
+
+    model = _model()
+    for extra in ({}, {"custom_generate": native_generate}):
+        with pytest.raises(ValueError, match="required parameters"):
+            model.generate(
+                _ids(4), max_new_tokens=3, do_sample=False,
+                logits_processor=LogitsProcessorList([NeedsMore()]), **extra,
+            )  # fmt: skip
+
+
+def test_sampled_tokens_follow_generates_processed_distribution():
+    """With top-k, the native loop draws among top-k's survivors: the distribution of generate's processed
+    scores, from other random numbers (a seed gives other text than generate's loop, and the same text
+    twice). A chi-square test of 1,500 one-token draws against softmax(generate's processed scores)."""
     model = _model()
     model.generation_config.eos_token_id = None
     ids = _ids(5, 3)
-    torch.manual_seed(7)
-    want = model.generate(ids, max_new_tokens=20, **SAMPLING)
-    torch.manual_seed(7)
-    got = model.generate(ids, max_new_tokens=20, **SAMPLING, custom_generate=native_generate)
-    assert torch.equal(got, want)
+    cfg = dict(do_sample=True, temperature=1.5, top_k=8, top_p=0.95, repetition_penalty=1.3)
+    ref = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, **cfg, return_dict_in_generate=True,
+        output_scores=True,
+    )  # fmt: skip
+    p = torch.softmax(ref.scores[0][0].double(), -1)
+    support = p > 0
+    assert 4 <= int(support.sum()) <= 8
+    torch.manual_seed(0)
+    n = 1500
+    counts = torch.zeros_like(p)
+    for _ in range(n):
+        out = model.generate(ids, max_new_tokens=1, **cfg, custom_generate=native_generate)
+        counts[int(out[0, -1])] += 1
+    assert counts[~support].sum() == 0  # nothing outside top-k / top-p's survivors
+    expected = n * p[support]
+    chi2 = float(((counts[support] - expected) ** 2 / expected).sum())
+    df = int(support.sum()) - 1
+    z = 4.75  # the standard normal's 1 - 1e-6 quantile; Wilson-Hilferty's chi-square quantile from it
+    assert chi2 < df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3, (chi2, df)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        runs.append(model.generate(ids, max_new_tokens=20, **SAMPLING, custom_generate=native_generate))
+    assert torch.equal(runs[0], runs[1])
 
 
 def test_streamer_and_stopping_criteria_see_what_generate_gives_them():

@@ -34,6 +34,7 @@ compare tokens) and stop at the end-of-sequence token as ``generate`` does.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 from collections.abc import Callable
@@ -244,6 +245,79 @@ def _generate_loop(
     )  # fmt: skip
 
 
+class _Processing:
+    """One generation's logits processors, run as ``LogitsProcessorList`` runs them in ``generate``'s loop
+    (each called with the ids and the scores), with two savings that leave the processed scores unchanged:
+
+    * the processors' signatures are read once, not once per token (``LogitsProcessorList`` inspects every
+      processor at every call: about 0.3 ms a token for a sampling configuration);
+    * the warpers after top-k that only read the scores' values (temperature, top-p, min-p, top-k:
+      :func:`_on_survivors`, with the default ``-inf`` filter) run on top-k's survivors instead of the
+      whole vocabulary. Every token top-k removed is ``-inf`` and stays so; on the survivors these warpers
+      compute what they compute on the whole row, up to the rounding of sums (top-p sorts 50 values instead
+      of 49,152: 5 ms a token on SmolLM2's vocabulary). :attr:`survivors` holds their ids; a draw then
+      samples among them (:meth:`draw`).
+    """
+
+    def __init__(self, processors) -> None:
+        from transformers.generation.logits_process import TopKLogitsWarper
+
+        self.listed, self.survivors = processors, None
+        procs = list(processors)
+        # a processor asking for more than (ids, scores) makes LogitsProcessorList raise: let it
+        self.direct = all(len(inspect.signature(p.__call__).parameters) <= 2 for p in procs)
+        self.head, self.tail = procs, []
+        for i, p in enumerate(procs):
+            if type(p) is TopKLogitsWarper:
+                tail = procs[i + 1 :]
+                if (
+                    tail
+                    and p.filter_value == -float("inf")
+                    and all(type(q) in _on_survivors() and _filters_to_minus_inf(q) for q in tail)
+                ):
+                    self.head, self.tail = procs[: i + 1], tail
+                break
+
+    def __call__(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.survivors = None
+        if not self.direct:
+            return self.listed(ids, scores)
+        for p in self.head:
+            scores = p(ids, scores)
+        if self.tail:
+            keep = (scores[0] > -float("inf")).nonzero()[:, 0]  # top-k's survivors
+            if keep.numel():
+                sub = scores[:, keep]
+                for p in self.tail:
+                    sub = p(ids, sub)
+                scores = torch.full_like(scores, -float("inf")).index_copy_(1, keep, sub)
+                self.survivors = (keep, sub)
+        return scores
+
+    def draw(self, scores: torch.Tensor) -> torch.Tensor:
+        """One token sampled from ``softmax(scores)``: among the survivors where there are (the same
+        distribution; the random numbers drawn differ from a draw over the whole row)."""
+        if self.survivors is not None:
+            keep, sub = self.survivors
+            return keep[torch.multinomial(nn.functional.softmax(sub, dim=-1), num_samples=1)[:, 0]]
+        return torch.multinomial(nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+
+
+def _on_survivors() -> tuple[type, ...]:
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    return (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+
+
+def _filters_to_minus_inf(proc) -> bool:
+    return getattr(proc, "filter_value", -float("inf")) == -float("inf")
+
+
 def _native_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer):
     """``generate``'s greedy / sampling loop with each token's logits from one native call."""
     from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -257,6 +331,7 @@ def _native_loop(model, input_ids, logits_processor, stopping_criteria, generati
     has_eos = pad is not None and any(hasattr(c, "eos_token_id") for c in stopping_criteria)
     ids = input_ids
     unfinished = torch.ones(1, dtype=torch.long, device=ids.device)
+    processing = _Processing(logits_processor)
     dec = NativeDecoder(model, check=False)
     n = int(ids.shape[1])
     limit = int(generation_config.max_length or n + _CACHE_STEP)
@@ -268,14 +343,13 @@ def _native_loop(model, input_ids, logits_processor, stopping_criteria, generati
         with torch_threads(1):
             while True:
                 step_logits = logits[None].clone()
-                step_scores = logits_processor(ids, step_logits)
+                step_scores = processing(ids, step_logits)
                 if keep_logits:
                     raw.append(step_logits)
                 if keep_scores:
                     scores.append(step_scores)
                 if do_sample:
-                    probs = nn.functional.softmax(step_scores, dim=-1)
-                    nxt = torch.multinomial(probs, num_samples=1).squeeze(1)
+                    nxt = processing.draw(step_scores)
                 else:
                     nxt = torch.argmax(step_scores, dim=-1)
                 if has_eos:  # as generate: a finished sequence's next token is the pad token
