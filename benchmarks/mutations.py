@@ -487,8 +487,8 @@ MUTATIONS = (
         (
             (
                 "hf_sparsity/flops/callback.py",
-                "    dist.all_reduce(total)\n    return int(total)",
-                "    return int(total) * dist.get_world_size()",
+                "    dist.all_reduce(total)\n    return total\n",
+                "    return total * dist.get_world_size()\n",
             ),
         ),
         (
