@@ -173,8 +173,8 @@ MUTATIONS = (
         (
             (
                 "hf_sparsity/lora/masked.py",
-                "            return delta * self.mask.to(delta.device, delta.dtype)",
-                "            return delta",
+                "            return delta * self.mask  #",
+                "            return delta  #",
             ),
             (
                 "hf_sparsity/lora/masked.py",
@@ -608,6 +608,18 @@ MUTATIONS = (
             ),
         ),
         ("tests/test_host_sync.py::test_gradients_of_replaced_parameters_are_masked_before_the_step",),
+    ),
+    Mutation(
+        "lora-mask-copied-every-forward",
+        "lora: masked moves and casts its mask to the update's device and dtype in every forward",
+        (
+            (
+                "hf_sparsity/lora/masked.py",
+                "            return delta * self.mask  #",
+                "            return delta * self.mask.to(delta.device, delta.dtype)  #",
+            ),
+        ),
+        ("tests/test_host_sync.py::test_masked_lora_steps_do_no_host_work",),
     ),
 )
 

@@ -312,6 +312,32 @@ def test_steps_without_an_event_do_no_host_work_under_trainer(tmp_path, optim):
     assert cb.flops.tokens == real
 
 
+def test_masked_lora_steps_do_no_host_work():
+    """``lora: masked`` applies ``(B·A) ⊙ M`` in every forward: the mask sits beside the weight and is
+    neither copied nor cast per forward; the adapter trains (its update is masked)."""
+    peft = pytest.importorskip("peft")
+    base = realistic_model("llama").train()
+    model = peft.get_peft_model(
+        base,
+        peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False
+        ),
+    )
+    engine = SparsityEngine(model, SparsityConfig(sparsity=0.5, init_method="random", seed=6, lora="masked"))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, fused=True)
+    engine.start(opt)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    rec = HostWork()
+    with rec:
+        for step in range(1, 7):
+            rec.step = step
+            model(**_batch(step)).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert not any(rec.at(s) for s in range(1, 7)), rec.calls
+    assert all(not torch.equal(p.detach(), before[n]) for n, p in model.named_parameters() if n in before)
+
+
 def test_masks_follow_their_weights_to_another_device():
     """Masks placed on another device than their weights (as after ``model.to(device)``, which keeps
     the parameter objects) are placed again on the weights' device by the next step: the gradient
