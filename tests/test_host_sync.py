@@ -416,6 +416,26 @@ def test_packing_on_the_device_writes_numpys_little_bit_order():
 
 
 # ------------------------------------------------------------------------------------------ on a GPU
+class _DeviceInvariants(TrainerCallback):
+    """After every optimizer step (outside the strict hooks): masked weights and AdamW moments exactly 0,
+    compared on the weights' device."""
+
+    def __init__(self, cb: SparsityCallback):
+        self.cb, self.checked, self.moments = cb, 0, 0
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        inner = getattr(optimizer, "optimizer", optimizer)
+        for name, mask in self.cb.engine.masks.items():
+            p = self.cb.engine.model.get_parameter(name)
+            off = mask.to(p.device) == 0
+            assert int(torch.count_nonzero(p.detach()[off])) == 0, name
+            for k, v in inner.state.get(p, {}).items():
+                if torch.is_tensor(v) and v.shape == p.shape:
+                    assert int(torch.count_nonzero(v[off])) == 0, f"{name}: {k}"
+                    self.moments += 1
+        self.checked += 1
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 @pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch"])
@@ -426,8 +446,6 @@ def test_cuda_steps_without_an_event_never_synchronize(tmp_path, optim, monkeypa
     event step; masks sit on the weights' device and masked weights and moments stay exactly 0."""
     from hf_sparsity.enforcement import MaskEnforcer
     from hf_sparsity.flops.callback import TokenCounter
-
-    from .trainer_utils import InvariantChecker
 
     event, max_steps = 6, 10
     state = {"strict": False}
@@ -461,7 +479,7 @@ def test_cuda_steps_without_an_event_never_synchronize(tmp_path, optim, monkeypa
         sparsity=0.5, init_method="random", seed=1, schedule=[{"step": event, "sparsity": 0.75}]
     )
     cb = SparsityCallback(config)
-    checker = InvariantChecker(cb)
+    checker = _DeviceInvariants(cb)
     trainer = make_trainer(
         model,
         tmp_path,
@@ -476,6 +494,7 @@ def test_cuda_steps_without_an_event_never_synchronize(tmp_path, optim, monkeypa
     )
     trainer.train()
     assert checker.checked == max_steps and [e["step"] for e in cb.events] == [event]
+    assert checker.moments >= 2 * (max_steps - 1) * len(cb.engine.masks)  # exp_avg, exp_avg_sq were seen
     for name in cb.engine.masks:
         w = cb.engine.model.get_parameter(name)
         assert w.device.type == "cuda" and cb.engine.enforcer._dev_masks[name].device == w.device
