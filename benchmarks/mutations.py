@@ -173,8 +173,8 @@ MUTATIONS = (
         (
             (
                 "hf_sparsity/lora/masked.py",
-                "            return delta * self.mask.to(delta.device, delta.dtype)",
-                "            return delta",
+                "            return delta * self.mask  #",
+                "            return delta  #",
             ),
             (
                 "hf_sparsity/lora/masked.py",
@@ -529,8 +529,8 @@ MUTATIONS = (
         (
             (
                 "hf_sparsity/flops/callback.py",
-                "    dist.all_reduce(total)\n    return int(total)",
-                "    return int(total) * dist.get_world_size()",
+                "    dist.all_reduce(total)\n    return total\n",
+                "    return total * dist.get_world_size()\n",
             ),
         ),
         (
@@ -615,6 +615,54 @@ MUTATIONS = (
             "tests/test_exact_internals.py::test_two_adapters_on_masked_layers_each_apply_their_own_masked_update",
         ),
     ),
+    Mutation(
+        "tokens-read-every-step",
+        "the callback reads the step's token count on the host (a device sync) on every optimizer step",
+        (
+            (
+                "hf_sparsity/callback.py",
+                "self._pending.add(self._tokens.step_tokens(args, state), self.engine.levels, self.flops)",
+                "self.flops.add_tokens(self._tokens.step(args, state), self.engine.levels)",
+            ),
+        ),
+        ("tests/test_host_sync.py::test_steps_without_an_event_do_no_host_work_under_trainer",),
+    ),
+    Mutation(
+        "masks-stay-behind-after-to",
+        "masks are placed again only when a parameter object is replaced, not when the model moves device",
+        (
+            (
+                "hf_sparsity/enforcement.py",
+                "is not p or local(p).device != self._dev_masks[n].device",
+                "is not p",
+            ),
+        ),
+        ("tests/test_host_sync.py::test_masks_follow_their_weights_to_another_device",),
+    ),
+    Mutation(
+        "replaced-params-grads-unmasked",
+        "before_step masks only unhooked gradients even when the hooks sat on parameters since replaced",
+        (
+            (
+                "hf_sparsity/enforcement.py",
+                "        self.mask_gradients(only_unhooked=not replaced)",
+                "        self.mask_gradients(only_unhooked=True)",
+            ),
+        ),
+        ("tests/test_host_sync.py::test_gradients_of_replaced_parameters_are_masked_before_the_step",),
+    ),
+    Mutation(
+        "lora-mask-copied-every-forward",
+        "lora: masked moves and casts its mask to the update's device and dtype in every forward",
+        (
+            (
+                "hf_sparsity/lora/masked.py",
+                "            return delta * self.mask  #",
+                "            return delta * self.mask.to(delta.device, delta.dtype)  #",
+            ),
+        ),
+        ("tests/test_host_sync.py::test_masked_lora_steps_do_no_host_work",),
+    ),
 )
 
 NEW_TEST_FILES = (
@@ -622,6 +670,7 @@ NEW_TEST_FILES = (
     "tests/test_refusals.py",
     "tests/test_bad_branches.py",
     "tests/test_exact_internals.py",
+    "tests/test_host_sync.py",
 )
 """The test files written with the last mutations above (their entries name the test that catches each);
 ``--before`` leaves them out (what the suite caught without them)."""

@@ -53,6 +53,7 @@ from .flops import FlopAccountant
 from .flops.callback import (  # noqa: F401  (FlopCallback and the FLOP-state file: re-exported)
     FLOP_STATE_NAME,
     FlopCallback,
+    PendingTokens,
     TokenCounter,
     checkpoint_dir_of,
     load_flop_state,
@@ -113,6 +114,7 @@ class SparsityCallback(TrainerCallback, ExportableState):
         self.flops = None
         self._listeners: list[Any] = []
         self._tokens = TokenCounter(seq_len)
+        self._pending = PendingTokens()
 
     @property
     def events(self) -> list[dict[str, Any]]:
@@ -176,6 +178,8 @@ class SparsityCallback(TrainerCallback, ExportableState):
             _enable_debug_logging()
         model = unwrap_model(model)
         self.engine = SparsityEngine(model, self.config, total_steps=state.max_steps or None)
+        # First listener: the tokens trained so far are counted at the levels before the event.
+        self.engine.add_listener(lambda record: self._pending.flush(self.flops))
         for fn in self._listeners:
             self.engine.add_listener(fn)
         source = self._find_masks(args, state, model)
@@ -202,11 +206,12 @@ class SparsityCallback(TrainerCallback, ExportableState):
             if saved:
                 self.flops.load_state_dict(saved)
         self._tokens.start(model, state)
+        self._pending = PendingTokens()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.engine.before_step()
-        if self.flops is not None:  # this step trained at the levels in force now
-            self.flops.add_tokens(self._tokens.step(args, state), self.engine.levels)
+        if self.flops is not None:  # this step trained at the levels in force now; counted lazily
+            self._pending.add(self._tokens.step_tokens(args, state), self.engine.levels, self.flops)
         return control
 
     def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):
@@ -227,6 +232,7 @@ class SparsityCallback(TrainerCallback, ExportableState):
             out.update({f"sparsity/layer/{r['name']}": r["sparsity"] for r in rows})
         out["sparsity/total"] = sum(r["zeros"] for r in rows) / max(sum(r["numel"] for r in rows), 1)
         if self.flops is not None:
+            self._pending.flush(self.flops)  # host sync: only when metrics are asked for (logging)
             out.update(self.flops.log_dict())
         return out
 
@@ -236,6 +242,7 @@ class SparsityCallback(TrainerCallback, ExportableState):
 
     def on_save(self, args, state, control, **kwargs):
         # The mask file is not written here: save_pretrained wrote it, with the weights (module docstring).
+        self._pending.flush(self.flops)  # every process: the count goes into the checkpoint
         ckpt = checkpoint_dir_of(args, state)
         if state.is_world_process_zero and os.path.isdir(ckpt):
             if not os.path.isfile(os.path.join(ckpt, SPARSITY_MASKS_NAME)):
@@ -250,6 +257,7 @@ class SparsityCallback(TrainerCallback, ExportableState):
 
     def on_train_end(self, args, state, control, **kwargs):
         self._tokens.stop()
+        self._pending.flush(self.flops)
         if self.engine is not None and state.is_world_process_zero:
             report = self.engine.format_report()
             logger.info("Per-layer sparsity at the end of training:\n%s", report)

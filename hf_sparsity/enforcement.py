@@ -16,6 +16,15 @@ current masks through :meth:`MaskEnforcer.place`. For every masked parameter:
   Any other optimizer (Adamax's ``exp_inf`` picks up ``eps``, for one) is re-masked every
   step; ``state_masking="always"`` forces that everywhere.
 
+Every step stays on the device: the masks are kept on their weight's device (a copy per
+parameter, made in :meth:`MaskEnforcer.place`), the per-step hooks only multiply in place and
+compare Python attributes (parameter identity, device), and nothing in them reads a tensor's
+value on the host (no ``.item()``, ``nonzero()``, ``bool(tensor)``, ``.cpu()``), so a CUDA
+step never waits for the GPU and never copies a mask. Host work happens only where masks change
+(placement, events, restore) and when they are saved; ``tests/test_host_sync.py`` counts it.
+After ``model.to(device)`` (which keeps the parameter objects) the masks follow their weights:
+the gradient hooks and :meth:`MaskEnforcer.before_step` see the new device and place again.
+
 FSDP2 (DTensor) and DeepSpeed ZeRO-3 parameters: each rank keeps the full mask and applies the
 slice matching its local shard (:func:`local_slice`); gradients under ZeRO-3 arrive full-shape
 and are masked by the full mask. DeepSpeed ZeRO-1/2/3 also keep fp32 master weights and moments
@@ -82,7 +91,10 @@ class MaskEnforcer:
 
     # ------------------------------------------------------------------ placement
     def place(self, masks: Mapping[str, torch.Tensor]) -> None:
-        """Re-read parameter objects (after ``.to()``, DDP/FSDP wrapping) and place ``masks`` on them."""
+        """Re-read parameter objects (after ``.to()``, DDP/FSDP wrapping) and place ``masks`` on them.
+
+        Copies every mask to its weight's device (host -> device): done when masks change, never per step.
+        """
         self._masks = masks
         self._params = {n: self.model.get_parameter(n) for n in masks}
         self._dev_masks, self._mask_by_param, self._grad_masks, self._zero_masks = {}, {}, {}, {}
@@ -98,9 +110,16 @@ class MaskEnforcer:
         if self._grad_hooks or self._hooks_enabled:
             self.register_grad_hooks()
 
-    def _check_params(self) -> None:
-        if any(self.model.get_parameter(n) is not p for n, p in self._params.items()):
+    def _check_params(self) -> bool:
+        """Place the masks again when a parameter was replaced (wrapping) or moved (``model.to``, which
+        keeps the parameter object); returns whether it did. Attribute reads only: no host sync."""
+        if any(
+            self.model.get_parameter(n) is not p or local(p).device != self._dev_masks[n].device
+            for n, p in self._params.items()
+        ):
             self.place(self._masks)
+            return True
+        return False
 
     # ------------------------------------------------------------------ enforcement
     @torch.no_grad()
@@ -148,9 +167,13 @@ class MaskEnforcer:
                 local(p.grad).mul_(self._dev_masks[name])
 
     def before_step(self) -> None:
-        """Right before ``optimizer.step()``: mask the gradients the hooks could not reach."""
-        self._check_params()
-        self.mask_gradients(only_unhooked=True)
+        """Right before ``optimizer.step()``: mask the gradients the hooks could not reach.
+
+        After the parameters were replaced or moved, every gradient: the hooks that ran in this
+        step's backward belonged to the parameters (or masks) of before.
+        """
+        replaced = self._check_params()
+        self.mask_gradients(only_unhooked=not replaced)
 
     @torch.no_grad()
     def after_step(self) -> None:
@@ -170,7 +193,7 @@ class MaskEnforcer:
         """
         for name, piece in self._zero_masks.items():
             for view in zero.master_views(self._params[name]):
-                view.mul_(piece if piece.dtype == view.dtype else piece.to(view.dtype))
+                view.mul_(piece)  # the uint8 piece promotes in place: no cast copy per step
 
     def needs_per_step_state_masking(self, opt: torch.optim.Optimizer) -> bool:
         return self.state_masking == "always" or type(opt).__name__ not in ZERO_PRESERVING_OPTIMIZERS
@@ -195,10 +218,9 @@ class MaskEnforcer:
         for name, p in self._params.items():
             if is_dtensor(p) or not p.requires_grad:
                 continue  # FSDP2 writes sharded grads directly; masked in before_step()
-            mask = self._grad_masks[name]
             # In place: the incoming gradient of a leaf weight is a fresh matmul output that
             # nothing else holds, and an out-of-place product would double the traffic.
-            self._grad_hooks.append(p.register_hook(lambda g, m=mask, n=name: self._on_grad(n, g, m)))
+            self._grad_hooks.append(p.register_hook(lambda g, n=name: self._on_grad(n, g)))
             self._hooked.add(name)
 
     def capture_gradients(self, on: bool) -> None:
@@ -211,7 +233,14 @@ class MaskEnforcer:
         captured, self.captured = self.captured, {}
         return captured
 
-    def _on_grad(self, name: str, g: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _on_grad(self, name: str, g: torch.Tensor) -> torch.Tensor:
+        mask = self._grad_masks[name]
+        if mask.device != g.device:
+            # The model moved (``model.to``) since the masks were placed: one copy from the masks
+            # held on the CPU, on the first backward after the move; before_step then places
+            # every mask on the new device.
+            p, full = self._params[name], self._masks[name]
+            mask = self._grad_masks[name] = (full if zero.is_zero3(p) else local_slice(full, p)).to(g.device)
         if self.capture_grads:  # RigL scores regrowth by the dense gradient, before masking
             prev = self.captured.get(name)
             self.captured[name] = g.detach().float().clone() if prev is None else prev + g.detach().float()

@@ -111,15 +111,13 @@ def dynamic_update(
 
 
 def reduce_gradients(captured: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Captured dense gradients summed over ranks (every rank must score regrowth on the same gradient)."""
-    grads = {n: g.cpu() for n, g in captured.items()}
+    """Captured dense gradients summed over ranks (every rank must score regrowth on the same gradient),
+    on the CPU: summed where they were captured, then copied once (an update event's host work)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         if torch.distributed.get_world_size() > 1:
-            for n in sorted(grads):
-                t = captured[n]
-                torch.distributed.all_reduce(t)
-                grads[n] = t.cpu()
-    return grads
+            for n in sorted(captured):
+                torch.distributed.all_reduce(captured[n])
+    return {n: g.cpu() for n, g in captured.items()}
 
 
 def event_record(event: ScheduledEvent, changes: Mapping[str, dict[str, Any]], total_level: float) -> dict:

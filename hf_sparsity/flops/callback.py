@@ -83,7 +83,15 @@ class TokenCounter:
         self.batch_source = self.batch_source or source
 
     def step(self, args, state) -> int:
-        """Tokens trained since the previous call (call once per optimizer step, on every process)."""
+        """Tokens trained since the previous call (call once per optimizer step, on every process).
+
+        A count taken from the batches is read on the host here, which waits for the device:
+        the callbacks call :meth:`step_tokens` instead and read it only when a number is needed.
+        """
+        return int(self.step_tokens(args, state))
+
+    def step_tokens(self, args, state) -> int | torch.Tensor:
+        """:meth:`step`, but a count taken from the batches stays a tensor on their device (no host sync)."""
         pending, self.pending = self.pending, 0
         seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
         if seen > self.seen:
@@ -99,7 +107,7 @@ class TokenCounter:
                 * self.seq_len
             )
         self._log(f"the training batches: {self.batch_source or 'none seen yet'}, summed over processes")
-        return _sum_over_processes(pending)
+        return _sum_over_processes_on_device(pending)
 
     def _log(self, source: str) -> None:
         if self.logged is None:
@@ -109,13 +117,45 @@ class TokenCounter:
 
 def _sum_over_processes(n: Any) -> int:
     """``n`` summed over the processes of ``torch.distributed`` (just ``n`` without it)."""
+    return int(_sum_over_processes_on_device(n))
+
+
+def _sum_over_processes_on_device(n: Any) -> int | torch.Tensor:
+    """:func:`_sum_over_processes`, left where the sum is: the all-reduce is queued, nothing waits."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return int(n)
+        return n
     # NCCL reduces CUDA tensors only; gloo is given CPU ones.
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     total = torch.as_tensor(n).detach().to(device=device, dtype=torch.int64).clone()
     dist.all_reduce(total)
-    return int(total)
+    return total
+
+
+class PendingTokens:
+    """Tokens trained since the FLOP count was last brought up to date, and the levels they trained at.
+
+    A count taken from the batches is a tensor on their device, and reading it on the host waits
+    for the device. The callbacks add each step's count here (a device addition, no wait) and
+    account it (:meth:`flush`, the one host read) only when a number is needed: when metrics are
+    logged, at a checkpoint, at a sparsity event (the levels change) and at the end of training.
+    """
+
+    def __init__(self):
+        self.count: int | torch.Tensor = 0
+        self.levels: dict[str, float] | None = None  # the levels in force while ``count`` trained
+
+    def add(self, n: int | torch.Tensor, levels: dict[str, float], flops) -> None:
+        if self.levels is not None and levels != self.levels:  # changed without an event: account first
+            self.flush(flops)
+        if self.levels is None:
+            self.levels = dict(levels)
+        self.count = self.count + n
+
+    def flush(self, flops) -> None:
+        """Account the pending tokens in ``flops`` at their levels (host sync: log, save, event, end only)."""
+        if flops is not None and self.levels is not None:
+            flops.add_tokens(int(self.count), self.levels)
+        self.count, self.levels = 0, None
 
 
 class FlopCallback(TrainerCallback):
@@ -133,6 +173,7 @@ class FlopCallback(TrainerCallback):
         self.seq_len = seq_len
         self.flops = None
         self._tokens = TokenCounter(seq_len)
+        self._pending = PendingTokens()
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         model = unwrap_model(model)
@@ -141,22 +182,26 @@ class FlopCallback(TrainerCallback):
         if saved:
             self.flops.load_state_dict(saved)
         self._tokens.start(model, state)
+        self._pending = PendingTokens()
         return control
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.flops.add_tokens(self._tokens.step(args, state), {})
+        self._pending.add(self._tokens.step_tokens(args, state), {}, self.flops)  # no host sync
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
         self._tokens.stop()
+        self._pending.flush(self.flops)
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is not None and ("loss" in logs or "eval_loss" in logs):
+            self._pending.flush(self.flops)
             logs.update(self.flops.log_dict())
         return control
 
     def on_save(self, args, state, control, **kwargs):
+        self._pending.flush(self.flops)  # every process: the count goes into the checkpoint
         ckpt = checkpoint_dir_of(args, state)
         if state.is_world_process_zero and os.path.isdir(ckpt):
             save_flop_state(ckpt, self.flops)
@@ -189,6 +234,7 @@ _TokenCounter = TokenCounter
 __all__ = [
     "FLOP_STATE_NAME",
     "FlopCallback",
+    "PendingTokens",
     "TokenCounter",
     "checkpoint_dir_of",
     "load_flop_state",

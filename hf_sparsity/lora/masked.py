@@ -72,7 +72,9 @@ def masked_variant_class() -> type:
         def delta(self, module: nn.Module, adapter: str) -> torch.Tensor:
             """peft's ``B·A·scaling`` in the base weight's layout, masked."""
             delta = module.get_delta_weight(adapter)
-            return delta * self.mask.to(delta.device, delta.dtype)
+            if self.mask.device != delta.device:  # the model moved since: follow it once, not every forward
+                self.mask = self.mask.to(delta.device)
+            return delta * self.mask  # the uint8 mask promotes to delta's dtype: no cast copy
 
         def merge_safe(self, module: nn.Module, active_adapter: str, orig_weight: torch.Tensor):
             return orig_weight + self.delta(module, active_adapter).to(orig_weight.dtype)
@@ -118,7 +120,7 @@ def apply_masked_mode(view: Any, masks: Mapping[str, torch.Tensor]) -> list[str]
         _check_maskable(name, layer)
     for name, layer in covered:
         weight = layer.base_layer.weight
-        variant = masked_variant_class()(masks[name].to(weight.device, weight.dtype))
+        variant = masked_variant_class()(masks[name].to(weight.device))  # uint8, beside its weight
         for adapter in layer.lora_A:
             set_lora_variant(layer, adapter, variant)
     logger.info("lora: masked: %d adapter layers apply (B·A) ⊙ M.", len(covered))

@@ -55,10 +55,27 @@ def _as_2d(shape) -> tuple[int, int]:
 
 
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:
-    """uint8 {0,1} mask of any shape -> ``(rows, ceil(cols/8))`` uint8, little bit order."""
+    """uint8 {0,1} mask of any shape -> ``(rows, ceil(cols/8))`` uint8 on the CPU, little bit order.
+
+    A mask on an accelerator is packed there (:func:`pack_bits`), so one byte in eight crosses to the host.
+    """
     rows, cols = _as_2d(mask.shape)
-    arr = mask.detach().to("cpu", MASK_DTYPE).reshape(rows, cols).numpy().astype(bool)
+    if mask.device.type != "cpu":
+        return pack_bits(mask.detach().reshape(rows, cols)).cpu()
+    arr = mask.detach().to(MASK_DTYPE).reshape(rows, cols).numpy().astype(bool)
     return torch.from_numpy(np.packbits(arr, axis=1, bitorder="little"))
+
+
+def pack_bits(mask2d: torch.Tensor) -> torch.Tensor:
+    """``(rows, cols)`` mask -> ``(rows, ceil(cols/8))`` uint8 on the mask's own device, little bit order
+    (bit ``j`` of byte ``b`` is column ``8*b + j``: the bytes ``numpy.packbits(..., bitorder="little")``
+    writes), in uint8 throughout."""
+    rows, cols = mask2d.shape
+    bits = (mask2d != 0).to(torch.uint8)
+    if cols % 8:
+        bits = torch.nn.functional.pad(bits, (0, 8 - cols % 8))
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    return (bits.view(rows, -1, 8) << shifts).sum(-1, dtype=torch.uint8)
 
 
 def unpack_mask(packed: torch.Tensor, shape) -> torch.Tensor:
