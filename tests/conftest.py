@@ -79,3 +79,28 @@ ARCHS = ["gpt2", "llama", "gpt_neox", "opt"]
 def _fresh_plan_cache(tmp_path_factory, monkeypatch):
     """Each test starts with an empty ``auto`` plan cache of its own (never the user's)."""
     monkeypatch.setenv("HF_SPARSITY_PLAN_CACHE", str(tmp_path_factory.mktemp("plans") / "plans.json"))
+
+
+# ---------------------------------------------------------------------- parallel runs (pytest-xdist, -n 2)
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ... in a worker; None in a plain run
+if WORKER:
+    # Each worker gets one core's share: one intra-op thread here and in the processes tests start
+    # (launchers set their own OMP_NUM_THREADS=1). Tests that check thread counts set them themselves.
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under xdist: a module's tests that share a module-scoped fixture (a training run, a wheel) go to
+    one worker (``--dist loadgroup``), so the fixture is built once; and slow tests are handed out
+    first, so the longest ones do not start last and leave one worker idle at the end."""
+    if not WORKER:
+        return
+    for item in items:
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        if any(d[-1].scope == "module" for d in defs.values() if d) and not item.get_closest_marker(
+            "xdist_group"
+        ):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: files stay in order
