@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,6 +85,17 @@ def _fresh_plan_cache(tmp_path_factory, monkeypatch):
 
 # ---------------------------------------------------------------------- parallel runs (pytest-xdist, -n 2)
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ... in a worker; None in a plain run
+# DeepSpeed's CPU backend compiles a C++ op (torch.utils.cpp_extension, deepspeed_shm_comm) when a launched
+# run starts, cached under one name: two checkouts with different environments on one machine would each
+# rebuild it in turn, for every run. A folder per Python environment builds it once per environment.
+os.environ.setdefault(
+    "TORCH_EXTENSIONS_DIR",
+    os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "torch_extensions",
+        "env-" + hashlib.sha256(sys.prefix.encode()).hexdigest()[:12],
+    ),
+)
 if WORKER:
     # Each worker gets one core's share: one intra-op thread here and in the processes tests start
     # (launchers set their own OMP_NUM_THREADS=1). Tests that check thread counts set them themselves.
