@@ -103,17 +103,52 @@ if WORKER:
     os.environ["OMP_NUM_THREADS"] = "1"
 
 
-@pytest.hookimpl(tryfirst=True)
+# Handed out first, in this order (the longest tests, so none starts last and leaves a worker idle at the
+# end); then the other slow tests, then the rest, each in file order. An ordering only: a file may go.
+FIRST = ("test_deepspeed.py", "test_gpu_check.py", "test_evaluation.py", "test_resume_after_crash.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under xdist: a module's tests that share a module-scoped fixture (a training run, a wheel) go to
-    one worker (``--dist loadgroup``), so the fixture is built once; and slow tests are handed out
-    first, so the longest ones do not start last and leave one worker idle at the end."""
+    """Under xdist, the slow tests first (see FIRST); the same order in every worker."""
     if not WORKER:
         return
-    for item in items:
-        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
-        if any(d[-1].scope == "module" for d in defs.values() if d) and not item.get_closest_marker(
-            "xdist_group"
-        ):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: files stay in order
+
+    def rank(item):
+        name = item.path.name
+        slow = item.get_closest_marker("slow") is not None
+        return (not slow, FIRST.index(name) if slow and name in FIRST else len(FIRST))
+
+    items.sort(key=rank)  # stable: the rest stay in file order
+
+
+_module_fixtures: dict[str, bool] = {}
+
+
+def _shares_a_module_fixture(path: str) -> bool:
+    """Whether the test file defines a module-scoped fixture (a training run, a built wheel)."""
+    if path not in _module_fixtures:
+        try:
+            text = (REPO / path).read_text(encoding="utf-8")
+        except OSError:
+            text = ""
+        _module_fixtures[path] = 'scope="module"' in text
+    return _module_fixtures[path]
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook; ignored without it
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup``: each test goes to the next free worker, except that the tests of a file with a
+    module-scoped fixture go to one worker together, so the fixture is built once. (pytest-xdist's own
+    loadgroup, driven by ``xdist_group`` marks, does not group under pytest 9: it renames a node
+    attribute pytest no longer reads.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModuleFixture(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if _shares_a_module_fixture(path) else nodeid
+
+    config.option.loadscopereorder = False  # keep the collection's order (slow tests first)
+    return ByModuleFixture(config, log)
