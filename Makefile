@@ -1,8 +1,11 @@
 # Two commands do all the set-up on a fresh machine:
 #   make run    # the main job: an SPDF run end to end on the embedded default
-#   make test   # the test suite (all of it: what CI runs)
+#   make test   # the test suite (all of it: what CI runs), on every core (pytest-xdist)
 #   make test-fast  # the inner loop: everything but the tests marked slow
 VENV ?= .venv
+# pytest-xdist workers (one per core); `make test WORKERS=0` runs in this process, one test at a time
+WORKERS ?= auto
+XDIST := -n $(WORKERS) --dist loadgroup
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
@@ -20,10 +23,10 @@ run: $(STAMP)
 	$(VENV)/bin/accelerate launch recipes/spdf.py --output_dir outputs/spdf --overwrite true
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST) --durations=20
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q $(XDIST) -m "not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

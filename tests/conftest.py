@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,3 +81,74 @@ ARCHS = ["gpt2", "llama", "gpt_neox", "opt"]
 def _fresh_plan_cache(tmp_path_factory, monkeypatch):
     """Each test starts with an empty ``auto`` plan cache of its own (never the user's)."""
     monkeypatch.setenv("HF_SPARSITY_PLAN_CACHE", str(tmp_path_factory.mktemp("plans") / "plans.json"))
+
+
+# ---------------------------------------------------------------------- parallel runs (pytest-xdist, -n 2)
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ... in a worker; None in a plain run
+# DeepSpeed's CPU backend compiles a C++ op (torch.utils.cpp_extension, deepspeed_shm_comm) when a launched
+# run starts, cached under one name: two checkouts with different environments on one machine would each
+# rebuild it in turn, for every run. A folder per Python environment builds it once per environment.
+os.environ.setdefault(
+    "TORCH_EXTENSIONS_DIR",
+    os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "torch_extensions",
+        "env-" + hashlib.sha256(sys.prefix.encode()).hexdigest()[:12],
+    ),
+)
+if WORKER:
+    # Each worker gets one core's share: one intra-op thread here and in the processes tests start
+    # (launchers set their own OMP_NUM_THREADS=1). Tests that check thread counts set them themselves.
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+
+# Handed out first, in this order (the longest tests, so none starts last and leaves a worker idle at the
+# end); then the other slow tests, then the rest, each in file order. An ordering only: a file may go.
+FIRST = ("test_deepspeed.py", "test_gpu_check.py", "test_evaluation.py", "test_resume_after_crash.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist, the slow tests first (see FIRST); the same order in every worker."""
+    if not WORKER:
+        return
+
+    def rank(item):
+        name = item.path.name
+        slow = item.get_closest_marker("slow") is not None
+        return (not slow, FIRST.index(name) if slow and name in FIRST else len(FIRST))
+
+    items.sort(key=rank)  # stable: the rest stay in file order
+
+
+_module_fixtures: dict[str, bool] = {}
+
+
+def _shares_a_module_fixture(path: str) -> bool:
+    """Whether the test file defines a module-scoped fixture (a training run, a built wheel)."""
+    if path not in _module_fixtures:
+        try:
+            text = (REPO / path).read_text(encoding="utf-8")
+        except OSError:
+            text = ""
+        _module_fixtures[path] = 'scope="module"' in text
+    return _module_fixtures[path]
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook; ignored without it
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup``: each test goes to the next free worker, except that the tests of a file with a
+    module-scoped fixture go to one worker together, so the fixture is built once. (pytest-xdist's own
+    loadgroup, driven by ``xdist_group`` marks, does not group under pytest 9: it renames a node
+    attribute pytest no longer reads.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModuleFixture(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if _shares_a_module_fixture(path) else nodeid
+
+    config.option.loadscopereorder = False  # keep the collection's order (slow tests first)
+    return ByModuleFixture(config, log)

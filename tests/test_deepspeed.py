@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hf_sparsity import zero
+from hf_sparsity.cli import main as cli_main
 from hf_sparsity.storage.masks_file import load_masks, save_masks
 from hf_sparsity.utils import SparsityError
 
@@ -45,11 +46,7 @@ def _consolidated_and_finalized(ckpt, tmp_path):
         shutil.copy(ckpt / f, consolidated / f)
     save_file({k: v.contiguous() for k, v in fp32.items()}, consolidated / "model.safetensors")
     out = tmp_path / "final"
-    proc = subprocess.run(
-        [sys.executable, "-m", "hf_sparsity", "convert", "--finalize", str(consolidated), str(out)],
-        env=ENV, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert cli_main(["convert", "--finalize", str(consolidated), str(out)]) == 0  # the CLI, in this process
     return fp32, load_file(out / "model.safetensors")
 
 

@@ -176,6 +176,7 @@ def test_selection_plugin_keeps_gpu_marked_and_cuda_skipping_tests(tmp_path):
     assert ids == ["test_marked", "test_skips_for_cuda"], proc.stdout + proc.stderr
 
 
+@pytest.mark.slow  # pytest in a subprocess, collecting the whole suite
 @pytest.mark.skipif(sys.platform != "linux", reason="the dry run reads /proc")
 def test_dry_run_of_the_pytest_check_collects_the_gpu_tests_and_they_skip_without_cuda(tmp_path):
     """Check a on CPU: ``pytest -m gpu`` style selection works here and every selected test skips."""

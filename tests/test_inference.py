@@ -446,6 +446,7 @@ def test_auto_whole_model_check_keeps_dense_when_the_converted_model_is_slower(m
     assert all(c["whole_model_check"]["kept"] for c in auto_choices(model).values())
 
 
+@pytest.mark.slow  # builds the C++ custom ops (torch cpp_extension) on a fresh cache
 @pytest.mark.skipif(_native.load() is None, reason="native kernel did not build")
 def test_sparse_layer_bytes_and_compiled_generate_match_eager():
     # the converted layers' bytes against the same weights dense (bitmask at 75%: 1.125 of 4 bytes per

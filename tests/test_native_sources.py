@@ -7,6 +7,7 @@ library), so no kernel is compiled; the real build runs in ``test_native_kernels
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import shutil
@@ -78,3 +79,20 @@ def test_the_cache_key_changes_with_every_piece(fake_build, piece):
     with open(src / piece, "a", encoding="utf-8") as f:
         f.write("\n/* an edit */\n")
     assert build() != first, f"an edit to {piece} would load the library built before it"
+
+
+def test_processes_building_at_once_compile_once(fake_build, tmp_path):
+    # the ranks of a launcher (or parallel test workers) starting together: one compiles, the others wait
+    # for it and load its library instead of compiling the same one beside it
+    build, _, _ = fake_build
+    runs = tmp_path / "runs"
+    (tmp_path / "cc").write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "--version" ]; then echo "stand-in cc 1.0"; exit 0; fi\n'
+        f'echo run >> "{runs}"; sleep 1\n'
+        'while [ $# -gt 0 ]; do case "$1" in -o) : > "$2"; shift;; esac; shift; done\n'
+    )
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        built = list(pool.map(lambda _: build(), range(3)))
+    assert len(set(built)) == 1 and os.path.isfile(built[0])
+    assert runs.read_text().split() == ["run"]

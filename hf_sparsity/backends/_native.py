@@ -16,7 +16,8 @@ The source (``csrc/``, package data: ``hfs_kernels.c``, one translation unit tha
 beside it, one concern each) is plain C11 + pthreads + OpenMP (no torch headers),
 so it builds with the system C compiler in a few seconds (``cc -O3 -march=native -shared -fopenmp``)
 into ``$HF_SPARSITY_CACHE`` (default ``~/.cache/hf_sparsity``), keyed by a hash of
-every source file, the flags, compiler and CPU, then loaded with ``ctypes`` (which releases the
+every source file, the flags, compiler and CPU (one process compiles, others starting at once wait on
+a lock file beside it), then loaded with ``ctypes`` (which releases the
 GIL during calls; callers on other Python threads get OpenMP teams of their own, or, with the
 pthread pool, run serially rather than share it).
 Anything failing (no compiler, read-only cache, non-Linux platform) makes
@@ -26,6 +27,7 @@ Anything failing (no compiler, read-only cache, non-Linux platform) makes
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -38,6 +40,11 @@ import threading
 import torch
 
 from ..import_utils import c_compiler
+
+try:
+    import fcntl  # POSIX: the build lock
+except ImportError:
+    fcntl = None
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +119,22 @@ def _cpu_id() -> str:
     return "".join(found.values()) or platform.processor() or platform.machine()
 
 
+@contextlib.contextmanager
+def _build_lock(out: str):
+    """Held while ``out`` is compiled: processes starting at once (the ranks of a launcher, parallel test
+    workers) build each library once, the others wait and load it. Without ``fcntl`` (not POSIX) no
+    lock: each builds, and the atomic rename still keeps every library whole."""
+    if fcntl is None:
+        yield
+        return
+    with open(out + ".lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _build(cc: str, openmp: bool = True) -> str:
     files = sources()
     code = "".join(f"{name}\0{text}\0" for name, text in files.items())
@@ -129,7 +152,9 @@ def _build(cc: str, openmp: bool = True) -> str:
         if os.path.isfile(out):
             return out
         os.makedirs(cache_dir(), exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+        with _build_lock(out), tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+            if os.path.isfile(out):  # built by another process while this one waited
+                return out
             for name, text in files.items():  # the sources hashed, beside each other (the includes)
                 with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
                     f.write(text)
