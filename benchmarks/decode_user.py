@@ -8,8 +8,9 @@ folders, with WikiText-2 perplexity and bytes per weight on every row.
         --threads 2 --tokens 128 --rounds 3 --ppl-windows 16 --data-dir DATA_DIR
 
 Each ``NAME=FOLDER[:int8]`` is a model folder (``hf_sparsity prune`` output: weights and
-``sparsity_masks.safetensors``; ``:int8``: int8 values with per-row scales). Per folder the model is loaded
-once and converted with ``sparsify_for_inference(model, "auto")``; the rows (one prompt, batch 1):
+``sparsity_masks.safetensors``; a folder without masks, a dense or finalized model, converts with its exact
+zeros as ``hf_sparsity generate`` does; ``:int8``: int8 values with per-row scales). Per folder the model is
+loaded once and converted with ``sparsify_for_inference(model, "auto")``; the rows (one prompt, batch 1):
 
 * ``native loop``: :func:`hf_sparsity.inference.decoding.greedy_decode` (one native call per token);
 * ``generate+native``: ``model.generate(ids, do_sample=False, custom_generate=native_generate)``;
@@ -108,6 +109,7 @@ def _load(args):
     """{name: dict(model, tok, ids, folder, values)} for the model folders, converted with ``auto``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from hf_sparsity.constants import SPARSITY_MASKS_NAME
     from hf_sparsity.inference import sparsify_for_inference
     from hf_sparsity.inference.decoding import native_step_reason
 
@@ -119,7 +121,8 @@ def _load(args):
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         model.generation_config.eos_token_id = None  # exactly --tokens new tokens (module docstring)
         t = time.perf_counter()
-        sparsify_for_inference(model, "auto", **({"values": values} if values else {}))
+        masks = None if os.path.isfile(os.path.join(folder, SPARSITY_MASKS_NAME)) else "zeros"  # as the CLI
+        sparsify_for_inference(model, "auto", masks=masks, **({"values": values} if values else {}))
         convert_s = time.perf_counter() - t
         ids = tok(args.prompt, return_tensors="pt").input_ids
         reason = native_step_reason(model, ids.shape[1] + args.tokens)
