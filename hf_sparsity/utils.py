@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
 
+import torch
+
 
 class SparsityError(ValueError):
     """Raised for bad user input; the message names the problem and the fix."""
@@ -153,3 +155,16 @@ def atomic_dir(
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count set to ``n`` inside the block, and restored after it."""
+    old = torch.get_num_threads()
+    if n != old:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n != old:
+            torch.set_num_threads(old)

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..utils import torch_threads
 from . import _native
 from .arena import huge_buffer, pack_backends
 from .registry import get_backend
@@ -74,9 +75,7 @@ def read_bandwidth_gbs(
     nt = threads or torch.get_num_threads()
     if nt in _BANDWIDTH and not fresh:
         return _BANDWIDTH[nt]
-    old = torch.get_num_threads()
-    torch.set_num_threads(nt)
-    try:
+    with torch_threads(nt):
         # on huge pages where the kernel gives them, as the packed weights are (backends.arena)
         buf = huge_buffer(nbytes // 4 * 4).view(torch.float32)
         buf.fill_(1.0)  # fault the pages in
@@ -85,8 +84,6 @@ def read_bandwidth_gbs(
             t = time.perf_counter()
             buf.sum()
             best = min(best, time.perf_counter() - t)
-    finally:
-        torch.set_num_threads(old)
     _BANDWIDTH[nt] = nbytes / best / 1e9
     return _BANDWIDTH[nt]
 
@@ -116,17 +113,13 @@ def kernel_read_gbs(
     weight = _KERNEL_READ[key]
     nbytes = sum(t.numel() * t.element_size() for t in weight.storage_tensors())
     x = torch.randn(1, cols)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads or old)
-    try:
+    with torch_threads(threads or torch.get_num_threads()):
         weight.linear(x)
         best = float("inf")
         for _ in range(repeats):
             t = time.perf_counter()
             weight.linear(x)
             best = min(best, time.perf_counter() - t)
-    finally:
-        torch.set_num_threads(old)
     return nbytes / best / 1e9
 
 

@@ -42,7 +42,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..utils import SparsityError
+from ..utils import SparsityError, torch_threads
 from .native_step import (  # noqa: F401 (re-exported)
     ARCHITECTURES,
     GPT2_ACTIVATIONS,
@@ -50,7 +50,6 @@ from .native_step import (  # noqa: F401 (re-exported)
     NativeDecoder,
     _refuse,
     native_step_reason,
-    torch_threads,
 )
 
 STEPS = ("auto", "native", "model")
@@ -262,6 +261,7 @@ class _Processing:
     def __init__(self, processors) -> None:
         from transformers.generation.logits_process import TopKLogitsWarper
 
+        on_survivors = _on_survivors()
         self.listed, self.survivors = processors, None
         procs = list(processors)
         # a processor asking for more than (ids, scores) makes LogitsProcessorList raise: let it
@@ -273,7 +273,7 @@ class _Processing:
                 if (
                     tail
                     and p.filter_value == -float("inf")
-                    and all(type(q) in _on_survivors() and _filters_to_minus_inf(q) for q in tail)
+                    and all(type(q) in on_survivors and _filters_to_minus_inf(q) for q in tail)
                 ):
                     self.head, self.tail = procs[: i + 1], tail
                 break

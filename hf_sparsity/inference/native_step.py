@@ -10,7 +10,6 @@ names.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import weakref
 from collections.abc import Callable
@@ -19,7 +18,7 @@ import torch
 from torch import nn
 
 from ..backends import _native, get_backend
-from ..utils import SparsityError
+from ..utils import SparsityError, torch_threads
 from .conversion import SparseLinear
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
@@ -239,19 +238,6 @@ def _dense_gemv(mod: nn.Module, klass) -> object:
         hit = (key, klass.from_dense(w, full), w)
         _DENSE[mod] = hit
     return hit[1]
-
-
-@contextlib.contextmanager
-def torch_threads(n: int):
-    """torch's intra-op thread count set to ``n`` inside the block, and restored after it."""
-    old = torch.get_num_threads()
-    if n != old:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        if n != old:
-            torch.set_num_threads(old)
 
 
 def _refuse(reason: str | None) -> None:

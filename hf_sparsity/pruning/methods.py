@@ -12,13 +12,12 @@ The algorithms follow the reference code: ``locuslab/wanda`` (``lib/prune.py``) 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
 
 from ..masks import lowest_k
-from ..utils import SparsityError
+from ..utils import SparsityError, torch_threads
 
 logger = logging.getLogger(__name__)
 
@@ -137,22 +136,10 @@ def block_zero_counts(k: int, rows: int, cols: int, blocksize: int) -> list[int]
     return out
 
 
-@contextlib.contextmanager
-def _one_thread():
-    """SparseGPT's column sweep is thousands of tiny ops: intra-op threads only add synchronization
-    (measured 0.6 s vs 10 s for a 576x576 weight on a loaded 2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def sparsegpt_inverse(H: torch.Tensor, percdamp: float = 0.01, name: str = "weight"):
     """:func:`damped_inverse_cholesky` as :func:`sparsegpt_prune` computes it (one thread, so the
     same floats): for callers that share one inverse between linears reading the same input."""
-    with _one_thread():
+    with torch_threads(1):  # the same floats as sparsegpt_prune (one thread)
         return damped_inverse_cholesky(H, percdamp, name)
 
 
@@ -177,7 +164,7 @@ def sparsegpt_prune(
     :func:`damped_inverse_cholesky` for ``H`` when the caller already has it (linears that read the
     same input share one Hessian, so one inverse).
     """
-    with _one_thread():
+    with torch_threads(1):  # thousands of tiny ops: threads only synchronize (0.6 s vs 10 s at 576x576)
         return _sparsegpt(W, H, k, nm, blocksize, percdamp, name, hinv)
 
 
