@@ -10,7 +10,7 @@ cut short still leaves one. A check whose packages are missing is skipped with t
 DeepSpeed is installed from ``wheels/`` (``make gpu-wheels``) with ``--no-index`` when it is missing
 and the folder is there. See docs/gpu_check.md.
 
-Checks (limits in seconds on the GPU; they add up to under 8 minutes):
+Checks (limits in seconds on the GPU; they add up to under 9 minutes):
   a  pytest_gpu   the tests marked ``gpu`` and every test that skips without CUDA
   b  train        Trainer, bf16, GPT-2-small and a Llama shape: enforcement after every step (fused and
                   foreach AdamW), a prune event, resume with bit-identical masks, convert --finalize
@@ -18,7 +18,7 @@ Checks (limits in seconds on the GPU; they add up to under 8 minutes):
   d  fsdp2        accelerate launch with recipes/configs/fsdp2_gpu.yaml, one process
   d  zero3        accelerate launch with recipes/configs/zero3.yaml, one process
   e  inference    csr / masked_dense / semi_structured against the emulator; 2:4 vs dense speed
-  f  prune        hf_sparsity prune --device cuda vs cpu (SparseGPT, Wanda, streaming) on a ~1B Llama
+  f  prune        hf_sparsity prune --device cuda vs cpu (SparseGPT, Wanda, streaming) on a ~0.5B Llama
 """
 
 from __future__ import annotations
@@ -57,14 +57,14 @@ CHECKS = (
     Check("a", "pytest_gpu", "check_pytest.py", ("pytest",), 60, 120, "tests marked gpu / skipping for CUDA"),
     Check("b", "train", "check_train.py", ("accelerate", "safetensors"), 75, 150, "Trainer bf16 end to end"),
     Check("c", "overhead", "check_overhead.py", (), 75, 120, "callback step-time overhead"),
-    Check("d", "fsdp2", "check_launch.py", ("accelerate",), 40, 120, "accelerate launch, fsdp2_gpu.yaml"),
+    Check("d", "fsdp2", "check_launch.py", ("accelerate",), 60, 120, "accelerate launch, fsdp2_gpu.yaml"),
     Check("d", "zero3", "check_launch.py", ("accelerate", "deepspeed"), 60, 300, "accelerate launch, zero3"),
     Check("e", "inference", "check_inference.py", (), 35, 90, "backends vs emulator; 2:4 speed"),
-    Check("f", "prune", "check_prune.py", ("tokenizers", "safetensors"), 95, 120, "prune: cuda vs cpu"),
+    Check("f", "prune", "check_prune.py", ("tokenizers", "safetensors"), 120, 120, "prune: cuda vs cpu"),
 )  # fmt: skip
 ALWAYS = ("torch", "transformers", "numpy")
 MARKER = "HF_SPARSITY_GPU_CHECK"
-BUDGET_S = 465  # the whole run on the GPU, DeepSpeed's install included: under 8 minutes
+BUDGET_S = 530  # the whole run on the GPU, DeepSpeed's install included: under 9 minutes
 INSTALL_S = 90  # per pip step; building DeepSpeed's source distribution took 39 s on a 2-core CPU
 
 

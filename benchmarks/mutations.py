@@ -76,11 +76,10 @@ MUTATIONS = (
         (
             (
                 "hf_sparsity/enforcement.py",
-                "        for name, p in self._params.items():\n"
-                "            local(p).mul_(self._dev_masks[name])\n"
-                "        self._mask_gathered()\n"
-                "        self.mask_optimizer_state(every_step=True)\n",
-                "        self._mask_gathered()\n        self.mask_optimizer_state(every_step=True)\n",
+                "            for name, p in self._params.items():\n"
+                "                local(p).mul_(self._dev_masks[name])\n"
+                "        self._mask_gathered()\n",
+                "            pass\n        self._mask_gathered()\n",
             ),
         ),
         ("tests/test_enforcement.py",),
@@ -662,6 +661,43 @@ MUTATIONS = (
             ),
         ),
         ("tests/test_host_sync.py::test_masked_lora_steps_do_no_host_work",),
+    ),
+    Mutation(
+        "event-scores-with-cpu-mask",
+        "a prune event scores a GPU weight against the CPU mask (raised on CUDA: found by the GPU check)",
+        (
+            (
+                "hf_sparsity/masks.py",
+                "score.masked_fill(mask.to(score.device) == 0, -1.0)",
+                "score.masked_fill(mask == 0, -1.0)",
+            ),
+        ),
+        ("tests/test_pruning_methods.py::test_scores_and_selections_stay_on_the_weights_device",),
+    ),
+    Mutation(
+        "wanda-row-counts-on-cpu",
+        "Wanda's per-row selection builds its counts and column index on the CPU (raised on CUDA)",
+        (
+            (
+                "hf_sparsity/pruning/methods.py",
+                "    counts = row_counts(k, rows, score.device)",
+                "    counts = row_counts(k, rows)",
+            ),
+            (
+                "hf_sparsity/pruning/methods.py",
+                "torch.arange(cols, device=score.device)",
+                "torch.arange(cols)",
+            ),
+        ),
+        ("tests/test_pruning_methods.py::test_scores_and_selections_stay_on_the_weights_device",),
+    ),
+    Mutation(
+        "weights-rezeroed-after-every-step",
+        "the weights get a re-zeroing pass after every step, for zero-preserving optimizers too",
+        (("hf_sparsity/enforcement.py", "        if self._weights_every_step():", "        if True:"),),
+        (
+            "tests/test_enforcement.py::test_weights_are_rezeroed_after_a_step_only_where_the_optimizer_could_move_them",
+        ),
     ),
 )
 

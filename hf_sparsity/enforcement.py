@@ -7,7 +7,9 @@ current masks through :meth:`MaskEnforcer.place`. For every masked parameter:
 * gradients are masked as they arrive (a tensor hook on the parameter, so gradient
   clipping, DDP all-reduce and gradient accumulation only ever see masked gradients);
   parameters without such a hook (FSDP2 shards) are masked in :meth:`before_step`;
-* after every optimizer step, masked weights are set to exactly 0;
+* after every optimizer step, masked weights are exactly 0: set to 0, unless every optimizer
+  is one whose update keeps a zero weight zero (below), where a zero weight with a masked
+  gradient and zero state stays exactly 0 without another pass over the weights;
 * every optimizer state tensor of the weight's shape (Adam moments, momentum) is 0 at
   masked positions: zeroed whenever masks are placed, and re-zeroed after every step
   unless the optimizer is one whose update provably keeps a zero state zero given a zero
@@ -177,9 +179,16 @@ class MaskEnforcer:
 
     @torch.no_grad()
     def after_step(self) -> None:
-        """Right after ``optimizer.step()``: masked weights and optimizer state exactly 0."""
-        for name, p in self._params.items():
-            local(p).mul_(self._dev_masks[name])
+        """Right after ``optimizer.step()``: masked weights and optimizer state exactly 0.
+
+        When every optimizer keeps zeros zero (:data:`ZERO_PRESERVING_OPTIMIZERS`), a masked weight
+        that was 0 with 0 state and a masked gradient is still exactly 0 after the step, so the
+        weights are not multiplied again (one full pass over the weights less per step); with no
+        optimizer registered, or any other optimizer, or ``state_masking="always"``, they are.
+        """
+        if self._weights_every_step():
+            for name, p in self._params.items():
+                local(p).mul_(self._dev_masks[name])
         self._mask_gathered()
         self.mask_optimizer_state(every_step=True)
         self.mask_zero_masters()
@@ -194,6 +203,9 @@ class MaskEnforcer:
         for name, piece in self._zero_masks.items():
             for view in zero.master_views(self._params[name]):
                 view.mul_(piece)  # the uint8 piece promotes in place: no cast copy per step
+
+    def _weights_every_step(self) -> bool:
+        return not self.optimizers or any(self.needs_per_step_state_masking(o) for o in self.optimizers)
 
     def needs_per_step_state_masking(self, opt: torch.optim.Optimizer) -> bool:
         return self.state_masking == "always" or type(opt).__name__ not in ZERO_PRESERVING_OPTIMIZERS

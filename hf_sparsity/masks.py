@@ -73,8 +73,8 @@ def lowest_k(score: torch.Tensor, k: int) -> torch.Tensor:
 def magnitude_score(weight: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """|w| in float32, with already-masked positions scored below every live weight."""
     score = weight.detach().abs().float()
-    if mask is not None:
-        score = score.masked_fill(mask == 0, -1.0)
+    if mask is not None:  # the engine keeps masks on the CPU; the weight may be on a GPU
+        score = score.masked_fill(mask.to(score.device) == 0, -1.0)
     return score
 
 

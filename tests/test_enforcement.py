@@ -214,3 +214,52 @@ def test_optimizers_outside_the_zero_preserving_set_are_masked_every_step(opt_na
             for v in opt.state[p].values():
                 if v.shape == p.shape:  # Adamax's exp_inf would hold eps here without re-masking
                     assert torch.count_nonzero(v[mask == 0]) == 0
+
+
+class _WeightMultiplies(torch.overrides.TorchFunctionMode):
+    """In-place multiplies of the given parameters by a 0/1 uint8 mask (the after-step re-zeroing pass;
+    AdamW's own weight decay multiplies by a float)."""
+
+    def __init__(self, params):
+        super().__init__()
+        self.ids, self.count = {id(p) for p in params}, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        other = args[1] if len(args) > 1 else None
+        if (
+            func is torch.Tensor.mul_
+            and id(args[0]) in self.ids
+            and getattr(other, "dtype", None) == torch.uint8
+        ):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    "make_opt,every_step",
+    [
+        (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1), False),
+        (lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, weight_decay=0.1), False),
+        (lambda ps: torch.optim.Adamax(ps, lr=1e-2), True),
+        (lambda ps: _Drift(ps), True),
+    ],
+)
+def test_weights_are_rezeroed_after_a_step_only_where_the_optimizer_could_move_them(make_opt, every_step):
+    """A zero-preserving optimizer (zero weight, zero state, masked gradient: the update is exactly 0)
+    gets no pass over the weights after its step; any other optimizer gets one multiply per target.
+    Either way the masked weights are exactly 0 after each of 11 steps."""
+    model = tiny_model("llama")
+    eng = SparsityEngine(model, SparsityConfig(sparsity=0.6, seed=3))
+    eng.build_masks()
+    opt = make_opt(model.parameters())
+    eng.attach(opt)
+    targets = [model.get_parameter(n) for n in eng.masks]
+    for _ in range(11):
+        x = torch.randint(0, 128, (2, 8))
+        model(input_ids=x, labels=x).loss.backward()
+        with _WeightMultiplies(targets) as seen:
+            opt.step()
+        opt.zero_grad()
+        assert seen.count == (len(targets) if every_step else 0)
+        for name, mask in eng.masks.items():
+            assert torch.count_nonzero(model.get_parameter(name).detach()[mask == 0]) == 0, name

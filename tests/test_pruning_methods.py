@@ -67,3 +67,36 @@ def test_sparsegpt_computes_one_inverse_per_shared_hessian():
         W_new, pruned = sparsegpt.prune(torch.randn(4, 16), H, 32, None, name, ctx)
         assert int(pruned.sum()) == 32 and (W_new[pruned] == 0).all()
     assert list(ctx.inverses) == ["q"]
+
+
+class _OutputDevices(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every device an aten op's tensor output lands on."""
+
+    def __init__(self):
+        super().__init__()
+        self.devices: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.devices.add(t.device.type)
+        return out
+
+
+@pytest.mark.parametrize("rows,cols,k", [(6, 8, 10), (5, 12, 13), (4, 16, 0), (3, 4, 12)])
+def test_scores_and_selections_stay_on_the_weights_device(rows, cols, k):
+    """On a GPU a weight is scored and selected where it lives: masks kept on the CPU are moved to it,
+    and no helper tensor is made on another device (a CPU ``arange`` against CUDA scores raised in
+    ``scatter_``). The meta device stands in for the GPU: every op's output must be on it."""
+    from hf_sparsity import masks as MK
+
+    w = torch.empty(rows, cols, device="meta")
+    cpu_mask = torch.ones(rows, cols, dtype=torch.uint8)  # where the engine keeps its masks
+    with _OutputDevices() as seen:
+        score = MK.magnitude_score(w, cpu_mask)
+        pruned = M.prune_per_row(score, k)
+        nm = M.prune_nm(score, 2, 4)
+    assert score.device.type == pruned.device.type == nm.device.type == "meta"
+    assert pruned.shape == (rows, cols) and pruned.dtype == torch.bool
+    assert seen.devices == {"meta"}, seen.devices

@@ -1,6 +1,6 @@
 """Check f: ``hf_sparsity prune --device cuda`` against the same prune on the CPU of the same machine.
 
-A random Llama of about 1B parameters (16 blocks, hidden 2048, FFN 5632, 32 heads, 16 KV heads,
+A random Llama of about 0.5B parameters (8 blocks, hidden 2048, FFN 5632, 32 heads, 16 KV heads,
 vocab 32000, float32, saved as a folder with a word-level tokenizer) is pruned to 50% by Wanda and by
 SparseGPT, streaming block by block (the command's default), on the GPU and on the CPU, each by the
 command in its own process, with the same calibration windows. Figures: the prune time the command
@@ -137,7 +137,7 @@ def run(report: common.Report, args) -> tuple[str, str]:
 
 
 def extra(ap) -> None:
-    ap.add_argument("--layers", type=int, default=16, help="blocks of the random Llama (default 16: ~0.9B)")
+    ap.add_argument("--layers", type=int, default=8, help="blocks of the random Llama (default 8: ~0.5B)")
     ap.add_argument("--prune-budget", type=float, default=600, help="seconds for the four prunes together")
 
 

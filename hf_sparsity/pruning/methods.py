@@ -24,9 +24,9 @@ logger = logging.getLogger(__name__)
 METHODS = ("magnitude", "wanda", "sparsegpt")
 
 
-def row_counts(k: int, rows: int) -> torch.Tensor:
+def row_counts(k: int, rows: int, device: torch.device | str | None = None) -> torch.Tensor:
     """Spread ``k`` zeros over ``rows`` rows as evenly as possible (the first rows take the remainder)."""
-    counts = torch.full((rows,), k // rows, dtype=torch.long)
+    counts = torch.full((rows,), k // rows, dtype=torch.long, device=device)
     counts[: k % rows] += 1
     return counts
 
@@ -39,7 +39,8 @@ def prune_per_row(score: torch.Tensor, k: int) -> torch.Tensor:
     """
     rows, cols = score.shape
     order = torch.sort(score, dim=1, stable=True).indices
-    take = torch.arange(cols).unsqueeze(0) < row_counts(k, rows).unsqueeze(1)
+    counts = row_counts(k, rows, score.device)  # on the score's device: the GPU prunes without a copy
+    take = torch.arange(cols, device=score.device).unsqueeze(0) < counts.unsqueeze(1)
     pruned = torch.zeros_like(score, dtype=torch.bool)
     pruned.scatter_(1, order, take)
     return pruned
@@ -97,7 +98,7 @@ def damped_inverse_cholesky(
     H = H.clone().float()
     dead = torch.diag(H) == 0
     H[dead, dead] = 1
-    diag = torch.arange(H.shape[0])
+    diag = torch.arange(H.shape[0], device=H.device)
     mean_diag = torch.mean(torch.diag(H))
     damp_frac = percdamp
     for attempt in range(max_tries):
