@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO-2 / ZeRO-3 through ``Trainer(deepspeed=...)`` on CPU: 2 processes under torchrun (gloo,
 DeepSpeed's CPU accelerator), compared with one plain process on the same data."""
 
+import importlib.util
 import json
 import os
 import shutil
@@ -14,7 +15,7 @@ import torch
 from hf_sparsity import zero
 from hf_sparsity.cli import main as cli_main
 from hf_sparsity.storage.masks_file import load_masks, save_masks
-from hf_sparsity.utils import SparsityError
+from hf_sparsity.utils import SparsityError, torch_threads
 
 from .conftest import REPO
 
@@ -25,7 +26,21 @@ SCRIPT = REPO / "tests" / "scripts" / "deepspeed_trainer.py"
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), DS_ACCELERATOR="cpu")
 
 
+def _in_process(out, *args):
+    """The single-process reference (``--stage 0``: plain Trainer, no DeepSpeed) run in this process, on
+    one torch thread as the launched runs (``OMP_NUM_THREADS=1``): the same numbers without a fresh
+    interpreter's imports."""
+    spec = importlib.util.spec_from_file_location("deepspeed_trainer_script", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    with torch_threads(1):
+        script.main([str(out), *map(str, args)])
+    return [json.loads((out / "rank0.json").read_text())]
+
+
 def _run(out, *args, procs=2, torchrun=False):
+    if procs == 1 and not torchrun and args[:2] == ("--stage", "0"):
+        return _in_process(out, *args)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs)]
     cmd = (launcher if procs > 1 or torchrun else [sys.executable]) + [str(SCRIPT), str(out), *args]
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=400)

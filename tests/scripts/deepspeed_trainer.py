@@ -28,6 +28,15 @@ from hf_sparsity import SparsityCallback, SparsityConfig  # noqa: E402
 from tests.conftest import tiny_model  # noqa: E402
 from tests.trainer_utils import random_blocks  # noqa: E402
 
+if os.environ.get("DS_ACCELERATOR") == "cpu":
+    # DeepSpeed's CPU backend compiles a C++ shared-memory all-reduce (deepspeed_shm_comm) when its process
+    # group starts: about 30 s on 2 cores in a fresh environment, which every launch of a test run waits
+    # for. gloo's all-reduce gives the same sums; these runs check masks and state, not communication speed.
+    # (by module name: the package's attribute ``deepspeed.comm.torch`` is torch itself)
+    import importlib  # noqa: E402
+
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
 
 class InOrderTrainer(Trainer):
     def _get_train_sampler(self, *args, **kwargs):
@@ -78,7 +87,7 @@ def digest(masks):
     return h.hexdigest()
 
 
-def main():
+def main(argv: list[str] | None = None):
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--stage", type=int, default=2)
@@ -97,7 +106,7 @@ def main():
     ap.add_argument("--resume", default="")
     ap.add_argument("--offload", action="store_true")
     ap.add_argument("--universal", action="store_true", help="load a universal checkpoint (ds_to_universal)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
 
     rank = int(os.environ.get("RANK", "0"))
     torch.manual_seed(100 + rank)  # ranks differ in global RNG: masks must not depend on it
