@@ -13,19 +13,24 @@ from .conftest import REPO
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_ddp_masks_identical_on_both_ranks(arch, tmp_path):
+def test_ddp_masks_identical_on_both_ranks(tmp_path):
+    """Llama, then GPT-2, in one launch (two Trainers in the same two processes)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
         "--main_process_port", "0",
-        str(REPO / "tests" / "scripts" / "ddp_trainer.py"), str(tmp_path), arch,
+        str(REPO / "tests" / "scripts" / "ddp_trainer.py"), str(tmp_path), "llama,gpt2",
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    r0 = json.loads((tmp_path / "rank0.json").read_text())
-    r1 = json.loads((tmp_path / "rank1.json").read_text())
+    for arch in ("llama", "gpt2"):
+        _check_ddp_run(tmp_path / arch)
+
+
+def _check_ddp_run(out):
+    r0 = json.loads((out / "rank0.json").read_text())
+    r1 = json.loads((out / "rank1.json").read_text())
     assert r0["world_size"] == 2
     assert r0["masks"] == r1["masks"]  # built independently on each rank, no communication
     assert r0["weights"] == r1["weights"]  # DDP kept replicas in sync, masked weights included
@@ -34,7 +39,7 @@ def test_ddp_masks_identical_on_both_ranks(arch, tmp_path):
     # Batch tokens summed over micro-batches and all-reduced over ranks: steps x accumulation x batch x
     # ranks x block length, the same on both ranks.
     assert r0["tokens"] == r1["tokens"] == 5 * 2 * 4 * 2 * 16
-    masks, _ = load_masks(tmp_path / "checkpoint-5")
+    masks, _ = load_masks(out / "checkpoint-5")
     assert all(int((m == 0).sum()) == round(0.75 * m.numel()) for m in masks.values())
 
 

@@ -1,4 +1,5 @@
-"""Run under ``accelerate launch --multi_gpu --num_processes 2``: Trainer + SparsityCallback on DDP.
+"""Run under ``accelerate launch --multi_gpu --num_processes 2``: Trainer + SparsityCallback on DDP (for one
+architecture or several, comma-separated, one after the other).
 With a third argument ``fsdp`` (under ``torchrun``): ``Trainer(fsdp="full_shard", fsdp_config={"fsdp_version":
 2})``, which transformers runs as DDP on CPU; the result says how it ran.
 
@@ -27,7 +28,18 @@ def digest(tensors):
     return h.hexdigest()
 
 
-def main(out, arch, mode="ddp"):
+def main(out, archs, mode="ddp"):
+    """``archs``: one architecture, or several separated by commas, trained one after the other in the same
+    processes (one launch), each into ``out/<arch>``."""
+    names = archs.split(",")
+    for arch in names:
+        run(os.path.join(out, arch) if len(names) > 1 else out, arch, mode)
+    if torch.distributed.is_initialized():  # a clean teardown: gloo's threads joined before exit
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def run(out, arch, mode):
     rank = int(os.environ.get("RANK", "0"))
     torch.manual_seed(100 + rank)  # ranks differ in global RNG: masks must not depend on it
     model = tiny_model(arch, seed=0)
@@ -58,9 +70,6 @@ def main(out, arch, mode="ddp"):
     }
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    if torch.distributed.is_initialized():  # a clean teardown: gloo's threads joined before exit
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
