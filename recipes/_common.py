@@ -63,3 +63,13 @@ from _stages import (  # noqa: F401
     train_stage,
     training_arguments,
 )
+
+
+def start(defaults: dict, doc: str, argv: list[str] | None = None):
+    """A recipe's first steps: parse its arguments, make the output folder, build the data.
+
+    Returns ``(args, tokenizer, train_blocks, eval_blocks)``; recipes that read fine-tuning text too
+    (SPDF, Variable SPDF) call :func:`prepare_data` with it themselves."""
+    args = parse_args(defaults, doc, argv)
+    prepare_output_dir(args)
+    return (args, *prepare_data(args))

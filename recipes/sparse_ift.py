@@ -45,9 +45,7 @@ DEFAULTS = C.recipe_defaults(
 def main(argv=None, callbacks=()):
     """Run the recipe; ``callbacks`` go to every Trainer too (tests inject a simulated preemption)."""
     # Long by design: a recipe's story, read top to bottom (nanoGPT's train.py style).
-    args = C.parse_args(DEFAULTS, __doc__, argv)
-    C.prepare_output_dir(args)
-    tokenizer, train_blocks, eval_blocks = C.prepare_data(args)
+    args, tokenizer, train_blocks, eval_blocks = C.start(DEFAULTS, __doc__, argv)
     pool = [(0, list(range(len(train_blocks))))]
 
     dense_model = C.build_model(args, tokenizer)

@@ -31,9 +31,7 @@ DEFAULTS = C.recipe_defaults(
 
 def main(argv=None, callbacks=()):
     """Run the recipe; ``callbacks`` go to the Trainer too (tests inject a simulated preemption)."""
-    args = C.parse_args(DEFAULTS, __doc__, argv)
-    C.prepare_output_dir(args)
-    tokenizer, train_blocks, eval_blocks = C.prepare_data(args)
+    args, tokenizer, train_blocks, eval_blocks = C.start(DEFAULTS, __doc__, argv)
     model = C.build_model(args, tokenizer)
     data = C.stage_data(train_blocks, args, args.max_steps, [(0, list(range(len(train_blocks))))])
     sparsity = SparsityConfig(sparsity=args.sparsity, init_method=args.init_method, seed=args.sparsity_seed)
