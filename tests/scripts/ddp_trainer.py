@@ -1,7 +1,8 @@
 """Run under ``accelerate launch --multi_gpu --num_processes 2``: Trainer + SparsityCallback on DDP (for one
 architecture or several, comma-separated, one after the other).
-With a third argument ``fsdp`` (under ``torchrun``): ``Trainer(fsdp="full_shard", fsdp_config={"fsdp_version":
-2})``, which transformers runs as DDP on CPU; the result says how it ran.
+With the mode ``fsdp`` (a third argument, or ``arch:fsdp`` in the list; under ``accelerate launch`` or
+``torchrun``): ``Trainer(fsdp="full_shard", fsdp_config={"fsdp_version": 2})``, which transformers runs as DDP
+on CPU; the result says how it ran.
 
 Each rank writes ``rank{R}.json`` with a hash of its masks and of its final weights, how many
 optimizer steps passed the invariant check, and the tokens its FLOP accounting counted.
@@ -29,11 +30,12 @@ def digest(tensors):
 
 
 def main(out, archs, mode="ddp"):
-    """``archs``: one architecture, or several separated by commas, trained one after the other in the same
-    processes (one launch), each into ``out/<arch>``."""
+    """``archs``: one architecture, or several separated by commas (each ``arch`` or ``arch:mode``),
+    trained one after the other in the same processes (one launch), each into ``out/<arch>[-<mode>]``."""
     names = archs.split(",")
-    for arch in names:
-        run(os.path.join(out, arch) if len(names) > 1 else out, arch, mode)
+    for name in names:
+        arch, _, own_mode = name.partition(":")
+        run(os.path.join(out, name.replace(":", "-")) if len(names) > 1 else out, arch, own_mode or mode)
     if torch.distributed.is_initialized():  # a clean teardown: gloo's threads joined before exit
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
