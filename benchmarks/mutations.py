@@ -620,8 +620,8 @@ MUTATIONS = (
         (
             (
                 "hf_sparsity/callback.py",
-                "self._pending.add(self._tokens.step_tokens(args, state), self.engine.levels, self.flops)",
-                "self.flops.add_tokens(self._tokens.step(args, state), self.engine.levels)",
+                "self._pending.add(self._tokens.step(args, state), self.engine.levels, self.flops)",
+                "self.flops.add_tokens(int(self._tokens.step(args, state)), self.engine.levels)",
             ),
         ),
         ("tests/test_host_sync.py::test_steps_without_an_event_do_no_host_work_under_trainer",),

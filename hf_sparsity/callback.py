@@ -211,7 +211,7 @@ class SparsityCallback(TrainerCallback, ExportableState):
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.engine.before_step()
         if self.flops is not None:  # this step trained at the levels in force now; counted lazily
-            self._pending.add(self._tokens.step_tokens(args, state), self.engine.levels, self.flops)
+            self._pending.add(self._tokens.step(args, state), self.engine.levels, self.flops)
         return control
 
     def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):

@@ -82,16 +82,12 @@ class TokenCounter:
         self.pending = self.pending + n  # a tensor stays on its device: no sync per micro-batch
         self.batch_source = self.batch_source or source
 
-    def step(self, args, state) -> int:
+    def step(self, args, state) -> int | torch.Tensor:
         """Tokens trained since the previous call (call once per optimizer step, on every process).
 
-        A count taken from the batches is read on the host here, which waits for the device:
-        the callbacks call :meth:`step_tokens` instead and read it only when a number is needed.
+        A count taken from the batches stays a tensor on their device: reading it on the host waits for
+        the device, so the callbacks read it only when a number is needed (:class:`PendingTokens`).
         """
-        return int(self.step_tokens(args, state))
-
-    def step_tokens(self, args, state) -> int | torch.Tensor:
-        """:meth:`step`, but a count taken from the batches stays a tensor on their device (no host sync)."""
         pending, self.pending = self.pending, 0
         seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
         if seen > self.seen:
@@ -107,7 +103,7 @@ class TokenCounter:
                 * self.seq_len
             )
         self._log(f"the training batches: {self.batch_source or 'none seen yet'}, summed over processes")
-        return _sum_over_processes_on_device(pending)
+        return _sum_over_processes(pending)
 
     def _log(self, source: str) -> None:
         if self.logged is None:
@@ -115,13 +111,9 @@ class TokenCounter:
             self.logged = source
 
 
-def _sum_over_processes(n: Any) -> int:
-    """``n`` summed over the processes of ``torch.distributed`` (just ``n`` without it)."""
-    return int(_sum_over_processes_on_device(n))
-
-
-def _sum_over_processes_on_device(n: Any) -> int | torch.Tensor:
-    """:func:`_sum_over_processes`, left where the sum is: the all-reduce is queued, nothing waits."""
+def _sum_over_processes(n: Any) -> int | torch.Tensor:
+    """``n`` summed over the processes of ``torch.distributed`` (just ``n`` without it), left where the
+    sum is: the all-reduce is queued, nothing waits for it."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return n
     # NCCL reduces CUDA tensors only; gloo is given CPU ones.
@@ -186,7 +178,7 @@ class FlopCallback(TrainerCallback):
         return control
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self._pending.add(self._tokens.step_tokens(args, state), {}, self.flops)  # no host sync
+        self._pending.add(self._tokens.step(args, state), {}, self.flops)  # no host sync
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
