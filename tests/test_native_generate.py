@@ -190,6 +190,23 @@ def test_sampling_draws_from_generates_processed_probabilities(arch, layout):
         assert p_ref[0, int(seq[0, ids.shape[1] + t])] > 0
 
 
+def test_sampled_text_is_the_same_whether_or_not_the_scores_are_returned():
+    """Without ``output_scores`` the whole processed row is not built (a draw needs top-k's survivors only):
+    the same seed draws the same 24 tokens either way."""
+    model = _sparse(_model("llama", "gqa"))
+    model.generation_config.eos_token_id = None
+    ids = _ids(6, 4)
+    runs = []
+    for want_scores in (True, False):
+        torch.manual_seed(11)
+        out = model.generate(
+            ids, max_new_tokens=24, **SAMPLING, custom_generate=native_generate, native_step="native",
+            return_dict_in_generate=True, output_scores=want_scores,
+        )  # fmt: skip
+        runs.append(out.sequences)
+    assert runs[0].shape[1] == ids.shape[1] + 24 and torch.equal(runs[0], runs[1])
+
+
 @pytest.mark.parametrize(
     "cfg",
     [

@@ -255,14 +255,15 @@ class _Processing:
       whole vocabulary. Every token top-k removed is ``-inf`` and stays so; on the survivors these warpers
       compute what they compute on the whole row, up to the rounding of sums (top-p sorts 50 values instead
       of 49,152: 5 ms a token on SmolLM2's vocabulary). :attr:`survivors` holds their ids; a draw then
-      samples among them (:meth:`draw`).
+      samples among them (:meth:`draw`). The whole processed row (``-inf`` outside the survivors) is
+      built only with ``full_rows`` (``output_scores``, greedy): a draw needs the survivors alone.
     """
 
-    def __init__(self, processors) -> None:
+    def __init__(self, processors, full_rows: bool = True) -> None:
         from transformers.generation.logits_process import TopKLogitsWarper
 
         on_survivors = _on_survivors()
-        self.listed, self.survivors = processors, None
+        self.listed, self.survivors, self.full_rows = processors, None, full_rows
         procs = list(processors)
         # a processor asking for more than (ids, scores) makes LogitsProcessorList raise: let it
         self.direct = all(len(inspect.signature(p.__call__).parameters) <= 2 for p in procs)
@@ -290,7 +291,8 @@ class _Processing:
                 sub = scores[:, keep]
                 for p in self.tail:
                     sub = p(ids, sub)
-                scores = torch.full_like(scores, -float("inf")).index_copy_(1, keep, sub)
+                if self.full_rows:
+                    scores = torch.full_like(scores, -float("inf")).index_copy_(1, keep, sub)
                 self.survivors = (keep, sub)
         return scores
 
@@ -331,7 +333,7 @@ def _native_loop(model, input_ids, logits_processor, stopping_criteria, generati
     has_eos = pad is not None and any(hasattr(c, "eos_token_id") for c in stopping_criteria)
     ids = input_ids
     unfinished = torch.ones(1, dtype=torch.long, device=ids.device)
-    processing = _Processing(logits_processor)
+    processing = _Processing(logits_processor, full_rows=keep_scores or not do_sample)  # greedy: argmax
     dec = NativeDecoder(model, check=False)
     n = int(ids.shape[1])
     limit = int(generation_config.max_length or n + _CACHE_STEP)
