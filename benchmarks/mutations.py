@@ -291,12 +291,12 @@ MUTATIONS = (
     ),
     Mutation(
         "native-sampling-uniform-among-survivors",
-        "native_generate draws uniformly among top-k's survivors instead of from their probabilities",
+        "native_generate's torch path draws uniformly among top-k's survivors, not by their probabilities",
         (
             (
                 "hf_sparsity/inference/decoding.py",
-                "keep[torch.multinomial(nn.functional.softmax(sub, dim=-1), num_samples=1)[:, 0]]",
-                "keep[torch.multinomial(torch.ones_like(sub), num_samples=1)[:, 0]]",
+                "cum = nn.functional.softmax(sub[0].double(), dim=-1).cumsum(0)",
+                "cum = (torch.ones(sub.shape[-1], dtype=torch.float64) / sub.shape[-1]).cumsum(0)",
             ),
         ),
         ("tests/test_native_generate.py",),
@@ -699,6 +699,126 @@ MUTATIONS = (
             "tests/test_enforcement.py::test_weights_are_rezeroed_after_a_step_only_where_the_optimizer_could_move_them",
         ),
     ),
+    Mutation(
+        "native-sample-uniform-draw",
+        "the native sampling call draws uniformly among the survivors instead of by their probabilities",
+        (("hf_sparsity/backends/csrc/sample.c", "    cum += s->work[j];", "    cum += 1.0 / (double)m;"),),
+        ("tests/test_native_sampling.py",),
+    ),
+    Mutation(
+        "native-sample-penalty-twice-for-repeated-ids",
+        "an id seen twice gets the repetition penalty twice (each write reads the row, not the saved value)",
+        (
+            (
+                "hf_sparsity/backends/csrc/sample.c",
+                "x[seen[j]] = s->saved[j] < 0.0f ? s->saved[j] * s->penalty : s->saved[j] / s->penalty;",
+                "x[seen[j]] = x[seen[j]] < 0.0f ? x[seen[j]] * s->penalty : x[seen[j]] / s->penalty;",
+            ),
+        ),
+        ("tests/test_native_sampling.py",),
+    ),
+    Mutation(
+        "native-sample-row-not-restored",
+        "the penalized values stay in the logits after the native sampling call",
+        (
+            (
+                "hf_sparsity/backends/csrc/sample.c",
+                "      if (seen[j] < n) x[seen[j]] = s->saved[j];",
+                "      if (0) x[seen[j]] = s->saved[j];",
+            ),
+        ),
+        ("tests/test_native_sampling.py",),
+    ),
+    Mutation(
+        "native-sample-nan-unnoticed",
+        "a NaN in the row's vectors no longer sends the token to torch",
+        (
+            (
+                "hf_sparsity/backends/csrc/sample.c",
+                "    if (_mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q)) goto done;",
+                "",
+            ),
+        ),
+        ("tests/test_native_sampling.py",),
+    ),
+    Mutation(
+        "native-sample-top-p-keeps-too-few",
+        "top-p in the native call ignores min_tokens_to_keep",
+        (
+            (
+                "hf_sparsity/backends/csrc/sample.c",
+                "    for (int64_t i = 0; i < m - keep; i++) {\n      cum += s->work[i];",
+                "    for (int64_t i = 0; i < m; i++) {\n      cum += s->work[i];",
+            ),
+        ),
+        ("tests/test_native_sampling.py",),
+    ),
+    Mutation(
+        "native-sample-min-p-keeps-too-few",
+        "min-p in the native call ignores min_tokens_to_keep",
+        (
+            (
+                "hf_sparsity/backends/csrc/sample.c",
+                "    for (int64_t i = 0; i < m - keep; i++)\n      if (s->work[s->order[i]] < floor)",
+                "    for (int64_t i = 0; i < m; i++)\n      if (s->work[s->order[i]] < floor)",
+            ),
+        ),
+        ("tests/test_native_sampling.py",),
+    ),
+    Mutation(
+        "native-sample-temperature-by-reciprocal",
+        "the native call multiplies by 1 / temperature (not torch's division: other roundings)",
+        (
+            (
+                "hf_sparsity/backends/csrc/sample.c",
+                "#define HFS_Y(i) (divide ? x[i] / t : x[i])",
+                "#define HFS_Y(i) (divide ? x[i] * (1.0f / t) : x[i])",
+            ),
+        ),
+        ("tests/test_native_sampling.py",),
+    ),
+    Mutation(
+        "native-sample-prompt-ignore-length-ignored",
+        "the repetition penalty's prompt_ignore_length is dropped on the native call",
+        (
+            (
+                "hf_sparsity/inference/decoding.py",
+                "s.penalty, self.skip = penalty.penalty, penalty.prompt_ignore_length or 0",
+                "s.penalty, self.skip = penalty.penalty, 0",
+            ),
+        ),
+        ("tests/test_native_sampling.py",),
+    ),
+    Mutation(
+        "native-argmax-skips-nan",
+        "the native step's argmax passes over NaN logits (torch.argmax takes the first NaN)",
+        (
+            (
+                "hf_sparsity/backends/csrc/decode.c",
+                "if (y[i] > y[best] || (y[i] != y[i] && y[best] == y[best])) best = i;",
+                "if (y[i] > y[best]) best = i;",
+            ),
+        ),
+        ("tests/test_native_sampling.py",),
+    ),
+    Mutation(
+        "native-argmax-last-of-ties",
+        "the native step's argmax takes the last of tied largest logits (torch.argmax: the first)",
+        (
+            (
+                "hf_sparsity/backends/csrc/decode.c",
+                "if (y[i] > y[best] || (y[i] != y[i] && y[best] == y[best])) best = i;",
+                "if (y[i] >= y[best] || (y[i] != y[i] && y[best] == y[best])) best = i;",
+            ),
+        ),
+        ("tests/test_native_sampling.py",),
+    ),
+    Mutation(
+        "native-stops-ignore-eos",
+        "native_generate's stopping criteria on ints ignore the end-of-sequence tokens",
+        (("hf_sparsity/inference/decoding.py", "return tok in self.eos or (", "return False or ("),),
+        ("tests/test_native_sampling.py",),
+    ),
 )
 
 NEW_TEST_FILES = (
@@ -707,6 +827,7 @@ NEW_TEST_FILES = (
     "tests/test_bad_branches.py",
     "tests/test_exact_internals.py",
     "tests/test_host_sync.py",
+    "tests/test_native_sampling.py",
 )
 """The test files written with the last mutations above (their entries name the test that catches each);
 ``--before`` leaves them out (what the suite caught without them)."""

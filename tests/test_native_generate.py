@@ -160,10 +160,20 @@ def test_greedy_stops_at_eos_and_pads_like_generate():
     assert int(got[0, -1]) == eos and got.shape[1] == ids.shape[1] + 4 and torch.equal(got, want)
 
 
+@pytest.fixture(params=["native", "torch"])
+def sampling_path(request, monkeypatch):
+    """Sampling's processors in the one native call, or in torch (as where the native call is not built)."""
+    if request.param == "torch":
+        from hf_sparsity.inference import decoding
+
+        monkeypatch.setattr(decoding, "_sampler", lambda *a: None)
+    return request.param
+
+
 @pytest.mark.parametrize(
     "arch,layout", [("llama", "gqa"), ("qwen2", "mqa-wide-heads"), ("qwen3", "mha-hd32"), ("gpt2", "h4-hd16")]
 )
-def test_sampling_draws_from_generates_processed_probabilities(arch, layout):
+def test_sampling_draws_from_generates_processed_probabilities(arch, layout, sampling_path):
     """At every step of a sampled run (temperature, top-k, top-p, repetition penalty) the processed
     probabilities equal those transformers' own loop computes for the same prefix, within float rounding;
     every drawn token has positive probability there."""
@@ -214,10 +224,11 @@ def test_sampled_text_is_the_same_whether_or_not_the_scores_are_returned():
         dict(top_k=12, typical_p=0.9),  # typical-p reads every token: the whole row
         dict(top_k=5),  # top-k alone: nothing after it
         dict(top_k=0, top_p=0.8),  # no top-k: top-p on the whole row
+        dict(top_k=12, temperature=1.3, top_p=0.5, min_p=0.2),  # both on the survivors
     ],
-    ids=["min-p", "typical-p", "top-k-only", "top-p-only"],
+    ids=["min-p", "typical-p", "top-k-only", "top-p-only", "top-p-and-min-p"],
 )
-def test_sampling_configurations_give_generates_processed_probabilities(cfg):
+def test_sampling_configurations_give_generates_processed_probabilities(cfg, sampling_path):
     model = _sparse(_model("llama", "mqa-wide-heads"))
     model.generation_config.eos_token_id = None
     ids = _ids(6, 9)

@@ -205,6 +205,7 @@ def load() -> ctypes.CDLL | None:
             lib.hfs_decode_step.argtypes, lib.hfs_decode_step.restype = [vp, i64, i64], i64
             lib.hfs_decode_prompt.argtypes, lib.hfs_decode_prompt.restype = [vp, vp, i64, i64], i64
             lib.hfs_decode_work_floats.argtypes, lib.hfs_decode_work_floats.restype = [vp], i64
+            lib.hfs_sample.argtypes, lib.hfs_sample.restype = [vp, vp, vp, i64, ctypes.c_double, vp], i64
             if os.environ.get("HF_SPARSITY_NATIVE_POOL") == "pthread":
                 lib.hfs_set_openmp(0)
             elif lib.hfs_set_openmp(-1) and len(_openmp_runtimes() | before) > max(1, len(before)):

@@ -34,6 +34,7 @@ compare tokens) and stop at the end-of-sequence token as ``generate`` does.
 
 from __future__ import annotations
 
+import ctypes
 import inspect
 import logging
 import sys
@@ -246,8 +247,14 @@ def _generate_loop(
 
 class _Processing:
     """One generation's logits processors, run as ``LogitsProcessorList`` runs them in ``generate``'s loop
-    (each called with the ids and the scores), with two savings that leave the processed scores unchanged:
+    (each called with the ids and the scores), with savings that leave the processed scores unchanged:
 
+    * where the processors are the usual sampling list (:func:`_sampler`: the repetition penalty and the
+      temperature, top-k, then temperature / top-k / top-p / min-p on its survivors) and the native kernels
+      are loaded, :meth:`sample` computes them and the draw in one native call (``hfs_sample``) instead of
+      about twenty torch operations, each slowed by the caches the decoding step left cold (0.5-0.9 ms a
+      token on SmolLM2's vocabulary); a row the call leaves to torch (a NaN, fewer than top-k values above
+      ``-inf``, ties past its room) runs the processors as below;
     * the processors' signatures are read once, not once per token (``LogitsProcessorList`` inspects every
       processor at every call: about 0.3 ms a token for a sampling configuration);
     * the warpers after top-k that only read the scores' values (temperature, top-p, min-p, top-k:
@@ -257,9 +264,15 @@ class _Processing:
       of 49,152: 5 ms a token on SmolLM2's vocabulary). :attr:`survivors` holds their ids; a draw then
       samples among them (:meth:`draw`). The whole processed row (``-inf`` outside the survivors) is
       built only with ``full_rows`` (``output_scores``, greedy): a draw needs the survivors alone.
+
+    Every draw, native or not, takes the first token whose cumulative probability (survivors in ascending
+    id order) exceeds a uniform from torch's generator (:class:`_Uniforms`): a seed gives the same text
+    whichever path a token took.
     """
 
-    def __init__(self, processors, full_rows: bool = True) -> None:
+    def __init__(
+        self, processors, full_rows: bool = True, vocab: int | None = None, seen_room: int = 0
+    ) -> None:
         from transformers.generation.logits_process import TopKLogitsWarper
 
         on_survivors = _on_survivors()
@@ -278,6 +291,28 @@ class _Processing:
                 ):
                     self.head, self.tail = procs[: i + 1], tail
                 break
+        self.sampler = _sampler(procs, vocab, seen_room) if self.direct and vocab else None
+
+    def sample(self, seq: _Sequence, logits: torch.Tensor, u: float) -> int | None:
+        """The processors and the draw (uniform ``u``) in one native call on ``logits`` (float32 ``[vocab]``,
+        left as they were); ``None``: not this generation's processors, or a row left to torch
+        (:meth:`__call__`, :meth:`draw`). With ``full_rows``, :attr:`survivors` holds the processed
+        survivors for :meth:`scores`."""
+        self.survivors = None
+        if self.sampler is None:
+            return None
+        tok = self.sampler(seq, logits, u)
+        if tok < 0:
+            return None
+        if self.full_rows:
+            m = self.sampler.survivors.value
+            self.survivors = (self.sampler.idx[:m].clone(), self.sampler.val[None, :m].clone())
+        return tok
+
+    def scores(self, vocab: int) -> torch.Tensor:
+        """The whole processed row of the last :meth:`sample`: ``-inf`` outside the survivors."""
+        keep, sub = self.survivors
+        return torch.full((1, vocab), -float("inf")).index_copy_(1, keep, sub)
 
     def __call__(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         self.survivors = None
@@ -296,13 +331,147 @@ class _Processing:
                 self.survivors = (keep, sub)
         return scores
 
-    def draw(self, scores: torch.Tensor) -> torch.Tensor:
-        """One token sampled from ``softmax(scores)``: among the survivors where there are (the same
-        distribution; the random numbers drawn differ from a draw over the whole row)."""
-        if self.survivors is not None:
-            keep, sub = self.survivors
-            return keep[torch.multinomial(nn.functional.softmax(sub, dim=-1), num_samples=1)[:, 0]]
-        return torch.multinomial(nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+    def draw(self, scores: torch.Tensor, u: float) -> int:
+        """The token of ``softmax(scores)`` (among the survivors where there are: the same distribution) whose
+        cumulative probability first exceeds the uniform ``u``."""
+        keep, sub = self.survivors if self.survivors is not None else (None, scores)
+        cum = nn.functional.softmax(sub[0].double(), dim=-1).cumsum(0)
+        i = min(
+            int(torch.searchsorted(cum, torch.tensor([u], dtype=torch.float64), right=True)), len(cum) - 1
+        )
+        while i > 0 and cum[i] == cum[i - 1]:  # rounding left u at the sum: the last token with a probability
+            i -= 1
+        return int(keep[i]) if keep is not None else i
+
+
+class _Uniforms:
+    """Uniforms in [0, 1) from torch's generator (float64), 256 at a time, one a sampled token."""
+
+    def __init__(self) -> None:
+        self._left: list[float] = []
+
+    def __call__(self) -> float:
+        if not self._left:
+            self._left = torch.rand(256, dtype=torch.float64).tolist()[::-1]
+        return self._left.pop()
+
+
+class _Sequence:
+    """The prompt and the tokens so far, in a buffer written through numpy (no torch operation a token);
+    :meth:`ids` views it as ``generate``'s ``[1, length]`` ids."""
+
+    def __init__(self, ids: torch.Tensor, room: int) -> None:
+        self.device, self.n = ids.device, int(ids.shape[1])
+        self.buf = torch.empty(1, max(room, self.n + 1), dtype=ids.dtype)
+        self.buf[:, : self.n] = ids.cpu()
+        self.np = self.buf.numpy()
+
+    def append(self, tok: int) -> None:
+        if self.n == self.buf.shape[1]:
+            self.buf = torch.cat([self.buf, torch.empty_like(self.buf)], dim=1)
+            self.np = self.buf.numpy()
+        self.np[0, self.n] = tok
+        self.n += 1
+
+    def ids(self) -> torch.Tensor:
+        return self.buf[:, : self.n].to(self.device)
+
+
+class _Sampler(ctypes.Structure):  # hfs_sampler_t in csrc/api.h (tests/test_struct_mirrors.py)
+    _fields_ = [
+        *[(n, ctypes.c_int64) for n in ("vocab", "top_k", "cap", "seen_room", "n_tail")],
+        ("tail_op", ctypes.c_int64 * 4),
+        ("tail_keep", ctypes.c_int64 * 4),
+        ("tail_value", ctypes.c_double * 4),
+        ("penalty", ctypes.c_float),
+        ("temperature", ctypes.c_float),
+        *[(n, ctypes.c_void_p) for n in ("idx", "order", "val", "heap", "fwork", "saved", "work")],
+    ]
+
+
+_CANDIDATES = 1024
+"""Room for top-k's survivors in the native call (more: top-k above it, or ties at its boundary): torch."""
+
+
+class _NativeSampler:
+    """``hfs_sample`` for one generation: its :class:`_Sampler` and buffers."""
+
+    def __init__(self, lib, vocab: int, penalty, temperature, top_k: int, tail: list, seen_room: int) -> None:
+        self.lib, self.skip = lib, 0
+        s = self.struct = _Sampler(vocab=vocab, top_k=min(top_k, vocab), cap=_CANDIDATES, seen_room=seen_room)
+        if penalty is not None:
+            s.penalty, self.skip = penalty.penalty, penalty.prompt_ignore_length or 0
+        if temperature is not None:
+            s.temperature = temperature.temperature
+        s.n_tail = len(tail)
+        for i, (op, value, keep) in enumerate(tail):
+            s.tail_op[i], s.tail_value[i], s.tail_keep[i] = op, value, keep
+        self.idx = torch.empty(_CANDIDATES, dtype=torch.int64)
+        self.order = torch.empty(_CANDIDATES, dtype=torch.int64)
+        self.val, self.heap, self.fwork = (torch.empty(_CANDIDATES) for _ in range(3))
+        self.saved = torch.empty(max(seen_room, 1))
+        self.work = torch.empty(_CANDIDATES, dtype=torch.float64)
+        for name in ("idx", "order", "val", "heap", "fwork", "saved", "work"):
+            setattr(s, name, getattr(self, name).data_ptr())
+        self.survivors = ctypes.c_int64(0)
+        self._ref, self._survivors = ctypes.byref(s), ctypes.byref(self.survivors)
+
+    def __call__(self, seq: _Sequence, logits: torch.Tensor, u: float) -> int:
+        if seq.buf.dtype != torch.int64 or seq.n > self.struct.seen_room:
+            return -1
+        seen = seq.buf.data_ptr() + 8 * min(self.skip, seq.n) if self.struct.penalty > 0 else 0
+        count = seq.n - min(self.skip, seq.n) if self.struct.penalty > 0 else 0
+        return int(self.lib.hfs_sample(self._ref, logits.data_ptr(), seen, count, u, self._survivors))
+
+
+def _sampler(procs, vocab: int, seen_room: int) -> _NativeSampler | None:
+    """The native call for processors ``[repetition penalty?, temperature?, top-k, warpers on survivors...]``
+    (``generate``'s order; at most 4 after top-k), or ``None`` (other processors, or no native kernels)."""
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    from ..backends import _native
+
+    kinds = [type(p) for p in procs]
+    if TopKLogitsWarper not in kinds:
+        return None
+    at = kinds.index(TopKLogitsWarper)
+    head, top_k = procs[:at], procs[at]
+    if top_k.filter_value != -float("inf") or top_k.top_k > _CANDIDATES:
+        return None
+    tail = []
+    for q in procs[at + 1 :]:
+        if not _filters_to_minus_inf(q):
+            return None
+        if type(q) is TemperatureLogitsWarper:
+            tail.append((1, q.temperature, 1))
+        elif type(q) is TopKLogitsWarper and q.top_k <= _CANDIDATES:
+            tail.append((2, q.top_k, 1))
+        elif type(q) is TopPLogitsWarper:
+            tail.append((3, q.top_p, q.min_tokens_to_keep))
+        elif type(q) is MinPLogitsWarper:
+            tail.append((4, q.min_p, q.min_tokens_to_keep))
+        else:
+            return None
+    order = [RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper]
+    kinds = kinds[:at]
+    if len(tail) > 4 or kinds not in ([], order[:1], order[1:], order):
+        return None
+    penalty = head[0] if kinds[:1] == order[:1] else None
+    temperature = head[-1] if kinds[-1:] == order[1:] else None
+    if penalty is not None:
+        ignore = penalty.prompt_ignore_length
+        if (ignore is not None and not isinstance(ignore, int)) or penalty.logits_indices is not None:
+            return None
+    lib = _native.load()
+    if lib is None:
+        return None
+    return _NativeSampler(lib, vocab, penalty, temperature, top_k.top_k, tail, seen_room)
 
 
 def _on_survivors() -> tuple[type, ...]:
@@ -329,45 +498,47 @@ def _native_loop(model, input_ids, logits_processor, stopping_criteria, generati
     keep_logits = want_dict and generation_config.output_logits
     scores, raw = [], []
     do_sample = generation_config.do_sample
-    pad = generation_config._pad_token_tensor
-    has_eos = pad is not None and any(hasattr(c, "eos_token_id") for c in stopping_criteria)
-    ids = input_ids
-    unfinished = torch.ones(1, dtype=torch.long, device=ids.device)
-    processing = _Processing(logits_processor, full_rows=keep_scores or not do_sample)  # greedy: argmax
     dec = NativeDecoder(model, check=False)
-    n = int(ids.shape[1])
+    n = int(input_ids.shape[1])
     limit = int(generation_config.max_length or n + _CACHE_STEP)
-    logits = dec.start(ids.cpu(), min(limit, n + _CACHE_STEP), limit)
+    logits = dec.start(input_ids.cpu(), min(limit, n + _CACHE_STEP), limit)
+    vocab = int(logits.numel())
+    processing = _Processing(logits_processor, keep_scores or not do_sample, vocab, seen_room=limit)
+    # greedy without processors or scores: the argmax the native step computes (torch.argmax's)
+    step_argmax = not do_sample and not keep_scores and not list(logits_processor)
+    stops = _Stops(stopping_criteria, keep_scores)
+    seq, uniform, best = _Sequence(input_ids, limit), _Uniforms(), None
     # The processors, sampling and stopping criteria run on one torch thread: on a vocabulary-sized row
     # torch splits an op over its OpenMP team, whose threads then spin on the cores the native step's own
     # pool needs (a 50%-sparse int8 SmolLM2 step took 1.2x as long after them); the step keeps its count.
+    # A sequence of one stops at its first finished token, so generate's padding of finished sequences
+    # (the pad token after the end-of-sequence token) never applies.
     try:
         with torch_threads(1):
             while True:
-                step_logits = logits[None].clone()
-                step_scores = processing(ids, step_logits)
                 if keep_logits:
-                    raw.append(step_logits)
-                if keep_scores:
-                    scores.append(step_scores)
-                if do_sample:
-                    nxt = processing.draw(step_scores)
-                else:
-                    nxt = torch.argmax(step_scores, dim=-1)
-                if has_eos:  # as generate: a finished sequence's next token is the pad token
-                    nxt = nxt * unfinished + pad * (1 - unfinished)
-                ids = torch.cat([ids, nxt[:, None].to(ids.dtype)], dim=-1)
+                    raw.append(logits[None].clone())
+                u = uniform() if do_sample else 0.0
+                tok = processing.sample(seq, logits, u) if do_sample else best if step_argmax else None
+                if tok is None:  # transformers' processors in torch
+                    step_scores = processing(seq.ids(), logits[None].clone())
+                    if keep_scores:
+                        scores.append(step_scores)
+                    tok = processing.draw(step_scores, u) if do_sample else int(torch.argmax(step_scores))
+                elif keep_scores:
+                    scores.append(processing.scores(vocab))
+                seq.append(tok)
                 if streamer is not None:
-                    streamer.put(nxt.cpu())
-                unfinished = unfinished & ~stopping_criteria(ids, tuple(scores) if keep_scores else None)
-                if int(unfinished.max()) == 0:
+                    streamer.put(seq.buf[0, seq.n - 1 : seq.n])
+                if stops(seq, tok, scores):
                     break
-                dec.step(int(nxt))
+                best = dec.step(tok)
                 logits = dec.logits
     finally:
         dec.close()
     if streamer is not None:
         streamer.end()
+    ids = seq.ids()
     if want_dict:
         return GenerateDecoderOnlyOutput(
             sequences=ids,
@@ -375,6 +546,41 @@ def _native_loop(model, input_ids, logits_processor, stopping_criteria, generati
             logits=tuple(raw) if keep_logits else None,
         )
     return ids
+
+
+class _Stops:
+    """``generate``'s stopping criteria for one sequence: whether it is finished after token ``tok``. The
+    usual list (the maximal length, end-of-sequence tokens) is decided on Python ints; any other criterion,
+    or a length past the model's ``max_position_embeddings`` (where the length criterion logs a warning),
+    runs the list itself."""
+
+    def __init__(self, criteria, keep_scores: bool) -> None:
+        from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+        self.criteria, self.keep_scores = criteria, keep_scores
+        self.max_length, self.eos, self.past = None, set(), None
+        self.plain = True
+        for c in criteria:
+            if type(c) is MaxLengthCriteria:
+                self.max_length = (
+                    c.max_length if self.max_length is None else min(self.max_length, c.max_length)
+                )
+                if c.max_position_embeddings is not None:
+                    self.past = (
+                        c.max_position_embeddings
+                        if self.past is None
+                        else min(self.past, c.max_position_embeddings)
+                    )
+            elif type(c) is EosTokenCriteria:
+                self.eos |= {int(e) for e in torch.as_tensor(c.eos_token_id).reshape(-1).tolist()}
+            else:
+                self.plain = False
+
+    def __call__(self, seq: _Sequence, tok: int, scores: list) -> bool:
+        length = seq.n
+        if not self.plain or (self.past is not None and length > self.past):
+            return bool(self.criteria(seq.ids(), tuple(scores) if self.keep_scores else None).any())
+        return tok in self.eos or (self.max_length is not None and length >= self.max_length)
 
 
 def native_generate_kwargs(native_step: str = "auto") -> dict:

@@ -186,8 +186,8 @@ int hfs_isa(void) {
 int hfs_vnni(void) { return HFS_VNNI + HFS_VNNI_EXPAND; }
 
 /* ---- The layout of the structs Python mirrors with ctypes (tests/test_struct_mirrors.py compares) -----------
-   prepared_t: _native.Prepared; hfs_layer_t, hfs_decoder_t: decoding.py's _Layer, _Decoder. Every field, in
-   declaration order. */
+   prepared_t: _native.Prepared; hfs_layer_t, hfs_decoder_t: native_step.py's _Layer, _Decoder; hfs_sampler_t:
+   decoding.py's _Sampler. Every field, in declaration order. */
 typedef struct {
   const char *type, *field;
   int64_t offset, size;
@@ -212,6 +212,12 @@ static const hfs_field_t g_fields[] = {
     HFS_FIELD(hfs_decoder_t, embed), HFS_FIELD(hfs_decoder_t, cos), HFS_FIELD(hfs_decoder_t, sin),
     HFS_FIELD(hfs_decoder_t, work), HFS_FIELD(hfs_decoder_t, logits), HFS_FIELD(hfs_decoder_t, arch),
     HFS_FIELD(hfs_decoder_t, act), HFS_FIELD(hfs_decoder_t, pos_embed), HFS_FIELD(hfs_decoder_t, final_norm_bias),
+    HFS_FIELD(hfs_sampler_t, vocab), HFS_FIELD(hfs_sampler_t, top_k), HFS_FIELD(hfs_sampler_t, cap),
+    HFS_FIELD(hfs_sampler_t, seen_room), HFS_FIELD(hfs_sampler_t, n_tail), HFS_FIELD(hfs_sampler_t, tail_op),
+    HFS_FIELD(hfs_sampler_t, tail_keep), HFS_FIELD(hfs_sampler_t, tail_value), HFS_FIELD(hfs_sampler_t, penalty),
+    HFS_FIELD(hfs_sampler_t, temperature), HFS_FIELD(hfs_sampler_t, idx), HFS_FIELD(hfs_sampler_t, order),
+    HFS_FIELD(hfs_sampler_t, val), HFS_FIELD(hfs_sampler_t, heap), HFS_FIELD(hfs_sampler_t, fwork),
+    HFS_FIELD(hfs_sampler_t, saved), HFS_FIELD(hfs_sampler_t, work),
 };
 #undef HFS_FIELD
 
@@ -220,6 +226,7 @@ int64_t hfs_struct_size(const char* type) {
   if (!strcmp(type, "prepared_t")) return (int64_t)sizeof(prepared_t);
   if (!strcmp(type, "hfs_layer_t")) return (int64_t)sizeof(hfs_layer_t);
   if (!strcmp(type, "hfs_decoder_t")) return (int64_t)sizeof(hfs_decoder_t);
+  if (!strcmp(type, "hfs_sampler_t")) return (int64_t)sizeof(hfs_sampler_t);
   return -1;
 }
 

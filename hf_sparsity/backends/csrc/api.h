@@ -46,6 +46,25 @@ typedef struct {
   const float* final_norm_bias; /* (GPT-2) */
 } hfs_decoder_t;
 
+/* One generation's sampling processors (sample.c; Python: decoding.py's _Sampler): the repetition penalty and
+   the temperature before top-k (<= 0: none), top-k, the warpers after it (tail_op: HFS_WARP_*, with their
+   value and min_tokens_to_keep), and the buffers: idx / val / order / fwork / work for `cap` survivors, heap
+   for `cap` floats, saved for `seen_room` ids. */
+#define HFS_WARP_TEMPERATURE 1
+#define HFS_WARP_TOP_K 2
+#define HFS_WARP_TOP_P 3
+#define HFS_WARP_MIN_P 4
+#define HFS_MAX_TAIL 4
+typedef struct {
+  int64_t vocab, top_k, cap, seen_room, n_tail;
+  int64_t tail_op[HFS_MAX_TAIL], tail_keep[HFS_MAX_TAIL];
+  double tail_value[HFS_MAX_TAIL];
+  float penalty, temperature;
+  int64_t *idx, *order;
+  float *val, *heap, *fwork, *saved;
+  double* work;
+} hfs_sampler_t;
+
 int hfs_spmm(int fmt, int64_t rows, int64_t in, int nthreads, const int64_t* rowptr, const void* idx,
              const void* v, int vbf16, const float* x, float* y, int64_t B, const float* bias);
 void hfs_matmul(int kind, int64_t rows, int64_t in, int64_t chunk, int nthreads, const int64_t* rowptr,
@@ -64,6 +83,8 @@ int hfs_vnni(void);
 int64_t hfs_decode_work_floats(const hfs_decoder_t* d);
 int64_t hfs_decode_step(const hfs_decoder_t* d, int64_t token, int64_t pos);
 int64_t hfs_decode_prompt(const hfs_decoder_t* d, const int64_t* tokens, int64_t n, int64_t pos);
+int64_t hfs_sample(const hfs_sampler_t* s, float* x, const int64_t* seen, int64_t n_seen, double u,
+                   int64_t* survivors);
 int64_t hfs_struct_size(const char* type);
 int hfs_struct_field(const char* type, int i, const char** field, int64_t* offset, int64_t* size);
 

@@ -223,14 +223,16 @@ static void decode_layers(const hfs_decoder_t* d, int64_t token, int64_t pos) {
   }
 }
 
-/* The final norm, the LM head and the argmax of the hidden state decode_layers left */
+/* The final norm, the LM head and the argmax of the hidden state decode_layers left: torch.argmax's, the first
+   largest value, or the first NaN where there is one */
 static int64_t decode_head(const hfs_decoder_t* d) {
   float *x = d->work, *h = x + d->hidden;
   norm(x, d->final_norm, d->final_norm_bias, h, d->hidden, d->eps);
   hfs_run_prepared(d->head, h, d->logits, d->head_bias);
+  const float* y = d->logits;
   int64_t best = 0;
   for (int64_t i = 1; i < d->vocab; i++)
-    if (d->logits[i] > d->logits[best]) best = i;
+    if (y[i] > y[best] || (y[i] != y[i] && y[best] == y[best])) best = i;
   return best;
 }
 

@@ -27,3 +27,4 @@
 #include "pool.c"        /* the thread pool, OpenMP, work memory */
 #include "api.c"         /* the exported functions */
 #include "decode.c"      /* the decoding step */
+#include "sample.c"      /* a sampled token */

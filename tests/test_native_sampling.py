@@ -1,0 +1,342 @@
+"""The native sampling call (``hfs_sample``, through ``decoding._sampler``) against transformers'
+processors.
+
+Each case builds transformers' processors as ``generate`` builds them (repetition penalty, temperature,
+top-k, then the warpers after it), runs them in torch on a realistic row (a 49,152-token vocabulary with
+spread logits, a 37-token one that ends off the vector width, ids seen twice, ids past the row, ties at
+top-k's boundary), and compares: the survivors (ids and values, bit for bit before the warpers after
+top-k), the processed probabilities, the drawn token (the first id, ascending, whose cumulative probability
+exceeds the uniform, computed here in float64), and the row left exactly as it was. Every row the call must
+leave to torch (a NaN, fewer than top-k values above ``-inf``, ties past its room, a negative id, ids past
+its room) returns -1 with the row untouched; then ``generate`` on the native step runs the processors in
+torch and still gives ``generate``'s processed probabilities.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_sparsity.backends import _native
+from hf_sparsity.inference import decoding
+from hf_sparsity.inference.decoding import _sampler, _Sequence, native_generate
+
+pytestmark = pytest.mark.skipif(_native.load() is None, reason="the native kernels are not built here")
+
+
+def _procs(penalty=None, temperature=None, top_k=50, tail=(), ignore=None):
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    procs = []
+    if penalty is not None:
+        procs.append(RepetitionPenaltyLogitsProcessor(penalty, prompt_ignore_length=ignore))
+    if temperature is not None:
+        procs.append(TemperatureLogitsWarper(temperature))
+    procs.append(TopKLogitsWarper(top_k))
+    kinds = {"temperature": TemperatureLogitsWarper, "top_p": TopPLogitsWarper, "min_p": MinPLogitsWarper}
+    for name, value, *keep in tail:
+        if name == "top_k":
+            procs.append(TopKLogitsWarper(value, min_tokens_to_keep=keep[0] if keep else 1))
+        elif name == "temperature":
+            procs.append(TemperatureLogitsWarper(value))
+        else:
+            procs.append(kinds[name](value, min_tokens_to_keep=keep[0] if keep else 1))
+    return LogitsProcessorList(procs)
+
+
+def _row(vocab: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    row = torch.randn(vocab, generator=g) * 4 - 3  # mostly negative: the penalty multiplies and divides
+    row[torch.randint(0, vocab, (8,), generator=g)] += 12  # a few likely tokens
+    return row
+
+
+def _seen(vocab: int, n: int, seed: int) -> torch.Tensor:
+    """[1, n] ids: each of the row's 8 largest twice, the rest random, two past the row (ids of a larger
+    embedding)."""
+    g = torch.Generator().manual_seed(seed + 100)
+    ids = torch.randint(0, vocab, (n,), generator=g)
+    top = _row(vocab, seed).topk(min(8, vocab)).indices
+    ids[: 2 * len(top)] = top.repeat(2)
+    ids[-2:] = torch.tensor([vocab, vocab + 5])
+    return ids[None]
+
+
+def _expected_token(probs: torch.Tensor, u: float) -> int | None:
+    """The first id (ascending) whose float64 cumulative probability exceeds u; None where u is within
+    1e-9 of a boundary (rounding may fall either side)."""
+    ids = probs.nonzero()[:, 0]
+    cum = probs[ids].cumsum(0)
+    if bool(((cum - u).abs() < 1e-9).any()):
+        return None
+    return int(ids[int((cum <= u).sum())])
+
+
+CASES = {
+    "penalty+temperature+top-k": dict(penalty=1.3, temperature=0.7, top_k=50),
+    "penalty-below-1": dict(penalty=0.8, top_k=20),
+    "temperature+top-k+top-p": dict(temperature=1.4, top_k=64, tail=[("top_p", 0.9)]),
+    "generate's defaults": dict(penalty=1.1, temperature=0.7, top_k=50, tail=[("top_p", 0.9)]),
+    "top-p keeps 5": dict(top_k=40, tail=[("top_p", 0.3, 5)]),
+    "min-p": dict(penalty=1.2, top_k=30, tail=[("min_p", 0.05)]),
+    "min-p keeps 4": dict(temperature=0.5, top_k=30, tail=[("min_p", 0.6, 4)]),
+    "warpers after": dict(
+        top_k=100, tail=[("temperature", 2.5), ("top_k", 12), ("top_p", 0.8), ("min_p", 0.01)]
+    ),
+    "top-k only": dict(top_k=7),
+    "top-k 1": dict(penalty=1.5, top_k=1),
+    "prompt ignored": dict(penalty=2.0, top_k=16, ignore=20),
+}
+
+
+@pytest.mark.parametrize("vocab", [49152, 37, 200])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_native_call_computes_transformers_processors_and_draws_by_the_cumulative_probability(
+    case, vocab
+):
+    cfg = CASES[case]
+    if cfg["top_k"] > vocab:
+        cfg = {**cfg, "top_k": vocab}
+    procs = _procs(**cfg)
+    ids = _seen(vocab, 40, seed=vocab)
+    row = _row(vocab, vocab)
+    before = row.clone()
+    sampler = _sampler(list(procs), vocab, seen_room=64)
+    assert sampler is not None
+    seq = _Sequence(ids, 64)
+
+    # transformers in torch, float32; top-k's survivors before the warpers after it
+    from transformers.generation.logits_process import LogitsProcessorList
+
+    head = LogitsProcessorList(procs[: [type(p).__name__ for p in procs].index("TopKLogitsWarper") + 1])
+    after_top_k = head(ids, row[None].clone())[0]
+    want = procs(ids, row[None].clone())[0]
+    probs = torch.softmax(want.double(), -1)
+
+    g = torch.Generator().manual_seed(5)
+    checked = 0
+    for u in [0.0, 0.999999, *torch.rand(40, generator=g, dtype=torch.float64).tolist()]:
+        tok = sampler(seq, row, u)
+        assert torch.equal(row, before)  # the penalty written in place is put back
+        m = sampler.survivors.value
+        keep = sampler.idx[:m]
+        assert torch.equal(keep, (after_top_k > -float("inf")).nonzero()[:, 0])
+        if len(procs) == len(head):  # no warper after top-k: the values bit for bit
+            assert torch.equal(sampler.val[:m], want[keep])
+        got = torch.full((vocab,), -float("inf"))
+        got[keep] = sampler.val[:m]
+        assert torch.equal(got == -float("inf"), want == -float("inf"))
+        torch.testing.assert_close(torch.softmax(got.double(), -1), probs, rtol=0, atol=1e-6)
+        expected = _expected_token(probs, u)
+        if expected is not None:
+            assert tok == expected, (u, tok, expected)
+            checked += 1
+    assert checked >= 35
+
+
+def test_ties_at_top_ks_boundary_are_kept_as_transformers_keeps_them():
+    procs = _procs(top_k=5)
+    row = torch.linspace(-5, 5, 300)
+    row[[10, 150, 299, 3]] = 7.0  # the 4 largest
+    row[[20, 40, 41]] = 6.0  # three share the 5th place: all kept
+    sampler = _sampler(list(procs), 300, seen_room=8)
+    tok = sampler(_Sequence(torch.tensor([[1, 2]]), 8), row, 0.5)
+    keep = sampler.idx[: sampler.survivors.value]
+    assert keep.tolist() == [3, 10, 20, 40, 41, 150, 299]
+    assert torch.equal(keep, (procs(None, row[None])[0] > -float("inf")).nonzero()[:, 0])
+    assert tok in keep.tolist()
+
+
+def _fallback_cases():
+    vocab = 3000
+    row = _row(vocab, 1)
+    nan_vector, nan_tail = row.clone(), row.clone()
+    nan_vector[1234] = float("nan")
+    nan_tail[vocab - 3] = float("nan")  # past the last full vector of 16
+    few = torch.full((vocab,), -float("inf"))
+    few[[5, 70, 900]] = torch.tensor([1.0, 2.0, 3.0])  # 3 values above -inf, top-k 50
+    ties = torch.zeros(vocab)  # 3000 ties at the boundary: past the room of 1024
+    ids = _seen(vocab, 30, 1)
+    negative = ids.clone()
+    negative[0, 3] = -4
+    return {
+        "nan in the vectors": (nan_vector, ids, 64),
+        "nan in the tail": (nan_tail, ids, 64),
+        "fewer than top-k above -inf": (few, ids, 64),
+        "ties past the room": (ties, ids, 64),
+        "a negative id": (row, negative, 64),
+        "ids past the room": (row, ids, 16),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_fallback_cases()))
+def test_rows_the_call_leaves_to_torch_return_minus_one_and_stay_as_they_were(case):
+    row, ids, room = _fallback_cases()[case]
+    sampler = _sampler(list(_procs(penalty=1.3, temperature=0.7, top_k=50)), row.numel(), seen_room=room)
+    before = row.clone()
+    assert sampler(_Sequence(ids, max(room, ids.shape[1])), row, 0.3) == -1
+    assert torch.equal(row.isnan(), before.isnan()) and torch.equal(row.nan_to_num(), before.nan_to_num())
+
+
+def test_other_processor_lists_take_the_torch_path():
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+        TypicalLogitsWarper,
+    )
+
+    top_k = TopKLogitsWarper(10)
+    t = TemperatureLogitsWarper(0.5)
+    for procs in (
+        [TopPLogitsWarper(0.9)],  # no top-k
+        [top_k, TypicalLogitsWarper(0.9)],  # a warper not run on survivors
+        [t, _procs(penalty=1.2)[0], top_k],  # the penalty after the temperature: not generate's order
+        [TopKLogitsWarper(10, filter_value=-100.0)],  # another filter value
+        [TopKLogitsWarper(2000)],  # top-k past the room
+        [top_k, *[TemperatureLogitsWarper(2.0)] * 5],  # more than 4 warpers after it
+    ):
+        assert _sampler(LogitsProcessorList(procs), 4000, seen_room=8) is None
+    assert _sampler([t, top_k, TopPLogitsWarper(0.9)], 4000, seen_room=8) is not None
+
+
+# ---- through model.generate ------------------------------------------------------------------------------
+def _llama(vocab: int = 128, **kw):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = dict(
+        vocab_size=vocab, hidden_size=32, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0, eos_token_id=None, pad_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**{**cfg, **kw})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.3)
+            elif "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(2, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+SAMPLING = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9, repetition_penalty=1.3)
+
+
+def _check_against_generate(model, ids, out, steps, cfg):
+    for t in range(steps):
+        prefix = out.sequences[:, : ids.shape[1] + t]
+        ref = model.generate(
+            prefix, attention_mask=torch.ones_like(prefix), max_new_tokens=1, **cfg,
+            return_dict_in_generate=True, output_scores=True,
+        )  # fmt: skip
+        p_ref = torch.softmax(ref.scores[0].double(), -1)
+        torch.testing.assert_close(torch.softmax(out.scores[t].double(), -1), p_ref, rtol=0, atol=1e-5)
+        assert p_ref[0, int(out.sequences[0, ids.shape[1] + t])] > 0
+
+
+def test_ties_past_the_room_run_transformers_processors_in_torch(monkeypatch):
+    """Every logit equal (the LM head's rows all alike): top-k keeps every tied token the penalty left, more
+    than the room (set to 24 here): each token's processors run in torch, and give generate's probabilities.
+    (No top-p: which of exactly tied tokens it drops depends on the order a sort leaves ties in.)"""
+    monkeypatch.setattr(decoding, "_CANDIDATES", 24)
+    model = _llama()
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        head.copy_(head[:1].expand_as(head))
+    calls = []
+    monkeypatch.setattr(decoding._Processing, "__call__", _counting(decoding._Processing.__call__, calls))
+    ids = _ids(6, 1)
+    cfg = dict(do_sample=True, temperature=0.7, top_k=20, repetition_penalty=1.3, min_p=0.1)
+    torch.manual_seed(0)
+    out = model.generate(
+        ids, max_new_tokens=6, **cfg, custom_generate=native_generate, native_step="native",
+        return_dict_in_generate=True, output_scores=True,
+    )  # fmt: skip
+    assert len(calls) == 6 and int((out.scores[0] > -float("inf")).sum()) > 24
+    _check_against_generate(model, ids, out, 6, cfg)
+
+
+def _counting(f, calls):
+    def wrapped(*a, **k):
+        calls.append(1)
+        return f(*a, **k)
+
+    return wrapped
+
+
+def test_a_seed_gives_the_same_text_on_the_native_call_and_on_the_torch_path(monkeypatch):
+    model = _llama()
+    ids = _ids(5, 2)
+    cfg = dict(do_sample=True, temperature=0.9, top_k=30, top_p=0.95, repetition_penalty=1.2, min_p=0.02)
+    runs = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(decoding, "_sampler", lambda *a: None)
+        torch.manual_seed(3)
+        runs.append(model.generate(ids, max_new_tokens=30, **cfg, custom_generate=native_generate))
+    assert runs[0].shape[1] == ids.shape[1] + 30 and torch.equal(runs[0], runs[1])
+
+
+def test_greedy_takes_torchs_argmax_on_ties_and_nans():
+    """The native step's argmax is torch.argmax's: the first of tied largest logits, the first NaN where
+    there is one (generate's greedy tokens then). Ties: the LM head's rows are multiples of one vector, rows 9
+    and 40 the largest multiple, 60 and 70 the smallest, so every position's largest logit is a tie (9 and
+    40, or 60 and 70, by the sign of the hidden state's product with the vector)."""
+    from hf_sparsity.inference.decoding import greedy_decode
+
+    for poison in ("tie", "nan"):
+        model = _llama()
+        with torch.no_grad():
+            head = model.get_output_embeddings().weight
+            if poison == "tie":
+                scale = torch.full((128, 1), 0.5)
+                scale[[9, 40]], scale[[60, 70]] = 1.0, -1.0
+                head.copy_(scale * head[:1])
+            else:
+                head[77, 3] = float("nan")
+                head[50, 3] = float("nan")
+        ids = _ids(5, 3)
+        want = model.generate(ids, max_new_tokens=8, do_sample=False)
+        new = set(want[0, 5:].tolist())
+        assert new <= {9, 60} if poison == "tie" else new == {50}
+        assert torch.equal(
+            model.generate(ids, max_new_tokens=8, do_sample=False, custom_generate=native_generate), want
+        )
+        assert torch.equal(greedy_decode(model, ids, 8, step="native"), want)
+
+
+def test_a_generation_past_the_models_positions_stops_as_generate_does():
+    """Past ``max_position_embeddings`` the length criterion runs itself (it logs transformers' warning):
+    the tokens are generate's."""
+    model = _llama(max_position_embeddings=16)
+    ids = _ids(6, 4)
+    want = model.generate(ids, max_new_tokens=20, do_sample=False)
+    got = model.generate(ids, max_new_tokens=20, do_sample=False, custom_generate=native_generate)
+    assert got.shape[1] == 26 and torch.equal(got, want)
+
+
+def test_several_end_of_sequence_tokens_each_stop_a_sampled_run():
+    model = _llama()
+    ids = _ids(6, 5)
+    torch.manual_seed(0)
+    free = model.generate(ids, max_new_tokens=12, **SAMPLING, custom_generate=native_generate)
+    eos = [int(free[0, ids.shape[1] + 5]), 127 if int(free[0, ids.shape[1] + 5]) != 127 else 126]
+    torch.manual_seed(0)
+    got = model.generate(
+        ids, max_new_tokens=12, **SAMPLING, eos_token_id=eos, custom_generate=native_generate
+    )
+    first = min(i for i, t in enumerate(free[0, ids.shape[1] :].tolist()) if t in eos)
+    assert torch.equal(got, free[:, : ids.shape[1] + first + 1])
