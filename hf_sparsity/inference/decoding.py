@@ -194,10 +194,11 @@ def native_generate(
     ``generate`` prepares everything as usual (generation config, logits processors, stopping criteria,
     ``max_new_tokens`` / ``eos_token_id``, the streamer's prompt) and hands the loop to this function, which
     computes each token's logits with one native call (:class:`NativeDecoder`) and then runs transformers'
-    own logits processors, sampling (``torch.multinomial`` of the softmax) or argmax, stopping criteria and
-    streamer, as ``generate``'s sampling loop does. Greedy gives ``generate``'s tokens; sampled runs draw
-    from the same processed probabilities (up to float rounding). ``return_dict_in_generate`` returns the
-    sequences, and the scores / logits when asked for.
+    logits processors, the draw (the inverse of the cumulative probability at a uniform number from torch's
+    generator) or the argmax, stopping criteria and streamer, as ``generate``'s sampling loop does: the usual
+    sampling processors and the draw in a second native call (:class:`_Processing`), the rest in torch.
+    Greedy gives ``generate``'s tokens; sampled runs draw from the same processed probabilities (up to float
+    rounding). ``return_dict_in_generate`` returns the sequences, and the scores / logits when asked for.
 
     Where the native step does not run the call (:func:`generation_reason`: architecture, rope, dtype,
     backend, training mode, beam search, a batch, padding, ...) ``generate``'s own loop runs and one line
