@@ -294,7 +294,7 @@ MUTATIONS = (
         "native_generate's torch path draws uniformly among top-k's survivors, not by their probabilities",
         (
             (
-                "hf_sparsity/inference/decoding.py",
+                "hf_sparsity/inference/sampling.py",
                 "cum = nn.functional.softmax(sub[0].double(), dim=-1).cumsum(0)",
                 "cum = (torch.ones(sub.shape[-1], dtype=torch.float64) / sub.shape[-1]).cumsum(0)",
             ),
@@ -304,7 +304,7 @@ MUTATIONS = (
     Mutation(
         "native-warpers-skipped-on-survivors",
         "the warpers after top-k (temperature, top-p, min-p) are not run on top-k's survivors",
-        (("hf_sparsity/inference/decoding.py", "sub = p(ids, sub)", "sub = sub + 0"),),
+        (("hf_sparsity/inference/sampling.py", "sub = p(ids, sub)", "sub = sub + 0"),),
         ("tests/test_native_generate.py",),
     ),
     Mutation(
@@ -782,7 +782,7 @@ MUTATIONS = (
         "the repetition penalty's prompt_ignore_length is dropped on the native call",
         (
             (
-                "hf_sparsity/inference/decoding.py",
+                "hf_sparsity/inference/sampling.py",
                 "s.penalty, self.skip = penalty.penalty, penalty.prompt_ignore_length or 0",
                 "s.penalty, self.skip = penalty.penalty, 0",
             ),
@@ -816,7 +816,7 @@ MUTATIONS = (
     Mutation(
         "native-stops-ignore-eos",
         "native_generate's stopping criteria on ints ignore the end-of-sequence tokens",
-        (("hf_sparsity/inference/decoding.py", "return tok in self.eos or (", "return False or ("),),
+        (("hf_sparsity/inference/sampling.py", "return tok in self.eos or (", "return False or ("),),
         ("tests/test_native_sampling.py",),
     ),
 )

@@ -164,9 +164,9 @@ def test_greedy_stops_at_eos_and_pads_like_generate():
 def sampling_path(request, monkeypatch):
     """Sampling's processors in the one native call, or in torch (as where the native call is not built)."""
     if request.param == "torch":
-        from hf_sparsity.inference import decoding
+        from hf_sparsity.inference import sampling
 
-        monkeypatch.setattr(decoding, "_sampler", lambda *a: None)
+        monkeypatch.setattr(sampling, "_sampler", lambda *a: None)
     return request.param
 
 

@@ -1,4 +1,4 @@
-"""The native sampling call (``hfs_sample``, through ``decoding._sampler``) against transformers'
+"""The native sampling call (``hfs_sample``, through ``sampling._sampler``) against transformers'
 processors.
 
 Each case builds transformers' processors as ``generate`` builds them (repetition penalty, temperature,
@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from hf_sparsity.backends import _native
-from hf_sparsity.inference import decoding
-from hf_sparsity.inference.decoding import _sampler, _Sequence, native_generate
+from hf_sparsity.inference import sampling
+from hf_sparsity.inference.decoding import native_generate
+from hf_sparsity.inference.sampling import _sampler, _Sequence
 
 pytestmark = pytest.mark.skipif(_native.load() is None, reason="the native kernels are not built here")
 
@@ -251,13 +252,13 @@ def test_ties_past_the_room_run_transformers_processors_in_torch(monkeypatch):
     """Every logit equal (the LM head's rows all alike): top-k keeps every tied token the penalty left, more
     than the room (set to 24 here): each token's processors run in torch, and give generate's probabilities.
     (No top-p: which of exactly tied tokens it drops depends on the order a sort leaves ties in.)"""
-    monkeypatch.setattr(decoding, "_CANDIDATES", 24)
+    monkeypatch.setattr(sampling, "_CANDIDATES", 24)
     model = _llama()
     with torch.no_grad():
         head = model.get_output_embeddings().weight
         head.copy_(head[:1].expand_as(head))
     calls = []
-    monkeypatch.setattr(decoding._Processing, "__call__", _counting(decoding._Processing.__call__, calls))
+    monkeypatch.setattr(sampling._Processing, "__call__", _counting(sampling._Processing.__call__, calls))
     ids = _ids(6, 1)
     cfg = dict(do_sample=True, temperature=0.7, top_k=20, repetition_penalty=1.3, min_p=0.1)
     torch.manual_seed(0)
@@ -284,7 +285,7 @@ def test_a_seed_gives_the_same_text_on_the_native_call_and_on_the_torch_path(mon
     runs = []
     for native in (True, False):
         if not native:
-            monkeypatch.setattr(decoding, "_sampler", lambda *a: None)
+            monkeypatch.setattr(sampling, "_sampler", lambda *a: None)
         torch.manual_seed(3)
         runs.append(model.generate(ids, max_new_tokens=30, **cfg, custom_generate=native_generate))
     assert runs[0].shape[1] == ids.shape[1] + 30 and torch.equal(runs[0], runs[1])

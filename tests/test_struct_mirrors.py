@@ -2,7 +2,7 @@
 
 The native library is called through ``ctypes`` with structures built in Python (``_native.Prepared``
 for ``prepared_t``, ``native_step._Layer`` / ``_Decoder`` for ``hfs_layer_t`` / ``hfs_decoder_t``,
-``decoding._Sampler`` for ``hfs_sampler_t``). Nothing in C or Python checks that the two declarations
+``sampling._Sampler`` for ``hfs_sampler_t``). Nothing in C or Python checks that the two declarations
 agree: a field added, removed, retyped or reordered on one side only makes the kernels read the wrong
 bytes. The library itself reports each struct's
 ``sizeof`` and every field's name, ``offsetof`` and size (``hfs_struct_size`` / ``hfs_struct_field``,
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from hf_sparsity.backends import _native
-from hf_sparsity.inference import decoding, native_step
+from hf_sparsity.inference import native_step, sampling
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_sparsity"
 
@@ -28,7 +28,7 @@ MIRRORS = {
     "prepared_t": _native.Prepared,
     "hfs_layer_t": native_step._Layer,
     "hfs_decoder_t": native_step._Decoder,
-    "hfs_sampler_t": decoding._Sampler,
+    "hfs_sampler_t": sampling._Sampler,
 }
 
 

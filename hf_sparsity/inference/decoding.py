@@ -34,14 +34,11 @@ compare tokens) and stop at the end-of-sequence token as ``generate`` does.
 
 from __future__ import annotations
 
-import ctypes
-import inspect
 import logging
 import sys
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
 from ..utils import SparsityError, torch_threads
 from .native_step import (  # noqa: F401 (re-exported)
@@ -52,6 +49,7 @@ from .native_step import (  # noqa: F401 (re-exported)
     _refuse,
     native_step_reason,
 )
+from .sampling import _Processing, _Sequence, _Stops, _Uniforms
 
 STEPS = ("auto", "native", "model")
 """``greedy_decode(step=...)``: ``native`` (the one-call native step; an error where it does not apply),
@@ -246,250 +244,6 @@ def _generate_loop(
     )  # fmt: skip
 
 
-class _Processing:
-    """One generation's logits processors, run as ``LogitsProcessorList`` runs them in ``generate``'s loop
-    (each called with the ids and the scores), with savings that leave the processed scores unchanged:
-
-    * where the processors are the usual sampling list (:func:`_sampler`: the repetition penalty and the
-      temperature, top-k, then temperature / top-k / top-p / min-p on its survivors) and the native kernels
-      are loaded, :meth:`sample` computes them and the draw in one native call (``hfs_sample``) instead of
-      about twenty torch operations, each slowed by the caches the decoding step left cold (0.5-0.9 ms a
-      token on SmolLM2's vocabulary); a row the call leaves to torch (a NaN, fewer than top-k values above
-      ``-inf``, ties past its room) runs the processors as below;
-    * the processors' signatures are read once, not once per token (``LogitsProcessorList`` inspects every
-      processor at every call: about 0.3 ms a token for a sampling configuration);
-    * the warpers after top-k that only read the scores' values (temperature, top-p, min-p, top-k:
-      :func:`_on_survivors`, with the default ``-inf`` filter) run on top-k's survivors instead of the
-      whole vocabulary. Every token top-k removed is ``-inf`` and stays so; on the survivors these warpers
-      compute what they compute on the whole row, up to the rounding of sums (top-p sorts 50 values instead
-      of 49,152: 5 ms a token on SmolLM2's vocabulary). :attr:`survivors` holds their ids; a draw then
-      samples among them (:meth:`draw`). The whole processed row (``-inf`` outside the survivors) is
-      built only with ``full_rows`` (``output_scores``, greedy): a draw needs the survivors alone.
-
-    Every draw, native or not, takes the first token whose cumulative probability (survivors in ascending
-    id order) exceeds a uniform from torch's generator (:class:`_Uniforms`): a seed gives the same text
-    whichever path a token took.
-    """
-
-    def __init__(
-        self, processors, full_rows: bool = True, vocab: int | None = None, seen_room: int = 0
-    ) -> None:
-        from transformers.generation.logits_process import TopKLogitsWarper
-
-        on_survivors = _on_survivors()
-        self.listed, self.survivors, self.full_rows = processors, None, full_rows
-        procs = list(processors)
-        # a processor asking for more than (ids, scores) makes LogitsProcessorList raise: let it
-        self.direct = all(len(inspect.signature(p.__call__).parameters) <= 2 for p in procs)
-        self.head, self.tail = procs, []
-        for i, p in enumerate(procs):
-            if type(p) is TopKLogitsWarper:
-                tail = procs[i + 1 :]
-                if (
-                    tail
-                    and p.filter_value == -float("inf")
-                    and all(type(q) in on_survivors and _filters_to_minus_inf(q) for q in tail)
-                ):
-                    self.head, self.tail = procs[: i + 1], tail
-                break
-        self.sampler = _sampler(procs, vocab, seen_room) if self.direct and vocab else None
-
-    def sample(self, seq: _Sequence, logits: torch.Tensor, u: float) -> int | None:
-        """The processors and the draw (uniform ``u``) in one native call on ``logits`` (float32 ``[vocab]``,
-        left as they were); ``None``: not this generation's processors, or a row left to torch
-        (:meth:`__call__`, :meth:`draw`). With ``full_rows``, :attr:`survivors` holds the processed
-        survivors for :meth:`scores`."""
-        self.survivors = None
-        if self.sampler is None:
-            return None
-        tok = self.sampler(seq, logits, u)
-        if tok < 0:
-            return None
-        if self.full_rows:
-            m = self.sampler.survivors.value
-            self.survivors = (self.sampler.idx[:m].clone(), self.sampler.val[None, :m].clone())
-        return tok
-
-    def scores(self, vocab: int) -> torch.Tensor:
-        """The whole processed row of the last :meth:`sample`: ``-inf`` outside the survivors."""
-        keep, sub = self.survivors
-        return torch.full((1, vocab), -float("inf")).index_copy_(1, keep, sub)
-
-    def __call__(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self.survivors = None
-        if not self.direct:
-            return self.listed(ids, scores)
-        for p in self.head:
-            scores = p(ids, scores)
-        if self.tail:
-            keep = (scores[0] > -float("inf")).nonzero()[:, 0]  # top-k's survivors
-            if keep.numel():
-                sub = scores[:, keep]
-                for p in self.tail:
-                    sub = p(ids, sub)
-                if self.full_rows:
-                    scores = torch.full_like(scores, -float("inf")).index_copy_(1, keep, sub)
-                self.survivors = (keep, sub)
-        return scores
-
-    def draw(self, scores: torch.Tensor, u: float) -> int:
-        """The token of ``softmax(scores)`` (among the survivors where there are: the same distribution) whose
-        cumulative probability first exceeds the uniform ``u``."""
-        keep, sub = self.survivors if self.survivors is not None else (None, scores)
-        cum = nn.functional.softmax(sub[0].double(), dim=-1).cumsum(0)
-        i = min(
-            int(torch.searchsorted(cum, torch.tensor([u], dtype=torch.float64), right=True)), len(cum) - 1
-        )
-        while i > 0 and cum[i] == cum[i - 1]:  # rounding left u at the sum: the last token with a probability
-            i -= 1
-        return int(keep[i]) if keep is not None else i
-
-
-class _Uniforms:
-    """Uniforms in [0, 1) from torch's generator (float64), 256 at a time, one a sampled token."""
-
-    def __init__(self) -> None:
-        self._left: list[float] = []
-
-    def __call__(self) -> float:
-        if not self._left:
-            self._left = torch.rand(256, dtype=torch.float64).tolist()[::-1]
-        return self._left.pop()
-
-
-class _Sequence:
-    """The prompt and the tokens so far, in a buffer written through numpy (no torch operation a token);
-    :meth:`ids` views it as ``generate``'s ``[1, length]`` ids."""
-
-    def __init__(self, ids: torch.Tensor, room: int) -> None:
-        self.device, self.n = ids.device, int(ids.shape[1])
-        self.buf = torch.empty(1, max(room, self.n + 1), dtype=ids.dtype)
-        self.buf[:, : self.n] = ids.cpu()
-        self.np = self.buf.numpy()
-
-    def append(self, tok: int) -> None:
-        if self.n == self.buf.shape[1]:
-            self.buf = torch.cat([self.buf, torch.empty_like(self.buf)], dim=1)
-            self.np = self.buf.numpy()
-        self.np[0, self.n] = tok
-        self.n += 1
-
-    def ids(self) -> torch.Tensor:
-        return self.buf[:, : self.n].to(self.device)
-
-
-class _Sampler(ctypes.Structure):  # hfs_sampler_t in csrc/api.h (tests/test_struct_mirrors.py)
-    _fields_ = [
-        *[(n, ctypes.c_int64) for n in ("vocab", "top_k", "cap", "seen_room", "n_tail")],
-        ("tail_op", ctypes.c_int64 * 4),
-        ("tail_keep", ctypes.c_int64 * 4),
-        ("tail_value", ctypes.c_double * 4),
-        ("penalty", ctypes.c_float),
-        ("temperature", ctypes.c_float),
-        *[(n, ctypes.c_void_p) for n in ("idx", "order", "val", "heap", "fwork", "saved", "work")],
-    ]
-
-
-_CANDIDATES = 1024
-"""Room for top-k's survivors in the native call (more: top-k above it, or ties at its boundary): torch."""
-
-
-class _NativeSampler:
-    """``hfs_sample`` for one generation: its :class:`_Sampler` and buffers."""
-
-    def __init__(self, lib, vocab: int, penalty, temperature, top_k: int, tail: list, seen_room: int) -> None:
-        self.lib, self.skip = lib, 0
-        s = self.struct = _Sampler(vocab=vocab, top_k=min(top_k, vocab), cap=_CANDIDATES, seen_room=seen_room)
-        if penalty is not None:
-            s.penalty, self.skip = penalty.penalty, penalty.prompt_ignore_length or 0
-        if temperature is not None:
-            s.temperature = temperature.temperature
-        s.n_tail = len(tail)
-        for i, (op, value, keep) in enumerate(tail):
-            s.tail_op[i], s.tail_value[i], s.tail_keep[i] = op, value, keep
-        self.idx = torch.empty(_CANDIDATES, dtype=torch.int64)
-        self.order = torch.empty(_CANDIDATES, dtype=torch.int64)
-        self.val, self.heap, self.fwork = (torch.empty(_CANDIDATES) for _ in range(3))
-        self.saved = torch.empty(max(seen_room, 1))
-        self.work = torch.empty(_CANDIDATES, dtype=torch.float64)
-        for name in ("idx", "order", "val", "heap", "fwork", "saved", "work"):
-            setattr(s, name, getattr(self, name).data_ptr())
-        self.survivors = ctypes.c_int64(0)
-        self._ref, self._survivors = ctypes.byref(s), ctypes.byref(self.survivors)
-
-    def __call__(self, seq: _Sequence, logits: torch.Tensor, u: float) -> int:
-        if seq.buf.dtype != torch.int64 or seq.n > self.struct.seen_room:
-            return -1
-        seen = seq.buf.data_ptr() + 8 * min(self.skip, seq.n) if self.struct.penalty > 0 else 0
-        count = seq.n - min(self.skip, seq.n) if self.struct.penalty > 0 else 0
-        return int(self.lib.hfs_sample(self._ref, logits.data_ptr(), seen, count, u, self._survivors))
-
-
-def _sampler(procs, vocab: int, seen_room: int) -> _NativeSampler | None:
-    """The native call for processors ``[repetition penalty?, temperature?, top-k, warpers on survivors...]``
-    (``generate``'s order; at most 4 after top-k), or ``None`` (other processors, or no native kernels)."""
-    from transformers.generation.logits_process import (
-        MinPLogitsWarper,
-        RepetitionPenaltyLogitsProcessor,
-        TemperatureLogitsWarper,
-        TopKLogitsWarper,
-        TopPLogitsWarper,
-    )
-
-    from ..backends import _native
-
-    kinds = [type(p) for p in procs]
-    if TopKLogitsWarper not in kinds:
-        return None
-    at = kinds.index(TopKLogitsWarper)
-    head, top_k = procs[:at], procs[at]
-    if top_k.filter_value != -float("inf") or top_k.top_k > _CANDIDATES:
-        return None
-    tail = []
-    for q in procs[at + 1 :]:
-        if not _filters_to_minus_inf(q):
-            return None
-        if type(q) is TemperatureLogitsWarper:
-            tail.append((1, q.temperature, 1))
-        elif type(q) is TopKLogitsWarper and q.top_k <= _CANDIDATES:
-            tail.append((2, q.top_k, 1))
-        elif type(q) is TopPLogitsWarper:
-            tail.append((3, q.top_p, q.min_tokens_to_keep))
-        elif type(q) is MinPLogitsWarper:
-            tail.append((4, q.min_p, q.min_tokens_to_keep))
-        else:
-            return None
-    order = [RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper]
-    kinds = kinds[:at]
-    if len(tail) > 4 or kinds not in ([], order[:1], order[1:], order):
-        return None
-    penalty = head[0] if kinds[:1] == order[:1] else None
-    temperature = head[-1] if kinds[-1:] == order[1:] else None
-    if penalty is not None:
-        ignore = penalty.prompt_ignore_length
-        if (ignore is not None and not isinstance(ignore, int)) or penalty.logits_indices is not None:
-            return None
-    lib = _native.load()
-    if lib is None:
-        return None
-    return _NativeSampler(lib, vocab, penalty, temperature, top_k.top_k, tail, seen_room)
-
-
-def _on_survivors() -> tuple[type, ...]:
-    from transformers.generation.logits_process import (
-        MinPLogitsWarper,
-        TemperatureLogitsWarper,
-        TopKLogitsWarper,
-        TopPLogitsWarper,
-    )
-
-    return (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
-
-
-def _filters_to_minus_inf(proc) -> bool:
-    return getattr(proc, "filter_value", -float("inf")) == -float("inf")
-
-
 def _native_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer):
     """``generate``'s greedy / sampling loop with each token's logits from one native call."""
     from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -547,41 +301,6 @@ def _native_loop(model, input_ids, logits_processor, stopping_criteria, generati
             logits=tuple(raw) if keep_logits else None,
         )
     return ids
-
-
-class _Stops:
-    """``generate``'s stopping criteria for one sequence: whether it is finished after token ``tok``. The
-    usual list (the maximal length, end-of-sequence tokens) is decided on Python ints; any other criterion,
-    or a length past the model's ``max_position_embeddings`` (where the length criterion logs a warning),
-    runs the list itself."""
-
-    def __init__(self, criteria, keep_scores: bool) -> None:
-        from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
-
-        self.criteria, self.keep_scores = criteria, keep_scores
-        self.max_length, self.eos, self.past = None, set(), None
-        self.plain = True
-        for c in criteria:
-            if type(c) is MaxLengthCriteria:
-                self.max_length = (
-                    c.max_length if self.max_length is None else min(self.max_length, c.max_length)
-                )
-                if c.max_position_embeddings is not None:
-                    self.past = (
-                        c.max_position_embeddings
-                        if self.past is None
-                        else min(self.past, c.max_position_embeddings)
-                    )
-            elif type(c) is EosTokenCriteria:
-                self.eos |= {int(e) for e in torch.as_tensor(c.eos_token_id).reshape(-1).tolist()}
-            else:
-                self.plain = False
-
-    def __call__(self, seq: _Sequence, tok: int, scores: list) -> bool:
-        length = seq.n
-        if not self.plain or (self.past is not None and length > self.past):
-            return bool(self.criteria(seq.ids(), tuple(scores) if self.keep_scores else None).any())
-        return tok in self.eos or (self.max_length is not None and length >= self.max_length)
 
 
 def native_generate_kwargs(native_step: str = "auto") -> dict:

@@ -187,7 +187,7 @@ int hfs_vnni(void) { return HFS_VNNI + HFS_VNNI_EXPAND; }
 
 /* ---- The layout of the structs Python mirrors with ctypes (tests/test_struct_mirrors.py compares) -----------
    prepared_t: _native.Prepared; hfs_layer_t, hfs_decoder_t: native_step.py's _Layer, _Decoder; hfs_sampler_t:
-   decoding.py's _Sampler. Every field, in declaration order. */
+   sampling.py's _Sampler. Every field, in declaration order. */
 typedef struct {
   const char *type, *field;
   int64_t offset, size;

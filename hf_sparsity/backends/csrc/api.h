@@ -46,7 +46,7 @@ typedef struct {
   const float* final_norm_bias; /* (GPT-2) */
 } hfs_decoder_t;
 
-/* One generation's sampling processors (sample.c; Python: decoding.py's _Sampler): the repetition penalty and
+/* One generation's sampling processors (sample.c; Python: sampling.py's _Sampler): the repetition penalty and
    the temperature before top-k (<= 0: none), top-k, the warpers after it (tail_op: HFS_WARP_*, with their
    value and min_tokens_to_keep), and the buffers: idx / val / order / fwork / work for `cap` survivors, heap
    for `cap` floats, saved for `seen_room` ids. */

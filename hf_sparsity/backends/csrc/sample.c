@@ -1,4 +1,4 @@
-/* A sampled token (hf_sparsity/inference/decoding.py, _Sampler): transformers' usual sampling processors on the
+/* A sampled token (hf_sparsity/inference/sampling.py, _Sampler): transformers' usual sampling processors on the
    decoding step's logits in one call, instead of about twenty torch operations a token, most of them on the
    whole vocabulary. After a decoding step each torch operation also starts with cold caches (its dispatch
    code and data evicted by the step's weight stream): a top-p on 50 values took 27 us warm and 218 us after
@@ -16,7 +16,7 @@
       generator), the same distribution as torch.multinomial of the softmax.
    Where the native call does not match transformers' definition (a NaN in the row, fewer than k values above
    -inf, more survivors than room for them, a negative id) it returns -1 and leaves the logits as they were:
-   decoding.py then runs the processors in torch. */
+   sampling.py then runs the processors in torch. */
 /* Part of the native kernels' one translation unit, hfs_kernels.c (included there, not compiled alone). */
 
 /* A min-heap of the k largest values seen (h[0]: the smallest of them) */
