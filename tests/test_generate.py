@@ -1,4 +1,5 @@
-"""``hf_sparsity generate``: streams the same greedy tokens as dense, from a masked or a finalized folder."""
+"""``hf_sparsity generate``: streams the same greedy tokens as dense, from a masked or a finalized folder;
+samples with ``generate``'s options."""
 
 from __future__ import annotations
 
@@ -149,3 +150,86 @@ def test_generate_runs_the_native_step_by_default_and_says_so(llama_folder, caps
     assert want.strip() in out3 and "the native step does not run this model" in err3
     assert main([*argv, "--no-dense", "--loop", "generate", "--lean"]) == 2
     assert "two decoding loops" in capsys.readouterr().err
+
+
+SAMPLE_ARGS = [
+    "--do-sample",
+    "--temperature",
+    "0.7",
+    "--top-k",
+    "20",
+    "--top-p",
+    "0.9",
+    "--repetition-penalty",
+    "1.1",
+]
+
+
+def test_generate_samples_on_the_native_step_with_generates_options(llama_folder, capsys):
+    """--do-sample and its options reach model.generate: the streamed text is what model.generate draws with
+    the same options and seed on the native step (the same text twice), and greedy's differs."""
+    from transformers import AutoModelForCausalLM, set_seed
+
+    from hf_sparsity.cli import main
+    from hf_sparsity.inference import sparsify_for_inference
+    from hf_sparsity.inference.decoding import native_generate
+
+    _, tok, folder = llama_folder
+    prompt = "Sparse models are"
+    argv = ["generate", str(folder), "--prompt", prompt, "--max-new-tokens", "12", "--backend", "bitmask"]
+    outs = []
+    for _ in range(2):
+        assert main([*argv, *SAMPLE_ARGS, "--seed", "3", "--no-dense"]) == 0
+        out, err = capsys.readouterr()
+        assert "loop: the native step" in err
+        outs.append(out)
+    assert outs[0] == outs[1]
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    sparsify_for_inference(model, "bitmask", masks=str(folder))
+    ids = tok(prompt, return_tensors="pt").input_ids
+    set_seed(3)
+    want = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=True, temperature=0.7,
+        top_k=20, top_p=0.9, repetition_penalty=1.1, pad_token_id=0, custom_generate=native_generate,
+    )  # fmt: skip
+    assert outs[0].strip() == (prompt + tok.decode(want[0, ids.shape[1] :])).strip()
+    assert main([*argv, "--no-dense"]) == 0
+    assert capsys.readouterr().out != outs[0]  # greedy's text is another
+
+
+@pytest.mark.parametrize(
+    "extra,said",
+    [
+        (["--do-sample", "--temperature", "0"], "--temperature 0.0: it must be above 0"),
+        (["--do-sample", "--temperature", "-1"], "--temperature -1.0: it must be above 0"),
+        (["--do-sample", "--top-k", "-1"], "--top-k -1: it must be 0 (none) or more"),
+        (["--do-sample", "--top-p", "0"], "--top-p 0.0: it must be in (0, 1]"),
+        (["--do-sample", "--top-p", "1.01"], "--top-p 1.01: it must be in (0, 1]"),
+        (["--do-sample", "--min-p", "-0.1"], "--min-p -0.1: it must be in [0, 1]"),
+        (["--do-sample", "--min-p", "1.5"], "--min-p 1.5: it must be in [0, 1]"),
+        (["--repetition-penalty", "0"], "--repetition-penalty 0.0: it must be above 0"),
+        (["--temperature", "0.7"], "--temperature shapes sampling: add --do-sample"),
+        (["--top-k", "5"], "--top-k shapes sampling: add --do-sample"),
+        (["--top-p", "0.9"], "--top-p shapes sampling: add --do-sample"),
+        (["--min-p", "0.1"], "--min-p shapes sampling: add --do-sample"),
+        (["--do-sample", "--lean"], "--lean decodes greedily"),
+        (["--repetition-penalty", "1.2", "--lean"], "--lean decodes greedily"),
+    ],
+)
+def test_generate_refuses_bad_sampling_options(llama_folder, capsys, extra, said):
+    from hf_sparsity.cli import main
+
+    _, _, folder = llama_folder
+    assert main(["generate", str(folder), "--prompt", "x", "--no-dense", *extra]) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_generate_takes_the_options_at_their_limits(llama_folder, capsys):
+    from hf_sparsity.cli import main
+
+    _, _, folder = llama_folder
+    limits = ["--do-sample", "--top-k", "0", "--top-p", "1", "--min-p", "0", "--temperature", "1e-3"]
+    assert (
+        main(["generate", str(folder), "--prompt", "x", "--max-new-tokens", "3", "--no-dense", *limits]) == 0
+    )
+    assert "loop: the native step" in capsys.readouterr().err

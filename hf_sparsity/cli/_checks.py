@@ -83,6 +83,7 @@ def generate_args(args) -> None:
         raise SparsityError("--lean and --compile are two decoding loops; pick one.")
     if getattr(args, "values", None):
         _int8_values(args.backend, args.model_dir)
+    _sampling(args)
     if getattr(args, "activations", None):
         if not getattr(args, "values", None):
             raise SparsityError(
@@ -93,6 +94,26 @@ def generate_args(args) -> None:
                 "--activations float32: auto measures the int8 products; pick --backend bitmask, nm24 or "
                 "native_dense for float32 activations."
             )
+
+
+def _sampling(args) -> None:
+    """``--do-sample`` and its options: each within its range, and none without ``--do-sample``."""
+    ranges = {  # option: (valid, the range said)
+        "temperature": (lambda v: v > 0, "above 0"),
+        "top_k": (lambda v: v >= 0, "0 (none) or more"),
+        "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+        "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+        "repetition_penalty": (lambda v: v > 0, "above 0 (1: none)"),
+    }
+    for name, (valid, said) in ranges.items():
+        value = getattr(args, name, None)
+        flag = "--" + name.replace("_", "-")
+        if value is None:
+            continue
+        if not valid(value):
+            raise SparsityError(f"{flag} {value}: it must be {said}.")
+        if name != "repetition_penalty" and not getattr(args, "do_sample", False):
+            raise SparsityError(f"{flag} shapes sampling: add --do-sample, or drop {flag} (greedy decoding).")
 
 
 def _int8_values(backend: str, folder: str) -> None:

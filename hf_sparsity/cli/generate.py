@@ -1,4 +1,4 @@
-"""``hf_sparsity generate``: greedy generation on a sparse backend, streamed, with tokens/s against dense.
+"""``hf_sparsity generate``: generation on a sparse backend, streamed, with tokens/s against dense.
 
     hf_sparsity generate MODEL_DIR --prompt "The capital of France is"             # backend auto
     hf_sparsity generate MODEL_DIR --prompt TEXT --loop generate    # transformers' own decoding loop
@@ -7,6 +7,11 @@
     hf_sparsity generate MODEL_DIR --prompt TEXT --compile          # torch.compile'd forward, static cache
     hf_sparsity generate MODEL_DIR --prompt TEXT --values int8      # int8 values, per-row scales
     hf_sparsity generate MODEL_DIR --prompt TEXT --lean             # greedy_decode's loop (same tokens)
+    hf_sparsity generate MODEL_DIR --prompt TEXT --do-sample --temperature 0.7 --top-p 0.9 --seed 0
+
+Decoding is greedy unless ``--do-sample`` (``generate``'s sampling: ``--temperature``, ``--top-k``,
+``--top-p``, ``--min-p``, with transformers' defaults where not given; ``--seed`` for the same text again);
+``--repetition-penalty`` applies to both. Both runs, dense and sparse, decode the same way.
 
 Masks: ``--masks`` (a mask file / folder, or ``zeros``); by default the folder's
 ``sparsity_masks.safetensors``, or, for a finalized folder without one, the exact zeros of
@@ -96,7 +101,8 @@ def decode_rate(stamps: list[float]) -> float | None:
 
 
 def _generate(model, ids, n: int, streamer=None, loop: str = "generate", **kw) -> tuple[object, float, float]:
-    """(output ids, decoding tok/s after the first token, end-to-end tok/s)."""
+    """(output ids, decoding tok/s after the first token, end-to-end tok/s); ``kw``: ``generate``'s keywords
+    (sampling, the compiled cache)."""
     import torch
 
     stamps = _Stamps(streamer)
@@ -119,12 +125,11 @@ def _generate(model, ids, n: int, streamer=None, loop: str = "generate", **kw) -
                 ids,
                 attention_mask=torch.ones_like(ids),
                 max_new_tokens=n,
-                do_sample=False,
                 streamer=stamps,
                 pad_token_id=getattr(model.generation_config, "pad_token_id", None)
                 or getattr(model.generation_config, "eos_token_id", None)
                 or 0,
-                **kw,
+                **{"do_sample": False, **kw},
             )
         dt = time.perf_counter() - t
     new = out.shape[1] - ids.shape[1]
@@ -173,6 +178,7 @@ def generate_command(args) -> int:
         from ..inference import compiled_generate_kwargs
 
         kw = compiled_generate_kwargs()
+    kw.update(_sampling_kwargs(args))
     # warm-up; compiled: the same lengths as the timed run (a new length compiles again)
     warm = args.max_new_tokens if args.compile else 2
     if not args.no_dense:
@@ -197,6 +203,10 @@ def generate_command(args) -> int:
     t = time.perf_counter()
     _generate(model, ids, warm, loop=run_loop, **kw)
     compile_s[args.backend] = time.perf_counter() - t
+    if args.seed is not None:
+        from transformers import set_seed
+
+        set_seed(args.seed)
     print(args.prompt, end="", flush=True)
     streamer = TextStreamer(tok, skip_prompt=True)
     _, tok_s, e2e = _generate(model, ids, args.max_new_tokens, streamer, loop=run_loop, **kw)
@@ -233,6 +243,19 @@ def _summary(
     return line + "]"
 
 
+SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "min_p")  # generate's keywords, --do-sample only
+
+
+def _sampling_kwargs(args) -> dict:
+    """``generate``'s keywords for ``--do-sample`` and its options, and ``--repetition-penalty``."""
+    kw = {name: getattr(args, name) for name in SAMPLING_OPTIONS if getattr(args, name) is not None}
+    if args.do_sample:
+        kw["do_sample"] = True
+    if args.repetition_penalty is not None:
+        kw["repetition_penalty"] = args.repetition_penalty
+    return kw
+
+
 def _requested_loop(args) -> str:
     """The decoding loop ``--loop`` / ``--lean`` / ``--compile`` ask for (one of :data:`LOOPS`)."""
     loop = "lean" if args.lean else args.loop
@@ -242,6 +265,11 @@ def _requested_loop(args) -> str:
         raise SparsityError(f"--lean and --loop {args.loop} are two decoding loops; pick one.")
     if args.compile and loop == "lean":
         raise SparsityError("--lean and --compile are two decoding loops; pick one.")
+    if loop == "lean" and (args.do_sample or args.repetition_penalty is not None):
+        raise SparsityError(
+            "--lean decodes greedily without processors; drop --lean (the native step samples through "
+            "model.generate) or the sampling options."
+        )
     if args.compile:
         loop = "generate"  # the compiled forward runs in transformers' loop
     return loop
@@ -311,5 +339,12 @@ def generate_command_parser(subparsers):
         help="--loop lean: both runs decode with hf_sparsity.decoding.greedy_decode (the native step where "
         "it applies, else its forward loop; the same tokens as generate)",
     )
+    p.add_argument("--do-sample", action="store_true", help="Sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=None, help="With --do-sample: the temperature")
+    p.add_argument("--top-k", type=int, default=None, help="With --do-sample: top-k (0: none; default 50)")
+    p.add_argument("--top-p", type=float, default=None, help="With --do-sample: nucleus sampling's mass")
+    p.add_argument("--min-p", type=float, default=None, help="With --do-sample: min-p")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="The repetition penalty (> 0)")
+    p.add_argument("--seed", type=int, default=None, help="A seed for the sampled run (the same text again)")
     p.set_defaults(func=generate_command)
     return p
