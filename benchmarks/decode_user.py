@@ -20,7 +20,9 @@ loaded once and converted with ``sparsify_for_inference(model, "auto")``; the ro
   custom_generate=native_generate)``, greedy;
 * ``generate (transformers loop)``: ``model.generate`` without ``custom_generate`` (the forward per token);
 * ``hf_sparsity generate``: the command as the README writes it (a subprocess, ``--no-dense``, with
-  ``--values int8`` for an ``:int8`` folder): the tok/s it prints, and the loop it says ran;
+  ``--values int8`` for an ``:int8`` folder): the tok/s it prints, and the loop it says ran; and the same
+  with the sampling options above (``--do-sample --temperature 0.7 --top-k 50 --top-p 0.9
+  --repetition-penalty 1.1``);
 * ``--gguf NAME=FILE``: llama.cpp (``llama-cpp-python``, an optional benchmark dependency) on the GGUF file,
   greedy, the same threads and prompt ids; its perplexity from its own logits on the same windows.
 
@@ -53,10 +55,21 @@ from decode import _llama_cpp_runner, _Stamps
 
 SAMPLING = dict(do_sample=True, temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.1)
 CLI_ROW = "hf_sparsity generate"
+CLI_SAMPLING = [
+    "--do-sample",
+    "--temperature",
+    "0.7",
+    "--top-k",
+    "50",
+    "--top-p",
+    "0.9",
+    "--repetition-penalty",
+    "1.1",
+]
 
 
-def _cli(folder: str, values: str | None, args) -> tuple[float | None, str]:
-    """One ``hf_sparsity generate`` run: (the tok/s it prints, the loop it says ran)."""
+def _cli(folder: str, values: str | None, args, extra: list[str]) -> tuple[float | None, str]:
+    """One ``hf_sparsity generate`` run with ``extra`` options: (its tok/s, the loop it says ran)."""
     cmd = [
         sys.executable, "-c", "import sys; from hf_sparsity.cli import main; sys.exit(main(sys.argv[1:]))",
         "generate", folder, "--prompt", args.prompt, "--max-new-tokens", str(args.tokens), "--no-dense",
@@ -64,6 +77,7 @@ def _cli(folder: str, values: str | None, args) -> tuple[float | None, str]:
     ]  # fmt: skip
     if values:
         cmd += ["--values", values]
+    cmd += extra
     res = subprocess.run(cmd, capture_output=True, text=True, check=False)
     m = re.search(r"\[auto: ([0-9.]+) tok/s", res.stderr)
     loop = re.search(r"loop: (.*?)(?:;|\]|$)", res.stderr)
@@ -169,12 +183,16 @@ def _rows_for(m: dict, args) -> dict:
     if not args.no_cli:
         loops = m.setdefault("cli_loops", [])
 
-        def cli():
-            tok_s, loop = _cli(m["folder"], m["values"], args)
-            loops.append(loop)
-            return tok_s if tok_s is not None else float("nan")
+        def cli(extra):
+            def run():
+                tok_s, loop = _cli(m["folder"], m["values"], args, extra)
+                loops.append(loop)
+                return tok_s if tok_s is not None else float("nan")
 
-        rows[CLI_ROW] = cli
+            return run
+
+        rows[CLI_ROW] = cli([])
+        rows[CLI_ROW + ", sampling"] = cli(CLI_SAMPLING)
     return rows
 
 
@@ -209,7 +227,7 @@ def main(argv=None) -> int:
     speeds: dict[tuple, list[float]] = {k: [] for k in runs}
     with torch.inference_mode():
         for (_, row), fn in runs.items():  # warm-up (the command warms itself up)
-            if row != CLI_ROW:
+            if not row.startswith(CLI_ROW):
                 fn()
         for _ in range(args.rounds):
             for k, fn in runs.items():
