@@ -735,7 +735,7 @@ MUTATIONS = (
         (
             (
                 "hf_sparsity/backends/csrc/sample.c",
-                "    if (_mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q)) goto done;",
+                "    if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) goto done;",
                 "",
             ),
         ),
@@ -771,8 +771,8 @@ MUTATIONS = (
         (
             (
                 "hf_sparsity/backends/csrc/sample.c",
-                "#define HFS_Y(i) (divide ? x[i] / t : x[i])",
-                "#define HFS_Y(i) (divide ? x[i] * (1.0f / t) : x[i])",
+                "      s->val[m++] = divide ? x[i + b] / t : x[i + b];",
+                "      s->val[m++] = divide ? x[i + b] * (1.0f / t) : x[i + b];",
             ),
         ),
         ("tests/test_native_sampling.py",),
@@ -817,6 +817,30 @@ MUTATIONS = (
         "native-stops-ignore-eos",
         "native_generate's stopping criteria on ints ignore the end-of-sequence tokens",
         (("hf_sparsity/inference/sampling.py", "return tok in self.eos or (", "return False or ("),),
+        ("tests/test_native_sampling.py",),
+    ),
+    Mutation(
+        "native-argmax-vectors-skip-nan",
+        "the native step's vector argmax passes over NaN logits",
+        (("hf_sparsity/backends/csrc/decode.c", "    if (nan) {", "    if (0) {"),),
+        ("tests/test_native_sampling.py",),
+    ),
+    Mutation(
+        "native-argmax-vectors-last-of-ties",
+        "the native step's vector argmax takes the last vector holding the largest logit",
+        (
+            (
+                "hf_sparsity/backends/csrc/decode.c",
+                "    for (i = 0; i + 16 <= n; i += 16) {\n      const __mmask16 eq",
+                "    for (i = (n / 16 - 1) * 16; i >= 0; i -= 16) {\n      const __mmask16 eq",
+            ),
+        ),
+        ("tests/test_native_sampling.py",),
+    ),
+    Mutation(
+        "native-sample-temperature-ties-missed",
+        "top-k with a temperature above 1 misses the ids whose quotient ties with the k-th largest's",
+        (("hf_sparsity/backends/csrc/sample.c", "      if (below / t != kth) break;", "      break;"),),
         ("tests/test_native_sampling.py",),
     ),
 )

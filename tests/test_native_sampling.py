@@ -155,6 +155,27 @@ def test_ties_at_top_ks_boundary_are_kept_as_transformers_keeps_them():
     assert tok in keep.tolist()
 
 
+def test_a_temperature_above_1_keeps_the_ids_whose_quotient_ties_with_the_kth():
+    """Dividing by t > 1 can round two neighbouring floats to one quotient: the id just below the k-th
+    largest logit then ties with it after the temperature, and transformers keeps it."""
+    import numpy as np
+
+    t = np.float32(3.0)
+    a = np.float32(10.0)
+    while np.nextafter(a, np.float32(-np.inf)) / t != a / t:  # a float whose lower neighbour's quotient ties
+        a = np.nextafter(a, np.float32(np.inf))
+    b = np.nextafter(a, np.float32(-np.inf))
+    row = torch.linspace(-8, 8, 500)
+    row[[400, 100, 7, 250]] = torch.tensor([20.0, 19.0, 18.0, 17.0])
+    row[300], row[42] = float(a), float(b)  # the 5th largest, and its lower neighbour
+    procs = _procs(temperature=float(t), top_k=5)
+    want = (procs(None, row[None].clone())[0] > -float("inf")).nonzero()[:, 0]
+    assert want.tolist() == [7, 42, 100, 250, 300, 400]
+    sampler = _sampler(list(procs), 500, seen_room=4)
+    sampler(_Sequence(torch.tensor([[1]]), 4), row, 0.5)
+    assert torch.equal(sampler.idx[: sampler.survivors.value], want)
+
+
 def _fallback_cases():
     vocab = 3000
     row = _row(vocab, 1)
@@ -291,32 +312,67 @@ def test_a_seed_gives_the_same_text_on_the_native_call_and_on_the_torch_path(mon
     assert runs[0].shape[1] == ids.shape[1] + 30 and torch.equal(runs[0], runs[1])
 
 
-def test_greedy_takes_torchs_argmax_on_ties_and_nans():
-    """The native step's argmax is torch.argmax's: the first of tied largest logits, the first NaN where
-    there is one (generate's greedy tokens then). Ties: the LM head's rows are multiples of one vector, rows 9
-    and 40 the largest multiple, 60 and 70 the smallest, so every position's largest logit is a tie (9 and
-    40, or 60 and 70, by the sign of the hidden state's product with the vector)."""
+GREEDY_POISON = {  # vocab: ((the largest multiple's rows, the smallest's), the NaN rows)
+    128: (([9, 40], [60, 70]), [77, 50]),  # in different vectors of 16
+    37: (([33, 35], [32, 36]), [36, 34]),  # in the 5 logits after the last vector of 16
+    40: (([3, 7], [1, 12]), [38, 5]),  # in one vector; a NaN in the vectors and one after them
+}
+
+
+def _poisoned(vocab: int, poison: str):
+    """Ties: the LM head's rows are multiples of one vector, two rows the largest multiple and two the
+    smallest, so every position's largest logit is a tie (between the first pair or the second, by the sign
+    of the hidden state's product with the vector). NaN: a NaN weight in two rows."""
+    (top, bottom), nans = GREEDY_POISON[vocab]
+    model = _llama(vocab)
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        if poison == "tie":
+            scale = torch.full((vocab, 1), 0.5)
+            scale[top], scale[bottom] = 1.0, -1.0
+            head.copy_(scale * head[:1])
+        else:
+            head[nans, 3] = float("nan")
+    return model
+
+
+@pytest.mark.parametrize("poison", ["tie", "nan"])
+@pytest.mark.parametrize("vocab", sorted(GREEDY_POISON))
+def test_the_native_steps_argmax_is_torchs_on_ties_and_nans(vocab, poison):
+    """The token the native step returns is torch.argmax of the logits it leaves: the first of tied largest
+    logits, the first NaN where there is one (in the vectors of 16 and after the last)."""
+    from hf_sparsity.inference.native_step import NativeDecoder
+
+    (top, bottom), nans = GREEDY_POISON[vocab]
+    dec = NativeDecoder(_poisoned(vocab, poison))
+    logits = dec.start(_ids(5, 3) % vocab, 32)
+    tok = int(torch.argmax(logits))
+    for _ in range(12):
+        tok = dec.step(tok)
+        logits = dec.logits
+        assert tok == int(torch.argmax(logits))
+        if poison == "tie":
+            assert tok in (top[0], bottom[0]) and int((logits == logits.max()).sum()) == 2
+        else:
+            assert tok == min(nans)
+    dec.close()
+
+
+@pytest.mark.parametrize("poison", ["tie", "nan"])
+def test_greedy_gives_generates_tokens_on_ties_and_nans(poison):
+    """Greedy through generate on the native step, and greedy_decode, give generate's tokens where the
+    largest logits tie or a logit is NaN (torch's own product gives the tied rows equal sums here)."""
     from hf_sparsity.inference.decoding import greedy_decode
 
-    for poison in ("tie", "nan"):
-        model = _llama()
-        with torch.no_grad():
-            head = model.get_output_embeddings().weight
-            if poison == "tie":
-                scale = torch.full((128, 1), 0.5)
-                scale[[9, 40]], scale[[60, 70]] = 1.0, -1.0
-                head.copy_(scale * head[:1])
-            else:
-                head[77, 3] = float("nan")
-                head[50, 3] = float("nan")
-        ids = _ids(5, 3)
-        want = model.generate(ids, max_new_tokens=8, do_sample=False)
-        new = set(want[0, 5:].tolist())
-        assert new <= {9, 60} if poison == "tie" else new == {50}
-        assert torch.equal(
-            model.generate(ids, max_new_tokens=8, do_sample=False, custom_generate=native_generate), want
-        )
-        assert torch.equal(greedy_decode(model, ids, 8, step="native"), want)
+    model = _poisoned(128, poison)
+    ids = _ids(5, 3)
+    want = model.generate(ids, max_new_tokens=8, do_sample=False)
+    (top, bottom), nans = GREEDY_POISON[128]
+    new = set(want[0, 5:].tolist())
+    assert new <= {top[0], bottom[0]} if poison == "tie" else new == {min(nans)}
+    got = model.generate(ids, max_new_tokens=8, do_sample=False, custom_generate=native_generate)
+    assert torch.equal(got, want)
+    assert torch.equal(greedy_decode(model, ids, 8, step="native"), want)
 
 
 def test_a_generation_past_the_models_positions_stops_as_generate_does():

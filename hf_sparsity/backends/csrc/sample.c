@@ -8,8 +8,8 @@
    1. the repetition penalty on the ids seen (each id once: v < 0 ? v * penalty : v / penalty);
    2. the temperature (v / temperature);
    3. top-k: the ids whose value is at least the k-th largest (ties at the boundary kept), in ascending id
-      order (as `nonzero` lists them): three passes over the row (a min-heap of the k largest values, then a
-      collecting pass), the processed values computed in registers, never written back;
+      order (as `nonzero` lists them): two passes over the row (a min-heap of the k largest values, then a
+      collecting pass), the temperature's division only for the survivors (see below), nothing written back;
    4. the warpers after top-k on its survivors (temperature, top-k, top-p, min-p, in the list's order; the
       softmax and cumulative sums of top-p and min-p in double, where transformers sums in float32);
    5. the draw: the first survivor whose cumulative probability exceeds u (a uniform in [0, 1) from torch's
@@ -130,54 +130,59 @@ int64_t hfs_sample(const hfs_sampler_t* s, float* x, const int64_t* seen, int64_
     for (int64_t j = 0; j < n_seen; j++)
       if (seen[j] < n) x[seen[j]] = s->saved[j] < 0.0f ? s->saved[j] * s->penalty : s->saved[j] / s->penalty;
   }
-  /* 2 and 3: the k-th largest value of x / t */
+  /* 2 and 3: top-k of y = x / t, on x: the division by t > 0 is correctly rounded, so it keeps the order (a >= b:
+     a / t >= b / t), and the k-th largest y is the k-th largest x divided by t. The survivors are the x at or
+     above the smallest float whose quotient still equals it (below the k-th largest x where rounding makes
+     neighbours' quotients equal, for t > 1); only theirs are divided. */
   float* heap = s->heap;
   int64_t size = 0, i = 0, m = 0, result = -1;
-#define HFS_Y(i) (divide ? x[i] / t : x[i])
 #if HFS_SIMD && defined(__AVX512F__)
-  const __m512 tv = _mm512_set1_ps(t);
-  for (; i < n && size < k; i++) heap_offer(heap, k, &size, HFS_Y(i));
+  for (; i < n && size < k; i++) heap_offer(heap, k, &size, x[i]);
   for (; i + 16 <= n; i += 16) {
-    __m512 y = _mm512_loadu_ps(x + i);
-    if (divide) y = _mm512_div_ps(y, tv);
-    __mmask16 gt = _mm512_cmp_ps_mask(y, _mm512_set1_ps(heap[0]), _CMP_GT_OQ);
+    __mmask16 gt = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), _mm512_set1_ps(heap[0]), _CMP_GT_OQ);
     while (gt) {
       const int b = __builtin_ctz(gt);
       gt &= gt - 1;
-      heap_offer(heap, k, &size, HFS_Y(i + b));
+      heap_offer(heap, k, &size, x[i + b]);
     }
   }
 #endif
-  for (; i < n; i++) heap_offer(heap, k, &size, HFS_Y(i));
-  const float kth = heap[0];
-  if (!(kth > -INFINITY)) goto done; /* fewer than k values above -inf, or a NaN among the first k */
+  for (; i < n; i++) heap_offer(heap, k, &size, x[i]);
+  if (!(heap[0] > -INFINITY)) goto done; /* fewer than k values above -inf, or a NaN among the first k */
+  float lower = heap[0];
+  if (divide) {
+    const float kth = heap[0] / t;
+    for (int steps = 0;; steps++) {
+      const float below = nextafterf(lower, -INFINITY);
+      if (below / t != kth) break;
+      if (steps == 4096) goto done; /* a temperature in the thousands: torch's path */
+      lower = below;
+    }
+  }
   /* every id at or above it, in order; a NaN anywhere: torch.topk ranks NaN above every value */
   i = 0;
 #if HFS_SIMD && defined(__AVX512F__)
   for (; i + 16 <= n; i += 16) {
-    __m512 y = _mm512_loadu_ps(x + i);
-    if (divide) y = _mm512_div_ps(y, tv);
-    if (_mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q)) goto done;
-    __mmask16 ge = _mm512_cmp_ps_mask(y, _mm512_set1_ps(kth), _CMP_GE_OQ);
+    const __m512 v = _mm512_loadu_ps(x + i);
+    if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) goto done;
+    __mmask16 ge = _mm512_cmp_ps_mask(v, _mm512_set1_ps(lower), _CMP_GE_OQ);
     while (ge) {
       const int b = __builtin_ctz(ge);
       ge &= ge - 1;
       if (m == s->cap) goto done;
       s->idx[m] = i + b;
-      s->val[m++] = HFS_Y(i + b);
+      s->val[m++] = divide ? x[i + b] / t : x[i + b];
     }
   }
 #endif
   for (; i < n; i++) {
-    const float y = HFS_Y(i);
-    if (y != y) goto done;
-    if (y >= kth) {
+    if (x[i] != x[i]) goto done;
+    if (x[i] >= lower) {
       if (m == s->cap) goto done;
       s->idx[m] = i;
-      s->val[m++] = y;
+      s->val[m++] = divide ? x[i] / t : x[i];
     }
   }
-#undef HFS_Y
   /* 4. the warpers after top-k, 5. the draw */
   for (int64_t w = 0; w < s->n_tail; w++) tail_warper(s, w, s->val, m);
   softmax_d(s->val, m, s->work);
