@@ -316,6 +316,7 @@ GREEDY_POISON = {  # vocab: ((the largest multiple's rows, the smallest's), the 
     128: (([9, 40], [60, 70]), [77, 50]),  # in different vectors of 16
     37: (([33, 35], [32, 36]), [36, 34]),  # in the 5 logits after the last vector of 16
     40: (([3, 7], [1, 12]), [38, 5]),  # in one vector; a NaN in the vectors and one after them
+    12: (([3, 7], [1, 10]), [9, 4]),  # fewer than 16: the scalar loop alone
 }
 
 
