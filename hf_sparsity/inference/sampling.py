@@ -151,12 +151,16 @@ class _Sequence:
         return self.buf[:, : self.n].to(self.device)
 
 
+_WARPS = {"temperature": 1, "top_k": 2, "top_p": 3, "min_p": 4}  # HFS_WARP_* in csrc/api.h
+_MAX_TAIL = 4  # HFS_MAX_TAIL: warpers after top-k in one native call
+
+
 class _Sampler(ctypes.Structure):  # hfs_sampler_t in csrc/api.h (tests/test_struct_mirrors.py)
     _fields_ = [
         *[(n, ctypes.c_int64) for n in ("vocab", "top_k", "cap", "seen_room", "n_tail")],
-        ("tail_op", ctypes.c_int64 * 4),
-        ("tail_keep", ctypes.c_int64 * 4),
-        ("tail_value", ctypes.c_double * 4),
+        ("tail_op", ctypes.c_int64 * _MAX_TAIL),
+        ("tail_keep", ctypes.c_int64 * _MAX_TAIL),
+        ("tail_value", ctypes.c_double * _MAX_TAIL),
         ("penalty", ctypes.c_float),
         ("temperature", ctypes.c_float),
         *[(n, ctypes.c_void_p) for n in ("idx", "order", "val", "heap", "fwork", "saved", "work")],
@@ -200,7 +204,8 @@ class _NativeSampler:
 
 def _sampler(procs, vocab: int, seen_room: int) -> _NativeSampler | None:
     """The native call for processors ``[repetition penalty?, temperature?, top-k, warpers on survivors...]``
-    (``generate``'s order; at most 4 after top-k), or ``None`` (other processors, or no native kernels)."""
+    (``generate``'s order; at most :data:`_MAX_TAIL` after top-k), or ``None`` (other processors, or no
+    native kernels)."""
     from transformers.generation.logits_process import (
         MinPLogitsWarper,
         RepetitionPenaltyLogitsProcessor,
@@ -221,18 +226,18 @@ def _sampler(procs, vocab: int, seen_room: int) -> _NativeSampler | None:
         if not _filters_to_minus_inf(q):
             return None
         if type(q) is TemperatureLogitsWarper:
-            tail.append((1, q.temperature, 1))
+            tail.append((_WARPS["temperature"], q.temperature, 1))
         elif type(q) is TopKLogitsWarper and q.top_k <= _CANDIDATES:
-            tail.append((2, q.top_k, 1))
+            tail.append((_WARPS["top_k"], q.top_k, 1))  # top_k is max(top_k, min_tokens_to_keep) already
         elif type(q) is TopPLogitsWarper:
-            tail.append((3, q.top_p, q.min_tokens_to_keep))
+            tail.append((_WARPS["top_p"], q.top_p, q.min_tokens_to_keep))
         elif type(q) is MinPLogitsWarper:
-            tail.append((4, q.min_p, q.min_tokens_to_keep))
+            tail.append((_WARPS["min_p"], q.min_p, q.min_tokens_to_keep))
         else:
             return None
     order = [RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper]
     kinds = kinds[:at]
-    if len(tail) > 4 or kinds not in ([], order[:1], order[1:], order):
+    if len(tail) > _MAX_TAIL or kinds not in ([], order[:1], order[1:], order):
         return None
     penalty = head[0] if kinds[:1] == order[:1] else None
     temperature = head[-1] if kinds[-1:] == order[1:] else None
