@@ -161,7 +161,7 @@ def test_a_temperature_above_1_keeps_the_ids_whose_quotient_ties_with_the_kth():
     import numpy as np
 
     t = np.float32(3.0)
-    floats = (np.float32(10.0).view(np.int32) + np.arange(4096, dtype=np.int32)).view(np.float32)
+    floats = (np.float32(12.0).view(np.int32) + np.arange(4096, dtype=np.int32)).view(np.float32)
     below = np.nextafter(floats, np.float32(-np.inf))
     a = floats[below / t == floats / t][0]  # a float whose lower neighbour's quotient ties with its own
     b = np.nextafter(a, np.float32(-np.inf))
