@@ -735,7 +735,7 @@ MUTATIONS = (
         (
             (
                 "hf_sparsity/backends/csrc/sample.c",
-                "    if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) goto done;",
+                "    if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) return -1;",
                 "",
             ),
         ),
@@ -841,6 +841,54 @@ MUTATIONS = (
         "native-sample-temperature-ties-missed",
         "top-k with a temperature above 1 misses the ids whose quotient ties with the k-th largest's",
         (("hf_sparsity/backends/csrc/sample.c", "      if (below / t != kth) break;", "      break;"),),
+        ("tests/test_native_sampling.py",),
+    ),
+    Mutation(
+        "native-top-p-candidates-never-grow",
+        "top-p without top-k gives up after 64 candidates instead of growing them to the room",
+        (
+            (
+                "hf_sparsity/backends/csrc/sample.c",
+                "    if (K >= s->cap || K >= n) return -1;",
+                "    return -1;",
+            ),
+        ),
+        ("tests/test_native_sampling.py",),
+    ),
+    Mutation(
+        "native-top-p-decides-on-too-few-candidates",
+        "top-p without top-k decides among candidates that hold less than p of the probability",
+        (
+            (
+                "hf_sparsity/backends/csrc/sample.c",
+                "    if ((float)(1.0 - mass) <= limit || m == n) {",
+                "    if (1) {",
+            ),
+        ),
+        ("tests/test_native_sampling.py",),
+    ),
+    Mutation(
+        "native-top-p-keeps-one",
+        "top-p without top-k keeps one token at least, not min_tokens_to_keep",
+        (
+            (
+                "hf_sparsity/backends/csrc/sample.c",
+                "if (m - 1 - r >= keep && (float)(1.0 - above) <= limit)",
+                "if (m - 1 - r >= 1 && (float)(1.0 - above) <= limit)",
+            ),
+        ),
+        ("tests/test_native_sampling.py",),
+    ),
+    Mutation(
+        "native-top-p-denominator-without-temperature",
+        "the whole row's softmax denominator of top-p leaves the temperature out",
+        (
+            (
+                "hf_sparsity/backends/csrc/sample.c",
+                "    if (divide) y = _mm512_div_ps(y, _mm512_set1_ps(t));",
+                "",
+            ),
+        ),
         ("tests/test_native_sampling.py",),
     ),
 )

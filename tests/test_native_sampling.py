@@ -40,7 +40,8 @@ def _procs(penalty=None, temperature=None, top_k=50, tail=(), ignore=None):
         procs.append(RepetitionPenaltyLogitsProcessor(penalty, prompt_ignore_length=ignore))
     if temperature is not None:
         procs.append(TemperatureLogitsWarper(temperature))
-    procs.append(TopKLogitsWarper(top_k))
+    if top_k is not None:
+        procs.append(TopKLogitsWarper(top_k))
     kinds = {"temperature": TemperatureLogitsWarper, "top_p": TopPLogitsWarper, "min_p": MinPLogitsWarper}
     for name, value, *keep in tail:
         if name == "top_k":
@@ -142,6 +143,59 @@ def test_the_native_call_computes_transformers_processors_and_draws_by_the_cumul
     assert checked >= 35
 
 
+def _peaked(vocab: int, likely: int, seed: int) -> torch.Tensor:
+    """A row whose ``likely`` largest logits hold most of the probability (top-p then keeps up to that many;
+    the more there are, the closer their values)."""
+    g = torch.Generator().manual_seed(seed)
+    row = torch.randn(vocab, generator=g) * 2 - 3
+    spread = 1.0 if likely <= 8 else 0.05
+    row[torch.randperm(vocab, generator=g)[:likely]] = 9 + spread * torch.randn(likely, generator=g)
+    return row
+
+
+NUCLEUS = {  # no top-k: top-p over the whole row first
+    "top-p": (dict(tail=[("top_p", 0.9)]), 8),
+    "penalty+temperature+top-p": (dict(penalty=1.3, temperature=0.7, tail=[("top_p", 0.8)]), 8),
+    "top-p keeps 3": (dict(tail=[("top_p", 0.05, 3)]), 8),
+    "top-p then min-p": (dict(temperature=0.9, tail=[("top_p", 0.9), ("min_p", 0.3)]), 8),
+    "top-p past 64 candidates": (dict(tail=[("top_p", 0.9)]), 150),  # the candidates grow to 256
+}
+
+
+@pytest.mark.parametrize("vocab", [49152, 37])
+@pytest.mark.parametrize("case", sorted(NUCLEUS))
+def test_top_p_without_top_k_keeps_transformers_nucleus(case, vocab):
+    cfg, likely = NUCLEUS[case]
+    procs = _procs(top_k=None, **cfg)
+    ids = _seen(vocab, 30, seed=3)
+    row = _peaked(vocab, min(likely, vocab // 2), seed=vocab + likely)
+    before = row.clone()
+    sampler = _sampler(list(procs), vocab, seen_room=64)
+    assert sampler is not None and sampler.struct.top_k == 0
+    want = procs(ids, row[None].clone())[0]
+    probs = torch.softmax(want.double(), -1)
+    for u in (0.0, 0.25, 0.5, 0.75, 0.999):
+        tok = sampler(_Sequence(ids, 64), row, u)
+        assert tok >= 0 and torch.equal(row, before)
+        m = sampler.survivors.value
+        got = torch.full((vocab,), -float("inf"))
+        got[sampler.idx[:m]] = sampler.val[:m]
+        assert torch.equal(got == -float("inf"), want == -float("inf")), case
+        torch.testing.assert_close(torch.softmax(got.double(), -1), probs, rtol=0, atol=1e-6)
+        expected = _expected_token(probs, u)
+        assert expected is None or tok == expected
+    if case == "top-p past 64 candidates" and vocab > 1000:
+        assert int((want > -float("inf")).sum()) > 64
+
+
+def test_top_p_on_a_flat_row_is_left_to_torch():
+    """Top-p 0.9 over 49,152 nearly equal logits keeps some 44,000 tokens: more than the candidates' room."""
+    row = torch.randn(49152, generator=torch.Generator().manual_seed(0)) * 0.1
+    sampler = _sampler(list(_procs(top_k=None, tail=[("top_p", 0.9)])), 49152, seen_room=8)
+    before = row.clone()
+    assert sampler(_Sequence(torch.tensor([[1, 2]]), 8), row, 0.5) == -1 and torch.equal(row, before)
+
+
 def test_ties_at_top_ks_boundary_are_kept_as_transformers_keeps_them():
     procs = _procs(top_k=5)
     row = torch.linspace(-5, 5, 300)
@@ -219,7 +273,7 @@ def test_other_processor_lists_take_the_torch_path():
     top_k = TopKLogitsWarper(10)
     t = TemperatureLogitsWarper(0.5)
     for procs in (
-        [TopPLogitsWarper(0.9)],  # no top-k
+        [TypicalLogitsWarper(0.9)],  # neither top-k nor top-p
         [top_k, TypicalLogitsWarper(0.9)],  # a warper not run on survivors
         [t, _procs(penalty=1.2)[0], top_k],  # the penalty after the temperature: not generate's order
         [TopKLogitsWarper(10, filter_value=-100.0)],  # another filter value
@@ -228,6 +282,7 @@ def test_other_processor_lists_take_the_torch_path():
     ):
         assert _sampler(LogitsProcessorList(procs), 4000, seen_room=8) is None
     assert _sampler([t, top_k, TopPLogitsWarper(0.9)], 4000, seen_room=8) is not None
+    assert _sampler([t, TopPLogitsWarper(0.9)], 4000, seen_room=8).struct.top_k == 0
 
 
 # ---- through model.generate ------------------------------------------------------------------------------

@@ -24,11 +24,12 @@ class _Processing:
     (each called with the ids and the scores), with savings that leave the processed scores unchanged:
 
     * where the processors are the usual sampling list (:func:`_sampler`: the repetition penalty and the
-      temperature, top-k, then temperature / top-k / top-p / min-p on its survivors) and the native kernels
-      are loaded, :meth:`sample` computes them and the draw in one native call (``hfs_sample``) instead of
-      about twenty torch operations, each slowed by the caches the decoding step left cold (0.5-0.9 ms a
-      token on SmolLM2's vocabulary); a row the call leaves to torch (a NaN, fewer than top-k values above
-      ``-inf``, ties past its room) runs the processors as below;
+      temperature, top-k or top-p, then temperature / top-k / top-p / min-p on its survivors) and the
+      native kernels are loaded, :meth:`sample` computes them and the draw in one native call
+      (``hfs_sample``) instead of about twenty torch operations, each slowed by the caches the decoding
+      step left cold (0.5-0.9 ms a token on SmolLM2's vocabulary); a row the call leaves to torch (a NaN,
+      fewer than top-k values above ``-inf``, ties past its room, a nucleus past its room) runs the
+      processors as below;
     * the processors' signatures are read once, not once per token (``LogitsProcessorList`` inspects every
       processor at every call: about 0.3 ms a token for a sampling configuration);
     * the warpers after top-k that only read the scores' values (temperature, top-p, min-p, top-k:
@@ -164,6 +165,8 @@ class _Sampler(ctypes.Structure):  # hfs_sampler_t in csrc/api.h (tests/test_str
         ("penalty", ctypes.c_float),
         ("temperature", ctypes.c_float),
         *[(n, ctypes.c_void_p) for n in ("idx", "order", "val", "heap", "fwork", "saved", "work")],
+        ("top_p", ctypes.c_double),
+        ("top_p_keep", ctypes.c_int64),
     ]
 
 
@@ -174,9 +177,13 @@ _CANDIDATES = 1024
 class _NativeSampler:
     """``hfs_sample`` for one generation: its :class:`_Sampler` and buffers."""
 
-    def __init__(self, lib, vocab: int, penalty, temperature, top_k: int, tail: list, seen_room: int) -> None:
+    def __init__(self, lib, vocab: int, penalty, temperature, first, tail: list, seen_room: int) -> None:
         self.lib, self.skip = lib, 0
-        s = self.struct = _Sampler(vocab=vocab, top_k=min(top_k, vocab), cap=_CANDIDATES, seen_room=seen_room)
+        s = self.struct = _Sampler(vocab=vocab, cap=_CANDIDATES, seen_room=seen_room)
+        if hasattr(first, "top_k"):  # top-k; else top-p over the whole row
+            s.top_k = min(first.top_k, vocab)
+        else:
+            s.top_p, s.top_p_keep = first.top_p, first.min_tokens_to_keep
         if penalty is not None:
             s.penalty, self.skip = penalty.penalty, penalty.prompt_ignore_length or 0
         if temperature is not None:
@@ -203,9 +210,9 @@ class _NativeSampler:
 
 
 def _sampler(procs, vocab: int, seen_room: int) -> _NativeSampler | None:
-    """The native call for processors ``[repetition penalty?, temperature?, top-k, warpers on survivors...]``
-    (``generate``'s order; at most :data:`_MAX_TAIL` after top-k), or ``None`` (other processors, or no
-    native kernels)."""
+    """The native call for processors ``[repetition penalty?, temperature?, top-k or top-p, warpers on
+    its survivors...]`` (``generate``'s order; at most :data:`_MAX_TAIL` after the first of top-k / top-p),
+    or ``None`` (other processors, or no native kernels)."""
     from transformers.generation.logits_process import (
         MinPLogitsWarper,
         RepetitionPenaltyLogitsProcessor,
@@ -215,11 +222,12 @@ def _sampler(procs, vocab: int, seen_room: int) -> _NativeSampler | None:
     )
 
     kinds = [type(p) for p in procs]
-    if TopKLogitsWarper not in kinds:
+    # the first selector: top-k, or top-p where no top-k comes before it
+    at = next((i for i, k in enumerate(kinds) if k in (TopKLogitsWarper, TopPLogitsWarper)), None)
+    if at is None:
         return None
-    at = kinds.index(TopKLogitsWarper)
-    head, top_k = procs[:at], procs[at]
-    if top_k.filter_value != -float("inf") or top_k.top_k > _CANDIDATES:
+    head, first = procs[:at], procs[at]
+    if not _filters_to_minus_inf(first) or (kinds[at] is TopKLogitsWarper and first.top_k > _CANDIDATES):
         return None
     tail = []
     for q in procs[at + 1 :]:
@@ -248,7 +256,7 @@ def _sampler(procs, vocab: int, seen_room: int) -> _NativeSampler | None:
     lib = _native.load()
     if lib is None:
         return None
-    return _NativeSampler(lib, vocab, penalty, temperature, top_k.top_k, tail, seen_room)
+    return _NativeSampler(lib, vocab, penalty, temperature, first, tail, seen_room)
 
 
 def _on_survivors() -> tuple[type, ...]:

@@ -47,7 +47,7 @@ typedef struct {
 } hfs_decoder_t;
 
 /* One generation's sampling processors (sample.c; Python: sampling.py's _Sampler): the repetition penalty and
-   the temperature before top-k (<= 0: none), top-k, the warpers after it (tail_op: HFS_WARP_*, with their
+   the temperature before top-k (<= 0: none), top-k (or top-p where top_k is 0), the warpers after it (tail_op: HFS_WARP_*, with their
    value and min_tokens_to_keep), and the buffers: idx / val / order / fwork / work for `cap` survivors, heap
    for `cap` floats, saved for `seen_room` ids. */
 #define HFS_WARP_TEMPERATURE 1
@@ -63,6 +63,8 @@ typedef struct {
   int64_t *idx, *order;
   float *val, *heap, *fwork, *saved;
   double* work;
+  double top_p;       /* top_k 0: top-p over the whole row first (TopPLogitsWarper), keeping top_p_keep at least */
+  int64_t top_p_keep;
 } hfs_sampler_t;
 
 int hfs_spmm(int fmt, int64_t rows, int64_t in, int nthreads, const int64_t* rowptr, const void* idx,
