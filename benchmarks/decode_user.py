@@ -15,7 +15,7 @@ loaded once and converted with ``sparsify_for_inference(model, "auto")``; the ro
 * ``native loop``: :func:`hf_sparsity.inference.decoding.greedy_decode` (one native call per token);
 * ``generate+native``: ``model.generate(ids, do_sample=False, custom_generate=native_generate)``;
 * ``generate+native, sampling``: the same with ``do_sample=True, temperature=0.7, top_k=50, top_p=0.9,
-  repetition_penalty=1.1``;
+  repetition_penalty=1.1``; ``top-p only``: ``do_sample=True, temperature=0.7, top_k=0, top_p=0.9``;
 * ``pipeline+native``: ``pipeline("text-generation", model=model, tokenizer=tok)(prompt,
   custom_generate=native_generate)``, greedy;
 * ``generate (transformers loop)``: ``model.generate`` without ``custom_generate`` (the forward per token);
@@ -54,6 +54,7 @@ from decode import _decode_rate as _rate  # the rate benchmarks/decode.py report
 from decode import _llama_cpp_runner, _Stamps
 
 SAMPLING = dict(do_sample=True, temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.1)
+NUCLEUS = dict(do_sample=True, temperature=0.7, top_k=0, top_p=0.9)  # top-p over the whole vocabulary
 CLI_ROW = "hf_sparsity generate"
 CLI_SAMPLING = [
     "--do-sample",
@@ -177,6 +178,7 @@ def _rows_for(m: dict, args) -> dict:
         "native loop": native_loop,
         "generate+native": gen({"do_sample": False, "custom_generate": native_generate}),
         "generate+native, sampling": gen({**SAMPLING, "custom_generate": native_generate}),
+        "generate+native, top-p only": gen({**NUCLEUS, "custom_generate": native_generate}),
         "pipeline+native": pipe_run,
         "generate (transformers loop)": gen({"do_sample": False}),
     }
