@@ -26,6 +26,9 @@ loaded once and converted with ``sparsify_for_inference(model, "auto")``; the ro
 * ``--gguf NAME=FILE``: llama.cpp (``llama-cpp-python``, an optional benchmark dependency) on the GGUF file,
   greedy, the same threads and prompt ids; its perplexity from its own logits on the same windows.
 
+``--sampling-only`` keeps the rows sampling is compared with (the native loop, ``generate+native`` greedy,
+sampling, top-p only), so more rounds fit in the same time and the compared rows run next to each other.
+
 Every row runs once per round, all rows interleaved over ``--rounds``; the table gives medians of the
 decoding rate: the new tokens after the first over their time (the prompt's processing excluded), the
 quantity ``benchmarks/decode.py``, llama.cpp's ``eval time`` and ``hf_sparsity generate`` report. The
@@ -55,6 +58,7 @@ from decode import _llama_cpp_runner, _Stamps
 
 SAMPLING = dict(do_sample=True, temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.1)
 NUCLEUS = dict(do_sample=True, temperature=0.7, top_k=0, top_p=0.9)  # top-p over the whole vocabulary
+SAMPLING_ROWS = ("native loop", "generate+native", "generate+native, sampling", "generate+native, top-p only")
 CLI_ROW = "hf_sparsity generate"
 CLI_SAMPLING = [
     "--do-sample",
@@ -209,6 +213,12 @@ def main(argv=None) -> int:
     p.add_argument("--data-dir", default=None, help="folder holding text/wikitext-2-raw/wiki.test.raw")
     p.add_argument("--prompt", default="The history of the Roman Empire begins")
     p.add_argument("--no-cli", action="store_true", help="skip the hf_sparsity generate rows")
+    p.add_argument(
+        "--sampling-only",
+        action="store_true",
+        help="only the rows sampling is measured against: the native loop, generate+native greedy, sampling "
+        "and top-p only (more rounds in the same time; no llama.cpp or hf_sparsity generate rows)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -221,7 +231,11 @@ def main(argv=None) -> int:
     load0 = os.getloadavg()
     models = _load(args)
     ggufs = dict(item.split("=", 1) for item in args.gguf.split(",")) if args.gguf else {}
+    if args.sampling_only:
+        args.no_cli, ggufs = True, {}
     runs = {(name, row): fn for name, m in models.items() for row, fn in _rows_for(m, args).items()}
+    if args.sampling_only:
+        runs = {k: fn for k, fn in runs.items() if k[1] in SAMPLING_ROWS}
     first = next(iter(models.values()))
     for name, path in ggufs.items():
         run = _llama_cpp_runner(path, args.threads, first["ids"][0].tolist(), args.tokens)
