@@ -22,6 +22,8 @@ from hf_sparsity.inference import sampling
 from hf_sparsity.inference.decoding import native_generate
 from hf_sparsity.inference.sampling import _sampler, _Sequence
 
+from .realistic import realistic_model
+
 pytestmark = pytest.mark.skipif(_native.load() is None, reason="the native kernels are not built here")
 
 
@@ -286,23 +288,9 @@ def test_other_processor_lists_take_the_torch_path():
 
 
 # ---- through model.generate ------------------------------------------------------------------------------
-def _llama(vocab: int = 128, **kw):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = dict(
-        vocab_size=vocab, hidden_size=32, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0, eos_token_id=None, pad_token_id=1,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**{**cfg, **kw})).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 2:
-                p.normal_(0, 0.3)
-            elif "norm" in name:
-                p.uniform_(0.5, 1.5)
-    model.generation_config.eos_token_id = None
-    return model
+def _llama(vocab: int = 128, positions: int = 512):
+    """A tiny Llama with trained-looking weights (tests/realistic.py), no end-of-sequence token."""
+    return realistic_model("llama", vocab=vocab, positions=positions)
 
 
 def _ids(n: int, seed: int) -> torch.Tensor:
@@ -434,7 +422,7 @@ def test_greedy_gives_generates_tokens_on_ties_and_nans(poison):
 def test_a_generation_past_the_models_positions_stops_as_generate_does():
     """Past ``max_position_embeddings`` the length criterion runs itself (it logs transformers' warning):
     the tokens are generate's."""
-    model = _llama(max_position_embeddings=16)
+    model = _llama(positions=16)
     ids = _ids(6, 4)
     want = model.generate(ids, max_new_tokens=20, do_sample=False)
     got = model.generate(ids, max_new_tokens=20, do_sample=False, custom_generate=native_generate)
