@@ -747,8 +747,8 @@ MUTATIONS = (
         (
             (
                 "hf_sparsity/backends/csrc/sample.c",
-                "    for (int64_t i = 0; i < m - keep; i++) {\n      cum += s->work[i];",
-                "    for (int64_t i = 0; i < m; i++) {\n      cum += s->work[i];",
+                "    for (int64_t i = 0; i < m - keep; i++) {\n      cum += s->work[s->order[i]];",
+                "    for (int64_t i = 0; i < m; i++) {\n      cum += s->work[s->order[i]];",
             ),
         ),
         ("tests/test_native_sampling.py",),

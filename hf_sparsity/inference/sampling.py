@@ -33,7 +33,7 @@ class _Processing:
     * the processors' signatures are read once, not once per token (``LogitsProcessorList`` inspects every
       processor at every call: about 0.3 ms a token for a sampling configuration);
     * the warpers after top-k that only read the scores' values (temperature, top-p, min-p, top-k:
-      :func:`_on_survivors`, with the default ``-inf`` filter) run on top-k's survivors instead of the
+      :func:`_survivor_warp`, with the default ``-inf`` filter) run on top-k's survivors instead of the
       whole vocabulary. Every token top-k removed is ``-inf`` and stays so; on the survivors these warpers
       compute what they compute on the whole row, up to the rounding of sums (top-p sorts 50 values instead
       of 49,152: 5 ms a token on SmolLM2's vocabulary). :attr:`survivors` holds their ids; a draw then
@@ -50,7 +50,6 @@ class _Processing:
     ) -> None:
         from transformers.generation.logits_process import TopKLogitsWarper
 
-        on_survivors = _on_survivors()
         self.listed, self.survivors, self.full_rows = processors, None, full_rows
         procs = list(processors)
         # a processor asking for more than (ids, scores) makes LogitsProcessorList raise: let it
@@ -59,11 +58,7 @@ class _Processing:
         for i, p in enumerate(procs):
             if type(p) is TopKLogitsWarper:
                 tail = procs[i + 1 :]
-                if (
-                    tail
-                    and p.filter_value == -float("inf")
-                    and all(type(q) in on_survivors and _filters_to_minus_inf(q) for q in tail)
-                ):
+                if tail and _filters_to_minus_inf(p) and all(_survivor_warp(q) for q in tail):
                     self.head, self.tail = procs[: i + 1], tail
                 break
         self.sampler = _sampler(procs, vocab, seen_room) if self.direct and vocab else None
@@ -164,7 +159,7 @@ class _Sampler(ctypes.Structure):  # hfs_sampler_t in csrc/api.h (tests/test_str
         ("tail_value", ctypes.c_double * _MAX_TAIL),
         ("penalty", ctypes.c_float),
         ("temperature", ctypes.c_float),
-        *[(n, ctypes.c_void_p) for n in ("idx", "order", "val", "heap", "fwork", "saved", "work")],
+        *[(n, ctypes.c_void_p) for n in ("idx", "order", "val", "heap", "saved", "work")],
         ("top_p", ctypes.c_double),
         ("top_p_keep", ctypes.c_int64),
     ]
@@ -178,7 +173,7 @@ class _NativeSampler:
     """``hfs_sample`` for one generation: its :class:`_Sampler` and buffers."""
 
     def __init__(self, lib, vocab: int, penalty, temperature, first, tail: list, seen_room: int) -> None:
-        self.lib, self.skip = lib, 0
+        self.lib, self.skip, self.penalize = lib, 0, penalty is not None
         s = self.struct = _Sampler(vocab=vocab, cap=_CANDIDATES, seen_room=seen_room)
         if hasattr(first, "top_k"):  # top-k; else top-p over the whole row
             s.top_k = min(first.top_k, vocab)
@@ -193,19 +188,19 @@ class _NativeSampler:
             s.tail_op[i], s.tail_value[i], s.tail_keep[i] = op, value, keep
         self.idx = torch.empty(_CANDIDATES, dtype=torch.int64)
         self.order = torch.empty(_CANDIDATES, dtype=torch.int64)
-        self.val, self.heap, self.fwork = (torch.empty(_CANDIDATES) for _ in range(3))
+        self.val, self.heap = torch.empty(_CANDIDATES), torch.empty(_CANDIDATES)
         self.saved = torch.empty(max(seen_room, 1))
         self.work = torch.empty(_CANDIDATES, dtype=torch.float64)
-        for name in ("idx", "order", "val", "heap", "fwork", "saved", "work"):
+        for name in ("idx", "order", "val", "heap", "saved", "work"):
             setattr(s, name, getattr(self, name).data_ptr())
         self.survivors = ctypes.c_int64(0)
         self._ref, self._survivors = ctypes.byref(s), ctypes.byref(self.survivors)
 
     def __call__(self, seq: _Sequence, logits: torch.Tensor, u: float) -> int:
-        if seq.buf.dtype != torch.int64 or seq.n > self.struct.seen_room:
+        if seq.buf.dtype != torch.int64:  # the call reads the ids as int64
             return -1
-        seen = seq.buf.data_ptr() + 8 * min(self.skip, seq.n) if self.struct.penalty > 0 else 0
-        count = seq.n - min(self.skip, seq.n) if self.struct.penalty > 0 else 0
+        skip = min(self.skip, seq.n)
+        seen, count = (seq.buf.data_ptr() + 8 * skip, seq.n - skip) if self.penalize else (0, 0)
         return int(self.lib.hfs_sample(self._ref, logits.data_ptr(), seen, count, u, self._survivors))
 
 
@@ -214,7 +209,6 @@ def _sampler(procs, vocab: int, seen_room: int) -> _NativeSampler | None:
     its survivors...]`` (``generate``'s order; at most :data:`_MAX_TAIL` after the first of top-k / top-p),
     or ``None`` (other processors, or no native kernels)."""
     from transformers.generation.logits_process import (
-        MinPLogitsWarper,
         RepetitionPenaltyLogitsProcessor,
         TemperatureLogitsWarper,
         TopKLogitsWarper,
@@ -229,20 +223,9 @@ def _sampler(procs, vocab: int, seen_room: int) -> _NativeSampler | None:
     head, first = procs[:at], procs[at]
     if not _filters_to_minus_inf(first) or (kinds[at] is TopKLogitsWarper and first.top_k > _CANDIDATES):
         return None
-    tail = []
-    for q in procs[at + 1 :]:
-        if not _filters_to_minus_inf(q):
-            return None
-        if type(q) is TemperatureLogitsWarper:
-            tail.append((_WARPS["temperature"], q.temperature, 1))
-        elif type(q) is TopKLogitsWarper and q.top_k <= _CANDIDATES:
-            tail.append((_WARPS["top_k"], q.top_k, 1))  # top_k is max(top_k, min_tokens_to_keep) already
-        elif type(q) is TopPLogitsWarper:
-            tail.append((_WARPS["top_p"], q.top_p, q.min_tokens_to_keep))
-        elif type(q) is MinPLogitsWarper:
-            tail.append((_WARPS["min_p"], q.min_p, q.min_tokens_to_keep))
-        else:
-            return None
+    tail = [_survivor_warp(q) for q in procs[at + 1 :]]
+    if not all(tail):
+        return None
     order = [RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper]
     kinds = kinds[:at]
     if len(tail) > _MAX_TAIL or kinds not in ([], order[:1], order[1:], order):
@@ -259,7 +242,10 @@ def _sampler(procs, vocab: int, seen_room: int) -> _NativeSampler | None:
     return _NativeSampler(lib, vocab, penalty, temperature, first, tail, seen_room)
 
 
-def _on_survivors() -> tuple[type, ...]:
+def _survivor_warp(proc) -> tuple[int, float, int] | None:
+    """``(HFS_WARP_* code, value, min_tokens_to_keep)`` of a warper that reads only the scores' values and
+    filters to ``-inf`` (temperature, top-k, top-p, min-p), which may run on top-k's survivors alone;
+    ``None`` for any other processor."""
     from transformers.generation.logits_process import (
         MinPLogitsWarper,
         TemperatureLogitsWarper,
@@ -267,7 +253,18 @@ def _on_survivors() -> tuple[type, ...]:
         TopPLogitsWarper,
     )
 
-    return (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+    if not _filters_to_minus_inf(proc):
+        return None
+    kind = type(proc)
+    if kind is TemperatureLogitsWarper:
+        return _WARPS["temperature"], proc.temperature, 1
+    if kind is TopKLogitsWarper:  # its top_k is max(top_k, min_tokens_to_keep) already
+        return _WARPS["top_k"], proc.top_k, 1
+    if kind is TopPLogitsWarper:
+        return _WARPS["top_p"], proc.top_p, proc.min_tokens_to_keep
+    if kind is MinPLogitsWarper:
+        return _WARPS["min_p"], proc.min_p, proc.min_tokens_to_keep
+    return None
 
 
 def _filters_to_minus_inf(proc) -> bool:

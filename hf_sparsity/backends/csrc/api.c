@@ -216,7 +216,7 @@ static const hfs_field_t g_fields[] = {
     HFS_FIELD(hfs_sampler_t, seen_room), HFS_FIELD(hfs_sampler_t, n_tail), HFS_FIELD(hfs_sampler_t, tail_op),
     HFS_FIELD(hfs_sampler_t, tail_keep), HFS_FIELD(hfs_sampler_t, tail_value), HFS_FIELD(hfs_sampler_t, penalty),
     HFS_FIELD(hfs_sampler_t, temperature), HFS_FIELD(hfs_sampler_t, idx), HFS_FIELD(hfs_sampler_t, order),
-    HFS_FIELD(hfs_sampler_t, val), HFS_FIELD(hfs_sampler_t, heap), HFS_FIELD(hfs_sampler_t, fwork),
+    HFS_FIELD(hfs_sampler_t, val), HFS_FIELD(hfs_sampler_t, heap),
     HFS_FIELD(hfs_sampler_t, saved), HFS_FIELD(hfs_sampler_t, work), HFS_FIELD(hfs_sampler_t, top_p),
     HFS_FIELD(hfs_sampler_t, top_p_keep),
 };

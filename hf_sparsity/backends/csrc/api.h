@@ -47,9 +47,9 @@ typedef struct {
 } hfs_decoder_t;
 
 /* One generation's sampling processors (sample.c; Python: sampling.py's _Sampler): the repetition penalty and
-   the temperature before top-k (<= 0: none), top-k (or top-p where top_k is 0), the warpers after it (tail_op: HFS_WARP_*, with their
-   value and min_tokens_to_keep), and the buffers: idx / val / order / fwork / work for `cap` survivors, heap
-   for `cap` floats, saved for `seen_room` ids. */
+   the temperature before top-k (<= 0: none), top-k (or top-p where top_k is 0), the warpers after it
+   (tail_op: HFS_WARP_*, with their value and min_tokens_to_keep), and the buffers: idx / val / order / work
+   for `cap` survivors, heap for `cap` floats, saved for `seen_room` ids. */
 #define HFS_WARP_TEMPERATURE 1
 #define HFS_WARP_TOP_K 2
 #define HFS_WARP_TOP_P 3
@@ -61,7 +61,7 @@ typedef struct {
   double tail_value[HFS_MAX_TAIL];
   float penalty, temperature;
   int64_t *idx, *order;
-  float *val, *heap, *fwork, *saved;
+  float *val, *heap, *saved;
   double* work;
   double top_p;       /* top_k 0: top-p over the whole row first (TopPLogitsWarper), keeping top_p_keep at least */
   int64_t top_p_keep;

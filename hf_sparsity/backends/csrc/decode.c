@@ -230,7 +230,7 @@ static int64_t argmax_first(const float* y, int64_t n) {
   int64_t best = 0, i = 1;
 #if HFS_SIMD && defined(__AVX512F__)
   if (n >= 16) {
-    __m512 mx = _mm512_loadu_ps(y);
+    __m512 mx = _mm512_set1_ps(-INFINITY);
     __mmask16 nan = 0;
     for (i = 0; i + 16 <= n; i += 16) {
       const __m512 v = _mm512_loadu_ps(y + i);

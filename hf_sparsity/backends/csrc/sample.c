@@ -17,8 +17,8 @@
    5. the draw: the first survivor whose cumulative probability exceeds u (a uniform in [0, 1) from torch's
       generator), the same distribution as torch.multinomial of the softmax.
    Where the native call does not match transformers' definition (a NaN in the row, fewer than k values above
-   -inf, more survivors than room for them, a negative id) it returns -1 and leaves the logits as they were:
-   sampling.py then runs the processors in torch. */
+   -inf, more survivors than room for them, a top-p nucleus past that room, a negative id) it returns -1 and
+   leaves the logits as they were: sampling.py then runs the processors in torch. */
 /* Part of the native kernels' one translation unit, hfs_kernels.c (included there, not compiled alone). */
 
 /* A min-heap of the k largest values seen (h[0]: the smallest of them) */
@@ -115,13 +115,12 @@ static void tail_warper(const hfs_sampler_t* s, int64_t w, float* v, int64_t m) 
     for (int64_t i = 0; i < m; i++)
       if (v[i] < kth) v[i] = -INFINITY;
   } else if (op == HFS_WARP_TOP_P) { /* drop the ascending prefix whose cumulative probability <= 1 - p */
+    softmax_d(v, m, s->work);
     order_ascending(v, m, s->order);
-    for (int64_t i = 0; i < m; i++) s->fwork[i] = v[s->order[i]];
-    softmax_d(s->fwork, m, s->work);
     const float limit = (float)(1.0 - value);
     double cum = 0.0;
     for (int64_t i = 0; i < m - keep; i++) {
-      cum += s->work[i];
+      cum += s->work[s->order[i]];
       if ((float)cum <= limit) v[s->order[i]] = -INFINITY;
     }
   } else if (op == HFS_WARP_MIN_P) { /* drop p < min_p * max p, but for the `keep` most probable */
