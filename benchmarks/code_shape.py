@@ -11,8 +11,7 @@ component of more than one module.
 Layering (the order written down in CONTRIBUTING.md, ``LAYERS`` below): a *unit* is a
 top-level module or a subpackage of ``hf_sparsity`` (``recipes`` is one unit). A
 *two-way pair* is two units that import each other; an *import against the order* is a
-unit importing one of a higher layer. A module that only keeps an old import path working
-(it says ``# Deprecated import path`` at its top) is left out of both. A function-level
+unit importing one of a higher layer. A function-level
 import of a library module needs a reason: an optional third-party dependency, a heavy one
 that ``import hf_sparsity`` does not load (``DEFERRED``), or a ``# Lazy:`` comment on its line
 or the line above (``# Lazy imports:`` near a module's top covers the whole module: a package
@@ -29,7 +28,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 MODULE_LIMIT, FUNCTION_LIMIT = 500, 80
 REASON = "# Long by design:"  # a comment near a long function's top that says why it is long
-SHIM = "# Deprecated import path"  # a module that only re-exports a moved one
 LAZY, LAZY_MODULE = "# Lazy:", "# Lazy imports:"
 
 # From the ground up; a unit may import its own layer and those below it, never one above.
@@ -42,7 +40,7 @@ LAYERS = (
     ("mask engine", "config schedules targeting mask_state events enforcement engine lora"),
     (
         "training adapters, pruning, inference",
-        "callback flops ift pruning backends inference decoding evaluation tools",
+        "callback flops ift pruning backends inference evaluation",
     ),
     ("presenters", "export"),
     ("CLI and recipes", "cli __main__ hf_sparsity recipes"),
@@ -99,13 +97,11 @@ def _unit(module: str) -> str:
     return parts[1] if parts[0] == "hf_sparsity" and len(parts) > 1 else parts[0]
 
 
-def _layering(graph: dict[str, set[str]], shims: set[str]) -> tuple[list[str], list[str], list[str]]:
+def _layering(graph: dict[str, set[str]]) -> tuple[list[str], list[str], list[str]]:
     """(two-way unit pairs, imports against the layer order, units no layer names)."""
     units: dict[str, set[str]] = {}
     against = set()
     for mod, deps in graph.items():
-        if mod in shims:
-            continue
         u = _unit(mod)
         for d in deps:
             v = _unit(d)
@@ -178,16 +174,14 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def measure() -> dict:
     files = _files()
     known = {_modname(p) for p in files}
-    modules, functions, graph, explained, shims, fn_imports = {}, [], {}, [], set(), []
+    modules, functions, graph, explained, fn_imports = {}, [], {}, [], []
     for p in files:
         text = p.read_text(encoding="utf-8")
         tree = ast.parse(text)
         name = _modname(p)
         lines = text.splitlines()
         modules[name] = len(lines)
-        if any(line.startswith(SHIM) for line in lines[:20]):
-            shims.add(name)
-        elif name.startswith("hf_sparsity"):
+        if name.startswith("hf_sparsity"):
             fn_imports += _function_imports(p, tree, lines)
         # A package __init__ re-exporting its children is not a dependency of them.
         graph[name] = set() if p.name == "__init__.py" else _imports(p, tree, known)
@@ -200,7 +194,7 @@ def measure() -> dict:
                 functions.append((f"{name}:{node.name}", node.end_lineno - node.lineno + 1))
     recipes = {k: v for k, v in modules.items() if k.startswith("recipes.")}
     shared = sum(v for k, v in recipes.items() if k.rpartition(".")[2].startswith("_"))
-    pairs, against, unplaced = _layering(graph, shims)
+    pairs, against, unplaced = _layering(graph)
     return {
         "package_lines": sum(v for k, v in modules.items() if k.startswith("hf_sparsity")),
         "modules_over_limit": {k: v for k, v in sorted(modules.items()) if v > MODULE_LIMIT},
@@ -219,7 +213,6 @@ def measure() -> dict:
         "imports_against_order": against,
         "units_without_a_layer": unplaced,
         "function_level_imports_without_reason": fn_imports,
-        "deprecated_paths": sorted(shims),
     }
 
 
@@ -251,7 +244,6 @@ def main() -> None:
     print(f"function-level imports without a reason: {len(fi)} ({own} of the package's own modules)")
     for line in fi:
         print(f"  {line}")
-    print(f"deprecated import paths (shims, left out of the layering): {m['deprecated_paths'] or 'none'}")
 
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@ Rows (every model decodes the same prompt; masks by magnitude on the model's own
 * with ``--gguf``: llama.cpp (``llama-cpp-python``, an optional benchmark dependency: ``pip install
   llama-cpp-python`` builds it from source) on the given GGUF files, same threads, greedy.
 
-Our rows decode with :func:`hf_sparsity.decoding.greedy_decode` (the same tokens as ``generate``): its
-native step, one call into the kernel library per token (``--loop forward``: its loop over the model's
+Our rows decode with :func:`hf_sparsity.inference.decoding.greedy_decode` (the same tokens as ``generate``):
+its native step, one call into the kernel library per token (``--loop forward``: its loop over the model's
 forward; ``--loop generate``: ``model.generate``). Rounds are interleaved (every row once per round);
 the table gives the median decoding tok/s (the tokens after the first new one over their time: the prompt's
 processing excluded, as llama.cpp's ``eval time`` and ``llama-bench``'s ``tg`` count it; every ratio and the

@@ -1,7 +1,7 @@
 """``SparsityCallback``: the mask engine driven by ``transformers.Trainer`` events.
 
 ``FlopCallback`` (a dense run's FLOP count) lives with the other FLOP code in
-:mod:`hf_sparsity.flops.callback`; it is importable from here too.
+:mod:`hf_sparsity.flops.callback`.
 
 Order inside one Trainer update (transformers >= 4.47): clip grads ->
 ``on_pre_optimizer_step`` -> ``optimizer.step()`` -> ``on_optimizer_step`` ->
@@ -27,7 +27,7 @@ anything is logged or saved. Every event is on :attr:`SparsityCallback.events` a
 goes to the callables given to :meth:`SparsityCallback.add_listener`.
 
 Logging (``on_log``, so TensorBoard and every other reporter get it when this
-callback runs before them; :func:`move_to_front` arranges that): per-layer and
+callback runs before them; :func:`hf_sparsity.logging_utils.move_to_front` arranges that): per-layer and
 total measured sparsity of the weights, cumulative training FLOPs at the levels in
 force, for the tokens actually trained (padding excluded, see
 :class:`hf_sparsity.flops.callback.TokenCounter`), the dense-equivalent FLOPs and the effective
@@ -50,20 +50,15 @@ from .config import SparsityConfig
 from .constants import SPARSITY_MASKS_NAME
 from .engine import SparsityEngine
 from .flops import FlopAccountant
-from .flops.callback import (  # noqa: F401  (FlopCallback and the FLOP-state file: re-exported)
-    FLOP_STATE_NAME,
-    FlopCallback,
+from .flops.callback import (
     PendingTokens,
     TokenCounter,
     checkpoint_dir_of,
     load_flop_state,
     save_flop_state,
 )
-from .hooks import TRAINER_FRAMES, resume_dir_from_trainer_frame  # noqa: F401  (re-exported)
-from .logging_utils import (
-    arrange_for_callback,
-    move_to_front,  # noqa: F401  (re-exported)
-)
+from .hooks import resume_dir_from_trainer_frame
+from .logging_utils import arrange_for_callback
 from .modeling import context_length, sparsity_table
 from .storage.masks_file import has_masks
 from .targeting import unwrap_model

@@ -17,11 +17,12 @@ from _data import stage_data
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-from hf_sparsity.callback import SparsityCallback, move_to_front
+from hf_sparsity.callback import SparsityCallback
 from hf_sparsity.data import BlockDataset
 from hf_sparsity.export.finalize import finalize_checkpoint
 from hf_sparsity.flops.callback import FlopCallback
 from hf_sparsity.loading import load_model_folder
+from hf_sparsity.logging_utils import move_to_front
 from hf_sparsity.modeling import sparsity_table
 from hf_sparsity.storage.resume import last_complete_checkpoint
 

@@ -136,7 +136,7 @@ def test_nothing_to_pack():
 @needs_native
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_bytes_per_token_count_each_packed_tensor(arch):
-    from hf_sparsity.tools.bench import decode_bytes_per_token
+    from hf_sparsity.inference.bench import decode_bytes_per_token
 
     model, eng = _masked(arch)
     sparsify_for_inference(model, "bitmask", masks=eng.masks, values="int8")

@@ -195,7 +195,7 @@ def test_trainer_still_offers_what_the_two_hooks_rely_on():
 
     from transformers import Trainer
 
-    from hf_sparsity.callback import TRAINER_FRAMES
+    from hf_sparsity.hooks import TRAINER_FRAMES
 
     for fn in TRAINER_FRAMES:  # resume_dir_from_trainer_frame reads this argument from these frames
         assert "resume_from_checkpoint" in inspect.signature(getattr(Trainer, fn)).parameters, fn
@@ -204,7 +204,7 @@ def test_trainer_still_offers_what_the_two_hooks_rely_on():
 
 
 def test_resume_dir_is_read_from_trainer(tmp_path):
-    from hf_sparsity.callback import resume_dir_from_trainer_frame
+    from hf_sparsity.hooks import resume_dir_from_trainer_frame
 
     _run("gpt2", tmp_path / "a", SparsityConfig(sparsity=0.5), steps=3)
     seen = []

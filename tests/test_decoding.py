@@ -1,4 +1,5 @@
-"""The lean greedy loop (``hf_sparsity.decoding``) gives generate's greedy tokens, dense and sparse."""
+"""The lean greedy loop (``hf_sparsity.inference.decoding``) gives generate's greedy tokens, dense and
+sparse."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ import pytest
 import torch
 
 from hf_sparsity.config import SparsityConfig
-from hf_sparsity.decoding import greedy_decode
 from hf_sparsity.engine import SparsityEngine
 from hf_sparsity.inference import sparsify_for_inference
+from hf_sparsity.inference.decoding import greedy_decode
 from hf_sparsity.utils import SparsityError
 
 from .conftest import tiny_model
@@ -104,7 +105,7 @@ def _sparse(model, backend, structure=None, **options):
 def test_native_step_is_token_identical_to_generate(arch, backend, structure):
     """One native call per token (norms, rotary, attention, MLP, LM head, argmax in C) gives generate's
     greedy tokens, on every native format and on the dense model (its nn.Linear layers on the GEMV)."""
-    from hf_sparsity.decoding import native_step_reason
+    from hf_sparsity.inference.decoding import native_step_reason
 
     model = _llama_family(arch)
     if backend:
@@ -126,7 +127,7 @@ def test_native_step_prompt_paths_and_long_generations_match_generate(backend):
     """A prompt up to PROMPT_STEPS tokens goes through the native step token by token, a longer one through
     the model's forward; heads of 32 take the vectorized attention, and past ~60 positions its heads are split
     between two threads. Both prompt paths and the long tail give generate's greedy tokens."""
-    from hf_sparsity.decoding import PROMPT_STEPS
+    from hf_sparsity.inference.decoding import PROMPT_STEPS
 
     model = _llama_family(
         "llama", hidden_size=128, intermediate_size=176, num_attention_heads=4, num_key_value_heads=2,
@@ -183,7 +184,7 @@ def test_native_step_stops_at_eos_and_falls_back_where_it_does_not_apply():
 
 
 def test_native_step_says_why_it_does_not_run():
-    from hf_sparsity.decoding import native_step_reason
+    from hf_sparsity.inference.decoding import native_step_reason
 
     masked = _sparse(_llama_family("llama"), "masked_dense")
     assert "no native batch-1 call" in native_step_reason(masked)

@@ -301,7 +301,7 @@ def test_dense_and_sparse_callbacks_count_the_same_tokens(tmp_path, count_tokens
     """FlopCallback (dense baseline) and SparsityCallback count tokens the same way, with Trainer's
     own count (include_num_input_tokens_seen) or without it (batch x accumulation x seq_len)."""
     from hf_sparsity import SparsityCallback
-    from hf_sparsity.callback import FlopCallback
+    from hf_sparsity.flops.callback import FlopCallback
 
     from .trainer_utils import make_trainer
 
@@ -356,7 +356,7 @@ class _LoggedTokens(TrainerCallback):
 def test_padded_batches_count_their_real_tokens(tmp_path, caplog, which):
     """Padding is not counted, gradient accumulation sums micro-batches, evaluation is left out."""
     from hf_sparsity import SparsityCallback
-    from hf_sparsity.callback import FlopCallback
+    from hf_sparsity.flops.callback import FlopCallback
 
     from .trainer_utils import make_trainer
 
@@ -392,7 +392,7 @@ def test_padded_batches_count_their_real_tokens(tmp_path, caplog, which):
 @pytest.mark.parametrize("which", ["sparse", "dense"])
 def test_samples_shorter_than_the_context_are_not_counted_as_the_context(tmp_path, which):
     from hf_sparsity import SparsityCallback
-    from hf_sparsity.callback import FlopCallback
+    from hf_sparsity.flops.callback import FlopCallback
 
     from .trainer_utils import make_trainer, random_blocks
 

@@ -173,7 +173,7 @@ def test_cli_bench_model_with_emulator(tmp_path, capsys):
 
 
 def test_decode_breakdown_times_the_named_layers_and_leaves_no_hooks():
-    from hf_sparsity.tools.bench import decode_breakdown, speedup_bounds
+    from hf_sparsity.inference.bench import decode_breakdown, speedup_bounds
 
     model, eng = _masked("gpt2", level=0.9)
     names = sorted({n.rpartition(".")[0] for n in eng.masks})

@@ -1,41 +1,14 @@
-"""The package's floors run one way, and the paths of moved modules still import (with a warning)."""
+"""The package's floors run one way."""
 
 from __future__ import annotations
 
-import importlib
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-
-MOVED = [
-    ("hf_sparsity.storage.finalize", "hf_sparsity.export.finalize", "finalize_checkpoint"),
-    ("hf_sparsity.storage.model_card", "hf_sparsity.export.model_card", "split_front_matter"),
-    ("hf_sparsity.lora.merge", "hf_sparsity.export.merge", "merge_sparse"),
-]
-
-
-@pytest.mark.parametrize("old, new, name", MOVED)
-def test_old_module_path_warns_and_gives_the_same_object(old, new, name):
-    sys.modules.pop(old, None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        mod = importlib.import_module(old)
-    assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message) for w in caught)
-    assert getattr(mod, name) is getattr(importlib.import_module(new), name)
-
-
-def test_old_lora_merge_sparse_name_warns():
-    import hf_sparsity
-    import hf_sparsity.lora as lora
-
-    with pytest.warns(DeprecationWarning, match="hf_sparsity.export.merge"):
-        f = lora.merge_sparse
-    assert f is hf_sparsity.merge_sparse
 
 
 def test_no_two_way_packages_and_no_import_against_the_layer_order():
@@ -69,3 +42,25 @@ def test_a_registered_architecture_is_built_from_its_config_section_and_refused_
     assert isinstance(model.get_submodule("transformer.h.0.mlp.c_fc"), FactorizedLinear)
     with pytest.raises(SparsityError, match="already has a builder"):
         modeling.register_architecture("sparse_ift", lambda config: None)
+
+
+def test_a_deprecation_from_the_package_fails_the_tests_and_one_from_another_library_does_not():
+    """pyproject's filterwarnings: the package's own DeprecationWarnings are errors, other libraries' stay
+    warnings (the filter is on the module the warning is attributed to)."""
+    import warnings
+
+    with pytest.raises(DeprecationWarning, match="old name"):
+        warnings.warn_explicit("old name", DeprecationWarning, "x.py", 1, module="hf_sparsity.inference.x")
+    with pytest.warns(DeprecationWarning, match="their old name"):
+        warnings.warn_explicit("their old name", DeprecationWarning, "x.py", 1, module="transformers.x")
+
+
+def test_no_module_of_the_package_is_an_old_import_path():
+    """Moved modules leave nothing behind: no module of the package re-exports another with a warning."""
+    offenders = [
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "hf_sparsity").rglob("*.py")
+        if "DeprecationWarning" in p.read_text(encoding="utf-8")
+    ]
+    assert offenders == []
+    assert not (ROOT / "hf_sparsity" / "tools").exists()

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from hf_sparsity.config import SparsityConfig
-from hf_sparsity.decoding import native_generate, native_generate_kwargs
 from hf_sparsity.engine import SparsityEngine
 from hf_sparsity.inference import sparsify_for_inference
+from hf_sparsity.inference.decoding import native_generate, native_generate_kwargs
 from hf_sparsity.utils import SparsityError
 
 from .conftest import tiny_model
@@ -121,7 +121,7 @@ def test_gpt2_greedy_is_token_identical_to_generate(layout, act, backend, option
     """GPT-2 on the native step (learned positions, LayerNorm with a bias, fused Conv1D q / k / v, GELU,
     biases): plain Conv1D layers and every native format give generate's greedy tokens (int8 values:
     the forward loop's, on the same kernels)."""
-    from hf_sparsity.decoding import greedy_decode, native_step_reason
+    from hf_sparsity.inference.decoding import greedy_decode, native_step_reason
 
     model = _gpt2(layout, act)
     if backend:
@@ -137,7 +137,7 @@ def test_gpt2_greedy_is_token_identical_to_generate(layout, act, backend, option
 
 
 def test_gpt2_plain_conv1d_weights_are_transposed_once_and_follow_changes():
-    from hf_sparsity.decoding import greedy_decode
+    from hf_sparsity.inference.decoding import greedy_decode
 
     model = _gpt2()
     model.generation_config.eos_token_id = None
@@ -335,7 +335,7 @@ def test_streamer_and_stopping_criteria_see_what_generate_gives_them():
 
 
 def test_long_generations_grow_the_native_cache(monkeypatch):
-    from hf_sparsity import decoding
+    from hf_sparsity.inference import decoding
 
     monkeypatch.setattr(decoding, "_CACHE_STEP", 8)  # the cache is reallocated several times
     model = _sparse(_model("llama", "mqa-wide-heads"))
@@ -358,7 +358,7 @@ def test_per_token_work_runs_on_one_torch_thread_and_the_step_keeps_the_callers(
     the caller's thread count, and the caller's count is back after the call, also when it raises."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    from hf_sparsity import decoding
+    from hf_sparsity.inference import decoding
     from hf_sparsity.inference.native_step import NativeDecoder
 
     seen: dict[str, list[int]] = {"build": [], "struct": [], "processor": []}
@@ -463,10 +463,10 @@ def test_what_the_native_step_does_not_run_takes_generates_loop(case, match, cap
         model.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     model.generation_config.eos_token_id = None
     want = model.generate(ids, **kw)  # (training mode: dropout is 0, the same tokens)
-    with caplog.at_level(logging.WARNING, logger="hf_sparsity.decoding"):
+    with caplog.at_level(logging.WARNING, logger="hf_sparsity.inference.decoding"):
         got = model.generate(ids, **kw, custom_generate=native_generate)
     assert torch.equal(got, want)
-    lines = [r.getMessage() for r in caplog.records if r.name == "hf_sparsity.decoding"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "hf_sparsity.inference.decoding"]
     assert len(lines) == 1 and match in lines[0] and "\n" not in lines[0]
     with pytest.raises(SparsityError, match=match) as err:
         model.generate(ids, **kw, custom_generate=native_generate, native_step="native")
@@ -474,7 +474,7 @@ def test_what_the_native_step_does_not_run_takes_generates_loop(case, match, cap
 
 
 def test_gpt2_reasons():
-    from hf_sparsity.decoding import native_step_reason
+    from hf_sparsity.inference.decoding import native_step_reason
 
     gpt2 = tiny_model("gpt2").eval()  # 64 learned positions
     assert native_step_reason(gpt2, 64) is None

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from hf_sparsity.config import SparsityConfig
-from hf_sparsity.decoding import greedy_decode, native_step_reason
 from hf_sparsity.engine import SparsityEngine
 from hf_sparsity.inference import sparsify_for_inference
+from hf_sparsity.inference.decoding import greedy_decode, native_step_reason
 from hf_sparsity.utils import SparsityError
 
 from .realistic import ARCHS, LLAMA_FAMILY, early_eos, generate_greedy, prompt, realistic_model
@@ -92,7 +92,7 @@ def test_native_step_matches_the_model_on_every_format(arch, backend, structure,
 
 
 def test_native_step_reaches_positions_past_99_on_both_prompt_paths():
-    from hf_sparsity.decoding import PROMPT_STEPS
+    from hf_sparsity.inference.decoding import PROMPT_STEPS
 
     model = realistic_model("llama", heads=4, kv_heads=1, positions=160)
     for n in (PROMPT_STEPS, PROMPT_STEPS + 1):  # the last prompt through the native step, the first not

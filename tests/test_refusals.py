@@ -91,7 +91,7 @@ def test_nm_pattern_bounds(structure, ok):
 
 
 def test_greedy_decode_prompt_and_token_count_bounds():
-    from hf_sparsity.decoding import greedy_decode
+    from hf_sparsity.inference.decoding import greedy_decode
 
     model = realistic_model("llama")
     out = greedy_decode(model, prompt(1), 1, eos_token_id=[])

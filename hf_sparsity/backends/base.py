@@ -277,8 +277,8 @@ class SparseBackend:
         """The native batch-1 kernel call of this weight with its fixed arguments prepared (a
         ``(structure, address)`` pair for ``hfs_run_prepared``: float32 ``x`` in, float32 ``y`` out), or
         ``None`` when the weight has no native batch-1 path. Used by the one-call decoding step
-        (:class:`hf_sparsity.decoding.NativeDecoder`); the structure must be kept alive while its address
-        is used, and holds raw pointers into this backend's tensors."""
+        (:class:`hf_sparsity.inference.native_step.NativeDecoder`); the structure must be kept alive
+        while its address is used, and holds raw pointers into this backend's tensors."""
         return None
 
     def _forward(self, x2d: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract

@@ -113,7 +113,7 @@ class EmulatorBackend(SparseBackend):
         self.value_bytes = self.weight.element_size()
         self.index_width = 2 if in_f <= 65536 else 4
         pes = self.machine.pes
-        # The modeled machine's figures (read by the cycle model, and by tools/bench for any backend):
+        # The modeled machine's figures (read by the cycle model, and by inference/bench for any backend):
         # the busiest PE's nonzeros with rows (forward) or columns (grad X) dealt round-robin.
         self.row_load = self.pe_max_load(self._by_row.counts, pes)
         self.col_load = self.pe_max_load(self._by_col.counts, pes)

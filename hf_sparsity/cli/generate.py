@@ -20,10 +20,11 @@ first (not shown; ``--no-dense`` skips it), then the sparse one streams its toke
 speeds are printed.
 
 Decoding loop (``--loop``): by default (``auto``) ``model.generate`` with
-``custom_generate=hf_sparsity.decoding.native_generate``: one native call per token where the model allows it
-(Llama-family models on native formats, float32; the line printed at the end says which loop ran and, if
-not the native step, why), else transformers' own loop. ``--loop generate``: transformers' own loop (the
-model's forward per token); ``--loop lean`` (or ``--lean``): ``hf_sparsity.decoding.greedy_decode``.
+``custom_generate=hf_sparsity.inference.decoding.native_generate``: one native call per token where the model
+allows it (Llama-family models on native formats, float32; the line printed at the end says which loop ran
+and, if not the native step, why), else transformers' own loop. ``--loop generate``: transformers' own loop
+(the model's forward per token); ``--loop lean`` (or ``--lean``):
+``hf_sparsity.inference.decoding.greedy_decode``.
 ``--compile`` runs transformers' loop over the compiled forward.
 
 The tok/s printed is the decoding rate the benchmarks report (``benchmarks/decode.py``, llama.cpp's
@@ -331,13 +332,13 @@ def generate_command_parser(subparsers):
         choices=LOOPS,
         help="Decoding loop of both runs: auto (default; model.generate on the native step, one native call "
         "per token, where the model allows it, else transformers' loop), generate (transformers' own loop "
-        "over the model's forward), lean (hf_sparsity.decoding.greedy_decode)",
+        "over the model's forward), lean (hf_sparsity.inference.decoding.greedy_decode)",
     )
     p.add_argument(
         "--lean",
         action="store_true",
-        help="--loop lean: both runs decode with hf_sparsity.decoding.greedy_decode (the native step where "
-        "it applies, else its forward loop; the same tokens as generate)",
+        help="--loop lean: both runs decode with hf_sparsity.inference.decoding.greedy_decode (the native "
+        "step where it applies, else its forward loop; the same tokens as generate)",
     )
     p.add_argument("--do-sample", action="store_true", help="Sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=None, help="With --do-sample: the temperature")

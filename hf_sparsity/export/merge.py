@@ -2,7 +2,7 @@
 
 It sits above the mask engine and :mod:`hf_sparsity.lora` (the engine's view of a peft model, which
 the engine and the targeting rules import): it builds an engine, reads the config and writes a
-finalized section. The old path ``hf_sparsity.lora.merge`` still imports it.
+finalized section.
 """
 
 from __future__ import annotations

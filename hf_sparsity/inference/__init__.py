@@ -9,9 +9,7 @@
   ``benchmarks/`` (the library itself never imports it).
 
 The conversion's names are on this package too (``from hf_sparsity.inference import
-sparsify_for_inference``, the import path from before the package). ``hf_sparsity.decoding`` and
-``hf_sparsity.tools.bench`` are the old paths of the other two; they still import, with a
-DeprecationWarning.
+sparsify_for_inference``).
 """
 
 from .conversion import (

@@ -121,7 +121,7 @@ transformers' own loop and one logged line naming why), ``native`` (an error whe
 
 _CACHE_STEP = 256  # positions the native cache is allocated for beyond the prompt at first (it grows)
 
-logger = logging.getLogger("hf_sparsity.decoding")  # the name it logged under before the move
+logger = logging.getLogger(__name__)
 
 
 def _mode_name(generation_config) -> str:

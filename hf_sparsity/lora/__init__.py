@@ -3,33 +3,15 @@
 * :mod:`~hf_sparsity.lora.view`: :class:`PeftBaseView`, the base model under its plain names.
 * :mod:`~hf_sparsity.lora.masked`: ``lora: masked``, the update ``(B·A) ⊙ M`` as a peft ``LoraVariant``.
 
-:func:`merge_sparse` (merging that keeps the masks exact) sits above the engine, which imports this
-package: it lives in :mod:`hf_sparsity.export.merge`; ``hf_sparsity.lora.merge_sparse`` still works.
+:func:`~hf_sparsity.export.merge.merge_sparse` (merging that keeps the masks exact) sits above the engine,
+which imports this package: it lives in :mod:`hf_sparsity.export.merge`.
 
 ``peft`` is an optional dependency (``pip install hf_sparsity[peft]``): nothing here imports
 it unless a ``PeftModel`` is given.
 """
 
-import warnings
-
 from .masked import apply_masked_mode, masked_layers, remove_masked_mode
 from .view import LORA_MODES, PeftBaseView, base_name, check_lora_mode, is_peft_model, peft_view
-
-
-def __getattr__(name: str):
-    if name == "merge_sparse":
-        # Lazy: merge_sparse lives above the engine (hf_sparsity.export.merge); the old name still works.
-        from ..export.merge import merge_sparse
-
-        warnings.warn(
-            "hf_sparsity.lora.merge_sparse moved to hf_sparsity.export.merge; import it from there.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-
-        return merge_sparse
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 __all__ = [
     "LORA_MODES",

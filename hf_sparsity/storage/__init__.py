@@ -8,8 +8,7 @@
   resumable.
 
 Storage sits on the ground floor: it imports nothing above it. Finalize and the model card, which
-present what the layers above made, live in :mod:`hf_sparsity.export` (their old paths here still
-import, with a warning).
+present what the layers above made, live in :mod:`hf_sparsity.export`.
 
 Nothing is imported here: import the module you need (``from hf_sparsity.storage.masks_file
 import load_masks``); the public entry points are also on the package root.
