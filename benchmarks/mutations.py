@@ -783,8 +783,8 @@ MUTATIONS = (
         (
             (
                 "hf_sparsity/inference/sampling.py",
-                "s.penalty, self.skip = penalty.penalty, penalty.prompt_ignore_length or 0",
-                "s.penalty, self.skip = penalty.penalty, 0",
+                's.penalty, self.skip = penalty["penalty"], penalty["prompt_ignore_length"] or 0',
+                's.penalty, self.skip = penalty["penalty"], 0',
             ),
         ),
         ("tests/test_native_sampling.py",),
@@ -815,9 +815,72 @@ MUTATIONS = (
     ),
     Mutation(
         "native-stops-ignore-eos",
-        "native_generate's stopping criteria on ints ignore the end-of-sequence tokens",
-        (("hf_sparsity/inference/sampling.py", "return tok in self.eos or (", "return False or ("),),
-        ("tests/test_native_sampling.py",),
+        "the one end-of-sequence rule (native_generate's criteria on ints, greedy_decode) ignores eos ids",
+        (("hf_sparsity/inference/loop.py", "return tok in eos or (", "return False or ("),),
+        ("tests/test_native_sampling.py", "tests/test_decoding.py"),
+    ),
+    Mutation(
+        "loop-one-token-past-the-limit",
+        "the end-of-sequence rule ends a sequence one token after its length limit",
+        (("hf_sparsity/inference/loop.py", "length >= max_length)", "length > max_length)"),),
+        ("tests/test_decoding.py",),
+    ),
+    Mutation(
+        "eos-ids-first-only",
+        "of several end-of-sequence ids only the first ends a sequence",
+        (("hf_sparsity/inference/loop.py", "reshape(-1).tolist()}", "reshape(-1).tolist()[:1]}"),),
+        ("tests/test_decoding.py",),
+    ),
+    Mutation(
+        "streamer-not-read-from-generate",
+        "native_generate no longer finds the streamer generate was given",
+        (("hf_sparsity/hooks.py", "            if frame.f_code is code:", "            if False:"),),
+        (
+            "tests/test_hooks.py",
+            "tests/test_native_generate.py::test_streamer_and_stopping_criteria_see_what_generate_gives_them",
+        ),
+    ),
+    Mutation(
+        "own-loop-drops-the-streamer",
+        "generate's own loop, run where the native step does not, is not handed the streamer",
+        (
+            (
+                "hf_sparsity/hooks.py",
+                'GENERATE_LOOPS = {"_sample": True,',
+                'GENERATE_LOOPS = {"_sample": False,',
+            ),
+        ),
+        ("tests/test_hooks.py",),
+    ),
+    Mutation(
+        "top-p-field-misread",
+        "the processor hook no longer reads top-p / min-p's min_tokens_to_keep",
+        (
+            (
+                "hf_sparsity/hooks.py",
+                'keys = (name, "min_tokens_to_keep", "filter_value")',
+                'keys = (name, "filter_value")',
+            ),
+        ),
+        ("tests/test_hooks.py",),
+    ),
+    Mutation(
+        "merge-forgets-the-engine",
+        "merge_sparse no longer finds the masks of the engine that ran on the peft model",
+        (
+            (
+                "hf_sparsity/lora/view.py",
+                "_ENGINE_STATE[self.peft_model] = (engine.state_, engine.config)",
+                "pass",
+            ),
+        ),
+        ("tests/test_lora.py",),
+    ),
+    Mutation(
+        "auto-choices-forgotten",
+        "sparsify_for_inference('auto') no longer records its choices for auto_choices / auto_report",
+        (("hf_sparsity/inference/conversion.py", "_AUTO_CHOICES[model_u] = choices", "pass"),),
+        ("tests/test_inference.py::test_auto_matches_dense_records_choices_frees_memory_and_restores",),
     ),
     Mutation(
         "native-argmax-vectors-skip-nan",

@@ -21,8 +21,25 @@ of the library moves what it relies on:
     compiles a model's forward only on accelerators unless its ``CompileConfig`` carries a private
     switch, and caches the compiled forward on the model; a sparsified model (another graph)
     must drop that cache to be compiled again.
+  - :func:`generate_streamer`: ``generate`` hands a callable ``custom_generate`` (``native_generate``)
+    the prompt, the prepared processors, criteria and config, and only those keywords its signature
+    adds to ``_sample``'s: the ``streamer`` it was given is not passed on, so it is read from
+    ``generate``'s frame (the library's one frame read outside Trainer's).
+  - :func:`own_generate_loop`: where the native step does not run a ``generate`` call,
+    ``native_generate`` runs ``generate``'s own loop for the mode (its private ``_sample`` /
+    ``_beam_search``, named in ``GENERATION_MODES_MAPPING``); ``generate`` offers no public loop to
+    hand a prepared call back to.
+  - :func:`logits_processor_fields` and :func:`stopping_criterion_fields`: the native sampling call
+    (``backends/csrc/sample.c``) reimplements the repetition penalty, temperature, top-k, top-p and
+    min-p processors, and ``_Stops`` the length and end-of-sequence criteria, from these classes'
+    attributes (their constructor arguments, kept as instance attributes without documentation).
+    ``tests/test_hooks.py`` checks the attributes and, against definitions computed in the test,
+    what each processor computes.
 
 * torch (``tests/test_hooks.py``):
+
+  - :func:`tensor_version`: the native step keeps a transposed copy of a ``Conv1D`` weight while the
+    weight is unchanged; torch counts in-place changes of a tensor only in its private ``_version``.
 
   - :func:`closed_form_lr` and :func:`set_last_lr`: an LR rewind (IMP) restarts a scheduler at
     a given step; torch schedulers offer no public way to jump to a step or to set the LR that
@@ -220,6 +237,107 @@ def forget_compiled_forward(model: nn.Module) -> None:
     """
     torch.compiler.reset()
     model.__dict__.pop("_compiled_call", None)
+
+
+def generate_streamer() -> Any:
+    """The ``streamer`` given to the running ``GenerationMixin.generate`` (``None``: none, or not inside it).
+
+    For a callable ``custom_generate``, ``generate`` (``_extract_generation_mode_kwargs``) passes on only
+    the keywords the callable's signature adds to ``_sample``'s; ``streamer`` is one of ``_sample``'s, so
+    the callable never receives it (``generate`` only puts the prompt in it). It is read from the nearest
+    frame up the stack that runs ``generate``'s own code. ``tests/test_hooks.py`` fails by name when
+    transformers passes the streamer on (then this hook goes) or renames the argument.
+    """
+    from transformers.generation.utils import GenerationMixin
+
+    code = inspect.unwrap(GenerationMixin.generate).__code__
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if frame.f_code is code:
+                return frame.f_locals.get("streamer")
+            frame = frame.f_back
+    finally:
+        del frame
+    return None
+
+
+GENERATE_LOOPS = {"_sample": True, "_beam_search": False}  # generate's loops native_generate hands back to
+# (the value: whether the loop takes the streamer)
+
+
+def own_generate_loop(model: nn.Module, generation_config: Any) -> Callable | None:
+    """``generate``'s own decoding loop for ``generation_config``'s mode, as a callable
+    ``loop(input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
+    **model_kwargs)``; ``None`` for a mode whose loop is not in :data:`GENERATE_LOOPS`.
+
+    The loops are ``GenerationMixin``'s private ``_sample`` / ``_beam_search``, found the way
+    ``generate`` finds them (``GENERATION_MODES_MAPPING``).
+    """
+    from transformers.generation.utils import GENERATION_MODES_MAPPING
+
+    name = GENERATION_MODES_MAPPING.get(generation_config.get_generation_mode())
+    if name not in GENERATE_LOOPS:
+        return None
+    method = getattr(type(model), name)
+
+    def loop(input_ids, logits_processor, stopping_criteria, config, synced_gpus, streamer, **model_kwargs):
+        extra = {"streamer": streamer} if GENERATE_LOOPS[name] else {}
+        return method(
+            model, input_ids, logits_processor, stopping_criteria, config,
+            synced_gpus=synced_gpus, **extra, **model_kwargs,
+        )  # fmt: skip
+
+    return loop
+
+
+# ---------------------------------------------------------------------------- transformers processors
+def logits_processor_fields(proc: Any) -> tuple[str, dict[str, Any]] | None:
+    """``(kind, fields)`` of one of the logits processors the native sampling call reimplements, read
+    from its attributes; ``None`` for any other processor (an exact class match: a subclass may change
+    what it computes).
+
+    ``repetition_penalty``: ``penalty``, ``prompt_ignore_length``, ``logits_indices``;
+    ``temperature``: ``temperature``; ``top_k``: ``top_k`` (already ``max(top_k, min_tokens_to_keep)``),
+    ``filter_value``; ``top_p`` / ``min_p``: ``top_p`` / ``min_p``, ``min_tokens_to_keep``,
+    ``filter_value``.
+    """
+    from transformers.generation import logits_process as lp
+
+    kind = type(proc)
+    if kind is lp.RepetitionPenaltyLogitsProcessor:
+        keys = ("penalty", "prompt_ignore_length", "logits_indices")
+        return "repetition_penalty", {k: getattr(proc, k) for k in keys}
+    if kind is lp.TemperatureLogitsWarper:
+        return "temperature", {"temperature": proc.temperature}
+    if kind is lp.TopKLogitsWarper:
+        return "top_k", {"top_k": proc.top_k, "filter_value": proc.filter_value}
+    if kind in (lp.TopPLogitsWarper, lp.MinPLogitsWarper):
+        name = "top_p" if kind is lp.TopPLogitsWarper else "min_p"
+        keys = (name, "min_tokens_to_keep", "filter_value")
+        return name, {k: getattr(proc, k) for k in keys}
+    return None
+
+
+def stopping_criterion_fields(criterion: Any) -> tuple[str, dict[str, Any]] | None:
+    """``(kind, fields)`` of a stopping criterion decided without calling it: ``max_length``
+    (``max_length``, ``max_position_embeddings``) or ``eos`` (``eos_token_id``); ``None`` for any other."""
+    from transformers.generation import stopping_criteria as sc
+
+    kind = type(criterion)
+    if kind is sc.MaxLengthCriteria:
+        keys = ("max_length", "max_position_embeddings")
+        return "max_length", {k: getattr(criterion, k) for k in keys}
+    if kind is sc.EosTokenCriteria:
+        return "eos", {"eos_token_id": criterion.eos_token_id}
+    return None
+
+
+# ---------------------------------------------------------------------------- torch tensors
+def tensor_version(t: torch.Tensor) -> int:
+    """torch's count of in-place changes of ``t`` (``t._version``): a cache built from a tensor is current
+    while the tensor (the same storage) has the same version."""
+    return int(t._version)
 
 
 # ---------------------------------------------------------------------------- DeepSpeed ZeRO

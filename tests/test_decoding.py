@@ -210,3 +210,28 @@ def test_native_dense_int8_values_against_the_dequantized_weight():
     for rows in (1, 5):  # int8 activations (the default): on the dequantized activations too
         x = torch.randn(rows, 53, generator=torch.Generator().manual_seed(rows))
         torch.testing.assert_close(b.linear(x), quantize_activations(x) @ deq.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("step", ["model", "native"])
+def test_every_loop_ends_a_sequence_by_the_same_rule_as_generate(step):
+    """One end-of-sequence rule: the sequence ends after the first token that is any of the eos ids, or
+    after exactly max_new_tokens; greedy_decode (either step), native_generate and generate agree."""
+    from hf_sparsity.inference.decoding import native_generate
+
+    model = _llama_family("llama")
+    ids = torch.randint(2, 128, (1, 5), generator=torch.Generator().manual_seed(4))
+    n = ids.shape[1]
+    free = greedy_decode(model, ids, 10, eos_token_id=[], step=step)
+    assert free.shape[1] == n + 10  # no end-of-sequence token: exactly max_new_tokens
+    assert torch.equal(greedy_decode(model, ids, 1, eos_token_id=[], step=step), free[:, : n + 1])
+    new = free[0, n:].tolist()
+    for eos in ([127, new[4], new[2]], (new[5],), new[0], new[9]):
+        ends = {eos} if isinstance(eos, int) else set(eos)
+        first = next((i for i, t in enumerate(new) if t in ends), 9)  # the definition, on the free run
+        want = free[:, : n + first + 1]
+        assert torch.equal(greedy_decode(model, ids, 10, eos_token_id=eos, step=step), want), eos
+        model.generation_config.eos_token_id = list(ends)
+        assert torch.equal(_generate(model, ids, 10), want), eos
+        got = model.generate(ids, max_new_tokens=10, do_sample=False, custom_generate=native_generate)
+        assert torch.equal(got, want), eos
+    model.generation_config.eos_token_id = None

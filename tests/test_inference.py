@@ -227,6 +227,7 @@ def test_auto_matches_dense_records_choices_frees_memory_and_restores(arch, forc
     opts = {"formats": (forced,), "margin": -100.0, "check": False} if forced else {}
     sparsify_for_inference(model, "auto", masks=eng.masks, rounds=3, sample_layers=2, lm_head=False, **opts)
     choices = auto_choices(model)
+    assert not [k for k in vars(model) if "sparsity" in k.lower()]  # kept beside the model, not on it
     assert {f"{n}.weight" for n in choices} == set(eng.masks)
     for c in choices.values():
         assert c["decode"] in ("dense", "native_dense", "bitmask", "csr", "nm24")

@@ -238,3 +238,36 @@ def test_masked_mode_forward_and_peft_merge_apply_the_masked_update(arch):
             )  # pruned stay as they were
             layer.unmerge()
             torch.testing.assert_close(layer.base_layer.weight, before)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_the_engine_state_merge_reads_is_not_written_onto_the_peft_model_and_goes_with_it(arch):
+    """merge_sparse merges with the masks, steps and events of the engine that ran on the peft model; that
+    state is kept beside the model (no attribute on it) and is dropped when the model is."""
+    import gc
+    import weakref
+
+    from hf_sparsity import merge_sparse
+    from hf_sparsity.config import get_sparsity_config
+    from hf_sparsity.lora import view as lora_view
+
+    model = lora(tiny_model(arch), arch)
+    eng = SparsityEngine(model, SparsityConfig(sparsity=0.5))
+    eng.build_masks()
+    eng.apply()
+    eng.optimizer_steps = 7
+    eng.events.append({"kind": "probe", "step": 7})
+    assert not [k for k in vars(model) if "sparsity" in k.lower()]
+    state, config = lora_view.engine_state(model)
+    assert state.masks is eng.masks and config is eng.config
+    masks = {n: m.clone() for n, m in eng.masks.items()}
+    merged = merge_sparse(model)  # no masks argument: the engine's
+    found = dict(merged.named_parameters())
+    for name, m in masks.items():  # the masked positions are exactly 0 after the merge
+        assert not found[name].detach()[m == 0].any(), name
+    assert get_sparsity_config(merged.config) is not None
+    assert lora_view.engine_state(model) is not None
+    ref = weakref.ref(model)
+    del model, eng, merged, found, state, config
+    gc.collect()
+    assert ref() is None  # the kept state does not hold the model alive

@@ -19,7 +19,7 @@ from ..config import SparsityConfig, get_sparsity_config
 from ..constants import SPARSITY_MASKS_NAME
 from ..engine import SparsityEngine
 from ..lora.masked import remove_masked_mode
-from ..lora.view import PeftBaseView, is_peft_model
+from ..lora.view import PeftBaseView, engine_state, is_peft_model
 from ..masks import mask_level
 from ..modeling import apply_masks
 from ..storage.masks_file import check_mask_names, load_masks_for
@@ -37,9 +37,9 @@ def _masks_for(peft_model: nn.Module, view: PeftBaseView, masks: Any):
         shapes = {n: tuple(p.shape) for n, p in view.named_parameters()}
         check_mask_names({n: {"shape": list(m.shape)} for n, m in masks.items()}, shapes)
         return dict(masks), get_sparsity_config(view.config), "masks argument"
-    attached = getattr(peft_model, "_hf_sparsity", None)
-    if attached and attached["masks"]:
-        return dict(attached["masks"]), attached["config"], "the SparsityCallback / SparsityEngine"
+    attached = engine_state(peft_model)
+    if attached and attached[0].masks:
+        return dict(attached[0].masks), attached[1], "the SparsityCallback / SparsityEngine"
     source = getattr(view.config, "name_or_path", None)
     loaded = load_masks_for(view, source) if source and os.path.isdir(str(source)) else None
     if loaded is not None:
@@ -92,7 +92,7 @@ def merge_sparse(
     merged = peft_model.merge_and_unload()
     remove_masked_mode(merged)
     apply_masks(merged, mask_dict)
-    trained = (getattr(peft_model, "_hf_sparsity", None) or {}).get("engine")
+    trained = (engine_state(peft_model) or (None,))[0]
     engine = SparsityEngine(merged, config, strict=False)
     if trained is not None:  # the card and a resumed run see the steps and events of the LoRA run
         engine.optimizer_steps, engine.events = trained.optimizer_steps, list(trained.events)

@@ -47,6 +47,7 @@ from .conversion import (
     sparse_layers,
     sparsify_for_inference,
 )
+from .loop import forward_step, greedy_tokens
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -160,9 +161,10 @@ def build_masks_for(
 def decode_breakdown(model, ids: torch.Tensor, new_tokens: int, layers) -> dict[str, float]:
     """Per-token milliseconds of greedy decoding, split into ``layers``, the LM head and the rest.
 
-    Runs a plain cached decode loop (prefill, then one token per forward, under
-    ``torch.inference_mode``) with timing hooks on the modules named in ``layers`` (the
-    sparsified ones, whether currently dense or swapped) and on the output embedding.
+    Runs greedy decoding's forward loop (:func:`~hf_sparsity.inference.loop.forward_step`:
+    prefill, then one token per forward over the KV cache, under ``torch.inference_mode``) with
+    timing hooks on the modules named in ``layers`` (the sparsified ones, whether currently dense
+    or swapped) and on the output embedding.
     ``rest`` is everything else: attention, norms, activations, the KV cache, Python.
     The hooks add about a microsecond per call to what they time.
     """
@@ -187,13 +189,10 @@ def decode_breakdown(model, ids: torch.Tensor, new_tokens: int, layers) -> dict[
     handles.append(head.register_forward_hook(post_fn("head")))
     try:
         with torch.inference_mode():
-            out = model(ids, use_cache=True)
-            past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            first, step = forward_step(model, ids)
             acc["layers"] = acc["head"] = 0.0
             t = time.perf_counter()
-            for _ in range(new_tokens):
-                out = model(nxt, past_key_values=past, use_cache=True)
-                past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            greedy_tokens(first, step, new_tokens + 1)  # new_tokens forwards after the prompt's
             total = time.perf_counter() - t
     finally:
         for h in handles:

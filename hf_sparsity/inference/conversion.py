@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from typing import Any
 
 import torch
@@ -42,6 +43,9 @@ from ..targeting import plan_sparsity, unwrap_model
 from ..utils import SparsityError
 
 logger = logging.getLogger("hf_sparsity.inference")  # the name it logged under before the package
+
+_AUTO_CHOICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""model -> what ``auto`` chose per layer (:func:`auto_choices`): kept here, not on the user's model."""
 
 
 class SparseLinear(nn.Module):
@@ -216,7 +220,7 @@ def sparsify_for_inference(
     del plan, swaps, targets, found
     pack_weights(model_u)
     if choices:
-        model_u._hf_sparsity_auto = choices
+        _AUTO_CHOICES[model_u] = choices
         if verbose:
             print(auto_report(model_u))
     logger.info("sparsify_for_inference: %d layers now run on %s.", n_swapped, klass.name)
@@ -252,7 +256,7 @@ def _check_values(model_u: nn.Module, klass: type[SparseBackend], values: Any) -
 
 def auto_choices(model: nn.Module) -> dict[str, dict]:
     """What ``auto`` chose per layer (module name -> decode / prefill format and measured times)."""
-    return dict(getattr(unwrap_model(model), "_hf_sparsity_auto", {}) or {})
+    return dict(_AUTO_CHOICES.get(unwrap_model(model), {}))
 
 
 def auto_report(model: nn.Module) -> str:

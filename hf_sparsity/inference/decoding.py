@@ -35,12 +35,13 @@ compare tokens) and stop at the end-of-sequence token as ``generate`` does.
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Callable
 
 import torch
 
+from ..hooks import generate_streamer, own_generate_loop
 from ..utils import SparsityError, torch_threads
+from .loop import decode_loop, eos_ids, forward_step, greedy_tokens
 from .native_step import (  # noqa: F401 (re-exported)
     ARCHITECTURES,
     GPT2_ACTIVATIONS,
@@ -54,14 +55,6 @@ from .sampling import _Processing, _Sequence, _Stops, _Uniforms
 STEPS = ("auto", "native", "model")
 """``greedy_decode(step=...)``: ``native`` (the one-call native step; an error where it does not apply),
 ``model`` (the forward loop), ``auto`` (native where it applies, else the forward loop)."""
-
-
-def _eos_ids(model, eos_token_id) -> set[int]:
-    if eos_token_id is None:
-        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos_token_id is None:
-        return set()
-    return {int(e) for e in (eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id])}
 
 
 @torch.inference_mode()
@@ -80,8 +73,6 @@ def greedy_decode(
     as it is produced (e.g. to stream text). ``step``: see :data:`STEPS` (``auto``: the native step where
     :func:`native_step_reason` is ``None``).
     """
-    from transformers import DynamicCache
-
     if step not in STEPS:
         raise SparsityError(f"step={step!r}: use one of {', '.join(STEPS)}.")
     if input_ids.ndim != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
@@ -90,7 +81,9 @@ def greedy_decode(
         )
     if max_new_tokens < 1:
         raise SparsityError("max_new_tokens must be at least 1.")
-    eos = _eos_ids(model, eos_token_id)
+    if eos_token_id is None:
+        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos = eos_ids(eos_token_id)
     ids = input_ids.to(next(model.parameters()).device)
     length = int(ids.shape[1]) + max_new_tokens
     if step != "model":
@@ -98,20 +91,16 @@ def greedy_decode(
         if step == "native":
             _refuse(reason)
         if reason is None:
-            return NativeDecoder(model, check=False).generate(ids, max_new_tokens, eos, on_token)
-    cache = DynamicCache(config=model.config)
-    out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-    new: list[torch.Tensor] = []
-    for i in range(max_new_tokens):
-        nxt = out.logits[:, -1, :].argmax(-1, keepdim=True)
-        new.append(nxt)
-        tok = int(nxt)
-        if on_token is not None:
-            on_token(tok)
-        if tok in eos or i == max_new_tokens - 1:
-            break
-        out = model(input_ids=nxt, cache=cache, use_cache=True, logits_to_keep=1)
-    return torch.cat([ids, *new], dim=1)
+            dec = NativeDecoder(model, check=False)
+            try:
+                first = int(dec.start(ids, length).argmax())
+                new = greedy_tokens(first, dec.step, max_new_tokens, eos, on_token)
+            finally:
+                dec.close()
+            return torch.cat([ids, torch.tensor([new], dtype=ids.dtype, device=ids.device)], dim=1)
+    first, step_fn = forward_step(model, ids)
+    new = greedy_tokens(first, step_fn, max_new_tokens, eos, on_token)
+    return torch.cat([ids, torch.tensor([new], dtype=ids.dtype, device=ids.device)], dim=1)
 
 
 # ------------------------------------------------------------------ model.generate(custom_generate=...)
@@ -152,20 +141,6 @@ def generation_reason(model, input_ids: torch.Tensor, generation_config, model_k
     return native_step_reason(model, int(generation_config.max_length or 0) or None)
 
 
-def _caller_streamer():
-    """The ``streamer`` transformers' ``generate`` was called with: its callable ``custom_generate`` is not
-    handed the streamer (``generate`` gives it the prompt, then keeps it), so it is read from the caller's
-    frame."""
-    frame = sys._getframe(2)
-    for _ in range(3):
-        if frame is None:
-            return None
-        if frame.f_code.co_name == "generate" and "streamer" in frame.f_locals:
-            return frame.f_locals["streamer"]
-        frame = frame.f_back
-    return None
-
-
 @torch.no_grad()
 def native_generate(
     model,
@@ -204,8 +179,8 @@ def native_generate(
     """
     if native_step not in NATIVE_STEPS:
         raise SparsityError(f"native_step={native_step!r}: use one of {', '.join(NATIVE_STEPS)}.")
-    if streamer is None:
-        streamer = _caller_streamer()
+    if streamer is None:  # generate does not pass it on to a callable custom_generate
+        streamer = generate_streamer()
     reason = generation_reason(model, input_ids, generation_config, model_kwargs)
     if synced_gpus:
         reason = "synced_gpus"
@@ -223,25 +198,26 @@ def _generate_loop(
 ):  # fmt: skip
     """``generate``'s own loop for a call the native step does not run (``reason``), or the error
     ``native_step="native"`` asks for."""
-    from transformers.generation.utils import GENERATION_MODES_MAPPING
-
     if native_step == "native":
         raise SparsityError(
             f"The native decoding step does not run this generation: {reason}. Drop "
             "native_step='native' (generate's own loop runs), or custom_generate altogether."
         )
     logger.warning("hf_sparsity: generate's own loop runs (not the native step): %s.", reason)
-    mode = generation_config.get_generation_mode()
-    method = GENERATION_MODES_MAPPING.get(mode)
-    if method not in ("_sample", "_beam_search"):
+    loop = own_generate_loop(model, generation_config)
+    if loop is None:
         raise SparsityError(
             f"{_mode_name(generation_config)} with custom_generate=native_generate: drop custom_generate."
         )
-    extra = {"streamer": streamer} if method == "_sample" else {}
-    return getattr(type(model), method)(
-        model, input_ids, logits_processor, stopping_criteria, generation_config,
-        synced_gpus=synced_gpus, **extra, **model_kwargs,
-    )  # fmt: skip
+    return loop(
+        input_ids,
+        logits_processor,
+        stopping_criteria,
+        generation_config,
+        synced_gpus,
+        streamer,
+        **model_kwargs,
+    )
 
 
 def _native_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer):
@@ -262,7 +238,32 @@ def _native_loop(model, input_ids, logits_processor, stopping_criteria, generati
     # greedy without processors or scores: the argmax the native step computes (torch.argmax's)
     step_argmax = not do_sample and not keep_scores and not list(logits_processor)
     stops = _Stops(stopping_criteria, keep_scores)
-    seq, uniform, best = _Sequence(input_ids, limit), _Uniforms(), None
+    seq, uniform = _Sequence(input_ids, limit), _Uniforms()
+
+    def choose(logits: torch.Tensor, best: int | None) -> int:
+        """The next token from the step's logits (``best``: the step's own argmax)."""
+        if keep_logits:
+            raw.append(logits[None].clone())
+        u = uniform() if do_sample else 0.0
+        tok = processing.sample(seq, logits, u) if do_sample else best if step_argmax else None
+        if tok is None:  # transformers' processors in torch
+            step_scores = processing(seq.ids(), logits[None].clone())
+            if keep_scores:
+                scores.append(step_scores)
+            tok = processing.draw(step_scores, u) if do_sample else int(torch.argmax(step_scores))
+        elif keep_scores:
+            scores.append(processing.scores(vocab))
+        return tok
+
+    def step(tok: int) -> int:
+        best = dec.step(tok)  # first: a longer cache reallocates dec.logits
+        return choose(dec.logits, best)
+
+    def emit(tok: int) -> None:
+        seq.append(tok)
+        if streamer is not None:
+            streamer.put(seq.buf[0, seq.n - 1 : seq.n])
+
     # The processors, sampling and stopping criteria run on one torch thread: on a vocabulary-sized row
     # torch splits an op over its OpenMP team, whose threads then spin on the cores the native step's own
     # pool needs (a 50%-sparse int8 SmolLM2 step took 1.2x as long after them); the step keeps its count.
@@ -270,25 +271,12 @@ def _native_loop(model, input_ids, logits_processor, stopping_criteria, generati
     # (the pad token after the end-of-sequence token) never applies.
     try:
         with torch_threads(1):
-            while True:
-                if keep_logits:
-                    raw.append(logits[None].clone())
-                u = uniform() if do_sample else 0.0
-                tok = processing.sample(seq, logits, u) if do_sample else best if step_argmax else None
-                if tok is None:  # transformers' processors in torch
-                    step_scores = processing(seq.ids(), logits[None].clone())
-                    if keep_scores:
-                        scores.append(step_scores)
-                    tok = processing.draw(step_scores, u) if do_sample else int(torch.argmax(step_scores))
-                elif keep_scores:
-                    scores.append(processing.scores(vocab))
-                seq.append(tok)
-                if streamer is not None:
-                    streamer.put(seq.buf[0, seq.n - 1 : seq.n])
-                if stops(seq, tok, scores):
-                    break
-                best = dec.step(tok)
-                logits = dec.logits
+            decode_loop(
+                choose(logits, None),
+                step,
+                emit,
+                lambda tok: stops(seq, tok, scores),
+            )
     finally:
         dec.close()
     if streamer is not None:

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import ctypes
 import weakref
-from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from ..backends import _native, get_backend
+from ..hooks import tensor_version
 from ..utils import SparsityError, torch_threads
 from .conversion import SparseLinear
 
@@ -230,7 +230,7 @@ def _dense_gemv(mod: nn.Module, klass) -> object:
     of a ``Conv1D``'s (``[in, out]`` -> ``[out, in]``); prepared once per module and kept while the module
     lives and its weight is unchanged (the same tensor, the same version)."""
     weight = mod.weight
-    key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+    key = (weight.data_ptr(), tensor_version(weight), tuple(weight.shape))
     hit = _DENSE.get(mod)
     if hit is None or hit[0] != key:
         w = weight.detach().t().contiguous() if _is_conv1d(mod) else weight.detach()
@@ -249,7 +249,8 @@ def _refuse(reason: str | None) -> None:
 
 
 class NativeDecoder:
-    """Greedy decoding of one prompt with one native call per token (module docstring).
+    """One native call per decoded token (module docstring): :meth:`start` runs the prompt, :meth:`step`
+    each new token; the decoding loops (:mod:`~hf_sparsity.inference.loop`) call them.
 
     Built per generation (cheap: it points at the model's tensors, nothing is copied); plain float32
     ``nn.Linear`` layers run on the native dense GEMV over their own weight; a plain GPT-2 ``Conv1D`` (stored
@@ -380,29 +381,6 @@ class NativeDecoder:
         best = int(self._lib.hfs_decode_step(ctypes.byref(self._dec), token, self.pos))
         self.pos += 1
         return best
-
-    @torch.inference_mode()
-    def generate(
-        self,
-        input_ids: torch.Tensor,
-        max_new_tokens: int,
-        eos: set[int] = frozenset(),
-        on_token: Callable[[int], None] | None = None,
-    ) -> torch.Tensor:
-        """Greedy decoding: ``[1, n]`` prompt ids -> ``[1, n + generated]``."""
-        logits = self.start(input_ids, int(input_ids.shape[1]) + max_new_tokens)
-        first = int(logits.argmax())
-        new = [first]
-        if on_token is not None:
-            on_token(first)
-        tok = first
-        while tok not in eos and len(new) < max_new_tokens:
-            tok = self.step(tok)
-            new.append(tok)
-            if on_token is not None:
-                on_token(tok)
-        self.close()
-        return torch.cat([input_ids, torch.tensor([new], dtype=input_ids.dtype)], dim=1)
 
     def close(self) -> None:
         """Drop the cache and the C structures (the model's tensors are untouched)."""

@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 from ..backends import _native
+from ..hooks import logits_processor_fields, stopping_criterion_fields
+from .loop import eos_ids, finished
 
 
 class _Processing:
@@ -48,15 +50,13 @@ class _Processing:
     def __init__(
         self, processors, full_rows: bool = True, vocab: int | None = None, seen_room: int = 0
     ) -> None:
-        from transformers.generation.logits_process import TopKLogitsWarper
-
         self.listed, self.survivors, self.full_rows = processors, None, full_rows
         procs = list(processors)
         # a processor asking for more than (ids, scores) makes LogitsProcessorList raise: let it
         self.direct = all(len(inspect.signature(p.__call__).parameters) <= 2 for p in procs)
         self.head, self.tail = procs, []
         for i, p in enumerate(procs):
-            if type(p) is TopKLogitsWarper:
+            if _kind(p) == "top_k":
                 tail = procs[i + 1 :]
                 if tail and _filters_to_minus_inf(p) and all(_survivor_warp(q) for q in tail):
                     self.head, self.tail = procs[: i + 1], tail
@@ -173,16 +173,18 @@ class _NativeSampler:
     """``hfs_sample`` for one generation: its :class:`_Sampler` and buffers."""
 
     def __init__(self, lib, vocab: int, penalty, temperature, first, tail: list, seen_room: int) -> None:
+        """``penalty``, ``temperature``, ``first``: :func:`~hf_sparsity.hooks.logits_processor_fields`'s
+        fields (``None``: no such processor); ``tail``: :func:`_survivor_warp`'s tuples."""
         self.lib, self.skip, self.penalize = lib, 0, penalty is not None
         s = self.struct = _Sampler(vocab=vocab, cap=_CANDIDATES, seen_room=seen_room)
-        if hasattr(first, "top_k"):  # top-k; else top-p over the whole row
-            s.top_k = min(first.top_k, vocab)
+        if "top_k" in first:  # top-k; else top-p over the whole row
+            s.top_k = min(first["top_k"], vocab)
         else:
-            s.top_p, s.top_p_keep = first.top_p, first.min_tokens_to_keep
+            s.top_p, s.top_p_keep = first["top_p"], first["min_tokens_to_keep"]
         if penalty is not None:
-            s.penalty, self.skip = penalty.penalty, penalty.prompt_ignore_length or 0
+            s.penalty, self.skip = penalty["penalty"], penalty["prompt_ignore_length"] or 0
         if temperature is not None:
-            s.temperature = temperature.temperature
+            s.temperature = temperature["temperature"]
         s.n_tail = len(tail)
         for i, (op, value, keep) in enumerate(tail):
             s.tail_op[i], s.tail_value[i], s.tail_keep[i] = op, value, keep
@@ -204,37 +206,36 @@ class _NativeSampler:
         return int(self.lib.hfs_sample(self._ref, logits.data_ptr(), seen, count, u, self._survivors))
 
 
+def _kind(proc) -> str | None:
+    fields = logits_processor_fields(proc)
+    return None if fields is None else fields[0]
+
+
 def _sampler(procs, vocab: int, seen_room: int) -> _NativeSampler | None:
     """The native call for processors ``[repetition penalty?, temperature?, top-k or top-p, warpers on
     its survivors...]`` (``generate``'s order; at most :data:`_MAX_TAIL` after the first of top-k / top-p),
     or ``None`` (other processors, or no native kernels)."""
-    from transformers.generation.logits_process import (
-        RepetitionPenaltyLogitsProcessor,
-        TemperatureLogitsWarper,
-        TopKLogitsWarper,
-        TopPLogitsWarper,
-    )
-
-    kinds = [type(p) for p in procs]
+    read = [logits_processor_fields(p) for p in procs]
+    kinds = [None if r is None else r[0] for r in read]
     # the first selector: top-k, or top-p where no top-k comes before it
-    at = next((i for i, k in enumerate(kinds) if k in (TopKLogitsWarper, TopPLogitsWarper)), None)
+    at = next((i for i, k in enumerate(kinds) if k in ("top_k", "top_p")), None)
     if at is None:
         return None
-    head, first = procs[:at], procs[at]
-    if not _filters_to_minus_inf(first) or (kinds[at] is TopKLogitsWarper and first.top_k > _CANDIDATES):
+    first = read[at][1]
+    if not _filters_to_minus_inf(procs[at]) or (kinds[at] == "top_k" and first["top_k"] > _CANDIDATES):
         return None
     tail = [_survivor_warp(q) for q in procs[at + 1 :]]
     if not all(tail):
         return None
-    order = [RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper]
+    order = ["repetition_penalty", "temperature"]
     kinds = kinds[:at]
     if len(tail) > _MAX_TAIL or kinds not in ([], order[:1], order[1:], order):
         return None
-    penalty = head[0] if kinds[:1] == order[:1] else None
-    temperature = head[-1] if kinds[-1:] == order[1:] else None
+    penalty = read[0][1] if kinds[:1] == order[:1] else None
+    temperature = read[at - 1][1] if kinds[-1:] == order[1:] else None
     if penalty is not None:
-        ignore = penalty.prompt_ignore_length
-        if (ignore is not None and not isinstance(ignore, int)) or penalty.logits_indices is not None:
+        ignore = penalty["prompt_ignore_length"]
+        if (ignore is not None and not isinstance(ignore, int)) or penalty["logits_indices"] is not None:
             return None
     lib = _native.load()
     if lib is None:
@@ -246,29 +247,16 @@ def _survivor_warp(proc) -> tuple[int, float, int] | None:
     """``(HFS_WARP_* code, value, min_tokens_to_keep)`` of a warper that reads only the scores' values and
     filters to ``-inf`` (temperature, top-k, top-p, min-p), which may run on top-k's survivors alone;
     ``None`` for any other processor."""
-    from transformers.generation.logits_process import (
-        MinPLogitsWarper,
-        TemperatureLogitsWarper,
-        TopKLogitsWarper,
-        TopPLogitsWarper,
-    )
-
-    if not _filters_to_minus_inf(proc):
+    read = logits_processor_fields(proc)
+    if read is None or read[0] not in _WARPS or not _filters_to_minus_inf(proc):
         return None
-    kind = type(proc)
-    if kind is TemperatureLogitsWarper:
-        return _WARPS["temperature"], proc.temperature, 1
-    if kind is TopKLogitsWarper:  # its top_k is max(top_k, min_tokens_to_keep) already
-        return _WARPS["top_k"], proc.top_k, 1
-    if kind is TopPLogitsWarper:
-        return _WARPS["top_p"], proc.top_p, proc.min_tokens_to_keep
-    if kind is MinPLogitsWarper:
-        return _WARPS["min_p"], proc.min_p, proc.min_tokens_to_keep
-    return None
+    kind, fields = read
+    return _WARPS[kind], fields[kind], fields.get("min_tokens_to_keep", 1)
 
 
 def _filters_to_minus_inf(proc) -> bool:
-    return getattr(proc, "filter_value", -float("inf")) == -float("inf")
+    read = logits_processor_fields(proc)
+    return read is None or read[1].get("filter_value", -float("inf")) == -float("inf")
 
 
 class _Stops:
@@ -278,24 +266,18 @@ class _Stops:
     runs the list itself."""
 
     def __init__(self, criteria, keep_scores: bool) -> None:
-        from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
-
         self.criteria, self.keep_scores = criteria, keep_scores
         self.max_length, self.eos, self.past = None, set(), None
         self.plain = True
         for c in criteria:
-            if type(c) is MaxLengthCriteria:
-                self.max_length = (
-                    c.max_length if self.max_length is None else min(self.max_length, c.max_length)
-                )
-                if c.max_position_embeddings is not None:
-                    self.past = (
-                        c.max_position_embeddings
-                        if self.past is None
-                        else min(self.past, c.max_position_embeddings)
-                    )
-            elif type(c) is EosTokenCriteria:
-                self.eos |= {int(e) for e in torch.as_tensor(c.eos_token_id).reshape(-1).tolist()}
+            kind, fields = stopping_criterion_fields(c) or (None, {})
+            if kind == "max_length":
+                limit, past = fields["max_length"], fields["max_position_embeddings"]
+                self.max_length = limit if self.max_length is None else min(self.max_length, limit)
+                if past is not None:
+                    self.past = past if self.past is None else min(self.past, past)
+            elif kind == "eos":
+                self.eos |= eos_ids(fields["eos_token_id"])
             else:
                 self.plain = False
 
@@ -303,4 +285,4 @@ class _Stops:
         length = seq.n
         if not self.plain or (self.past is not None and length > self.past):
             return bool(self.criteria(seq.ids(), tuple(scores) if self.keep_scores else None).any())
-        return tok in self.eos or (self.max_length is not None and length >= self.max_length)
+        return finished(tok, length, self.eos, self.max_length)

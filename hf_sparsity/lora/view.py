@@ -22,6 +22,7 @@ imports it unless a ``PeftModel`` is given.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,6 +35,10 @@ from .masked import apply_masked_mode
 logger = logging.getLogger(__name__)
 
 # Path segments peft inserts around a wrapped module (collapsed) and adapter-owned ones (hidden).
+_ENGINE_STATE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""``PeftModel`` -> (its engine's mask state, its sparsity config), kept here rather than on the peft model;
+neither holds the model, so an entry goes with its model."""
+
 _WRAPPER_PARTS = ("base_layer", "original_module")
 _ADAPTER_PREFIXES = ("lora_", "modules_to_save")
 
@@ -123,9 +128,15 @@ class PeftBaseView:
     # -------------------------------------------------------------- engine hook
     def masks_changed(self, engine) -> None:
         """Called by the engine whenever its masks change: (re)install masked mode if the config asks."""
-        self.peft_model._hf_sparsity = {"masks": engine.masks, "config": engine.config, "engine": engine}
+        _ENGINE_STATE[self.peft_model] = (engine.state_, engine.config)
         if getattr(engine.config, "lora", None) == "masked":
             apply_masked_mode(self, engine.masks)
+
+
+def engine_state(peft_model: nn.Module) -> tuple[Any, Any] | None:
+    """``(MaskState, SparsityConfig)`` of the last engine whose masks changed on ``peft_model`` (its masks,
+    step count and events as they are now), or ``None``: what ``merge_sparse`` merges with."""
+    return _ENGINE_STATE.get(peft_model)
 
 
 def peft_view(model: Any) -> Any:
@@ -133,4 +144,12 @@ def peft_view(model: Any) -> Any:
     return PeftBaseView(model) if is_peft_model(model) else model
 
 
-__all__ = ["LORA_MODES", "PeftBaseView", "base_name", "check_lora_mode", "is_peft_model", "peft_view"]
+__all__ = [
+    "LORA_MODES",
+    "PeftBaseView",
+    "base_name",
+    "check_lora_mode",
+    "engine_state",
+    "is_peft_model",
+    "peft_view",
+]
