@@ -52,9 +52,9 @@ def main(argv=None) -> int:
 
     from transformers import AutoModelForCausalLM
 
-    from hf_sparsity.config import SparsityConfig
-    from hf_sparsity.engine import SparsityEngine
     from hf_sparsity.inference import sparsify_for_inference
+    from hf_sparsity.mask_engine.config import SparsityConfig
+    from hf_sparsity.mask_engine.engine import SparsityEngine
 
     dense = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
     eng = SparsityEngine(dense, SparsityConfig(sparsity=args.level, init_method="topk"))

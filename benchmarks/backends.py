@@ -143,8 +143,8 @@ def _build_model(kind: str, level, seed: int = 0):
     """A random-weight model of the given shape with masks applied (the dense baseline computes the same)."""
     from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
-    from hf_sparsity.config import SparsityConfig
-    from hf_sparsity.engine import SparsityEngine
+    from hf_sparsity.mask_engine.config import SparsityConfig
+    from hf_sparsity.mask_engine.engine import SparsityEngine
 
     torch.manual_seed(seed)
     if kind == "smollm2":  # SmolLM2-135M: 30 layers, hidden 576, FFN 1536, 9 heads / 3 KV heads, tied head

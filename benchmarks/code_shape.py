@@ -37,7 +37,7 @@ LAYERS = (
         "utils constants import_utils checks heap hooks masks zero modeling data logging_utils loading "
         "storage",
     ),
-    ("mask engine", "config schedules targeting mask_state events enforcement engine lora"),
+    ("mask engine", "mask_engine lora"),
     (
         "training adapters, pruning, inference",
         "callback flops ift pruning backends inference evaluation",

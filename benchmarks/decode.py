@@ -79,8 +79,8 @@ def _cell(value, spec: str) -> str:
 
 
 def _masked(dense, level):
-    from hf_sparsity.config import SparsityConfig
-    from hf_sparsity.engine import SparsityEngine
+    from hf_sparsity.mask_engine.config import SparsityConfig
+    from hf_sparsity.mask_engine.engine import SparsityEngine
 
     model = copy.deepcopy(dense)
     if level == "2:4":

@@ -40,7 +40,7 @@ MUTATIONS = (
     Mutation(
         "grads-masked-late",
         "gradients masked only in before_step (after clipping and DDP all-reduce), not as produced",
-        (("hf_sparsity/enforcement.py", "if is_dtensor(p) or not p.requires_grad:", "if True:"),),
+        (("hf_sparsity/mask_engine/enforcement.py", "if is_dtensor(p) or not p.requires_grad:", "if True:"),),
         ("tests/test_enforcement.py",),
     ),
     Mutation(
@@ -75,7 +75,7 @@ MUTATIONS = (
         "after_step no longer re-zeroes masked weights",
         (
             (
-                "hf_sparsity/enforcement.py",
+                "hf_sparsity/mask_engine/enforcement.py",
                 "            for name, p in self._params.items():\n"
                 "                local(p).mul_(self._dev_masks[name])\n"
                 "        self._mask_gathered()\n",
@@ -631,7 +631,7 @@ MUTATIONS = (
         "masks are placed again only when a parameter object is replaced, not when the model moves device",
         (
             (
-                "hf_sparsity/enforcement.py",
+                "hf_sparsity/mask_engine/enforcement.py",
                 "is not p or local(p).device != self._dev_masks[n].device",
                 "is not p",
             ),
@@ -643,7 +643,7 @@ MUTATIONS = (
         "before_step masks only unhooked gradients even when the hooks sat on parameters since replaced",
         (
             (
-                "hf_sparsity/enforcement.py",
+                "hf_sparsity/mask_engine/enforcement.py",
                 "        self.mask_gradients(only_unhooked=not replaced)",
                 "        self.mask_gradients(only_unhooked=True)",
             ),
@@ -694,7 +694,13 @@ MUTATIONS = (
     Mutation(
         "weights-rezeroed-after-every-step",
         "the weights get a re-zeroing pass after every step, for zero-preserving optimizers too",
-        (("hf_sparsity/enforcement.py", "        if self._weights_every_step():", "        if True:"),),
+        (
+            (
+                "hf_sparsity/mask_engine/enforcement.py",
+                "        if self._weights_every_step():",
+                "        if True:",
+            ),
+        ),
         (
             "tests/test_enforcement.py::test_weights_are_rezeroed_after_a_step_only_where_the_optimizer_could_move_them",
         ),

@@ -43,8 +43,8 @@ def main() -> None:
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from hf_sparsity.config import SparsityConfig
-    from hf_sparsity.engine import SparsityEngine
+    from hf_sparsity.mask_engine.config import SparsityConfig
+    from hf_sparsity.mask_engine.engine import SparsityEngine
 
     t0 = time.time()
     folder, name = os.path.split(os.path.abspath(args.gguf))

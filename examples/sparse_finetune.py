@@ -49,7 +49,7 @@ def _texts(path: str, limit: int) -> list[str]:
 def _sparsity_config(config: str | None, model: str):
     """``--config``; else what the model folder's masks say; else 50% ``topk``."""
     from hf_sparsity import SparsityConfig
-    from hf_sparsity.config import get_sparsity_config
+    from hf_sparsity.mask_engine.config import get_sparsity_config
     from hf_sparsity.storage.masks_file import has_masks, read_mask_metadata
 
     if config:

@@ -6,15 +6,15 @@ trainer = Trainer(..., callbacks=[SparsityCallback(SparsityConfig(sparsity=0.75)
 
 # Lazy imports: the Trainer-facing and heavy parts load on first use, so `import hf_sparsity` stays light.
 
-from .config import (  # noqa: E402
+from .ift import models as _ift_models  # noqa: F401  (registers the Sparse-IFT architecture for config-only builds)
+from .mask_engine.config import (  # noqa: E402
     SparsityConfig,
     SparsityConfigMixin,
     get_sparsity_config,
     set_sparsity_config,
 )
-from .engine import SparsityEngine  # noqa: E402
-from .ift import models as _ift_models  # noqa: F401  (registers the Sparse-IFT architecture for config-only builds)
-from .targeting import format_plan, plan_sparsity  # noqa: E402
+from .mask_engine.engine import SparsityEngine  # noqa: E402
+from .mask_engine.targeting import format_plan, plan_sparsity  # noqa: E402
 from .utils import (
     SparsityError,  # noqa: E402
     __version__,  # noqa: E402,F401

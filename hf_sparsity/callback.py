@@ -20,7 +20,7 @@ is written with the weights, before Trainer writes ``trainer_state.json``, so a 
 file is there (a save that bypassed ``save_pretrained`` is an error naming why) and writes the
 FLOP counts.
 
-Schedules (prune / regrow / densify / SET / RigL, see :mod:`hf_sparsity.schedules`)
+Schedules (prune / regrow / densify / SET / RigL, see :mod:`hf_sparsity.mask_engine.schedules`)
 are compiled against ``state.max_steps`` and fire in ``on_optimizer_step``; an LR
 rewind is applied in ``on_step_end``, right after the scheduler's step and before
 anything is logged or saved. Every event is on :attr:`SparsityCallback.events` and
@@ -46,9 +46,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .config import SparsityConfig
 from .constants import SPARSITY_MASKS_NAME
-from .engine import SparsityEngine
 from .flops import FlopAccountant
 from .flops.callback import (
     PendingTokens,
@@ -59,9 +57,11 @@ from .flops.callback import (
 )
 from .hooks import resume_dir_from_trainer_frame
 from .logging_utils import arrange_for_callback
+from .mask_engine.config import SparsityConfig
+from .mask_engine.engine import SparsityEngine
+from .mask_engine.targeting import unwrap_model
 from .modeling import context_length, sparsity_table
 from .storage.masks_file import has_masks
-from .targeting import unwrap_model
 from .utils import SparsityError
 
 logger = logging.getLogger("hf_sparsity")

@@ -24,7 +24,7 @@ from transformers import Trainer
 
 from hf_sparsity import SparsityCallback, SparsityConfig
 from hf_sparsity.flops.callback import FlopCallback
-from hf_sparsity.schedules import compile_schedule, imp_levels
+from hf_sparsity.mask_engine.schedules import compile_schedule, imp_levels
 
 # ----------------------------------------------------------------------------- defaults
 DEFAULTS = C.recipe_defaults(

@@ -21,9 +21,9 @@ import _common as C  # the recipes' folder: the script's own, first on sys.path
 import torch
 
 from hf_sparsity.callback import SparsityCallback
-from hf_sparsity.config import SparsityConfig, get_sparsity_config
 from hf_sparsity.flops.callback import FlopCallback
 from hf_sparsity.ift import sparse_ift
+from hf_sparsity.mask_engine.config import SparsityConfig, get_sparsity_config
 
 # ----------------------------------------------------------------------------- defaults
 DEFAULTS = C.recipe_defaults(

@@ -11,9 +11,9 @@ import torch
 
 from hf_sparsity.backends import _native
 from hf_sparsity.backends.arena import HUGE_PAGE, _packed_backends, huge_buffer, pack_weights
-from hf_sparsity.config import SparsityConfig
-from hf_sparsity.engine import SparsityEngine
 from hf_sparsity.inference import sparsify_for_inference
+from hf_sparsity.mask_engine.config import SparsityConfig
+from hf_sparsity.mask_engine.engine import SparsityEngine
 
 from .conftest import tiny_model
 

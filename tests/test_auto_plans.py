@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from hf_sparsity.backends import _native, auto
-from hf_sparsity.config import SparsityConfig
-from hf_sparsity.engine import SparsityEngine
 from hf_sparsity.inference import auto_choices, restore_dense, sparse_layers, sparsify_for_inference
+from hf_sparsity.mask_engine.config import SparsityConfig
+from hf_sparsity.mask_engine.engine import SparsityEngine
 
 from .conftest import tiny_model
 

@@ -147,7 +147,7 @@ def test_resume_without_masks_is_a_clear_error(tmp_path):
 
 
 def test_bad_mask_files_are_refused(tmp_path):
-    from hf_sparsity.engine import SparsityEngine
+    from hf_sparsity.mask_engine.engine import SparsityEngine
 
     model = tiny_model("gpt2")
     eng = SparsityEngine(model, SparsityConfig(sparsity=0.5))
@@ -220,7 +220,7 @@ def test_resume_dir_is_read_from_trainer(tmp_path):
 
 def _sparse_folder(path, seed, **save_kw):
     """A saved model with its masks, as save_pretrained writes it (weights exactly 0 where masked)."""
-    from hf_sparsity.engine import SparsityEngine
+    from hf_sparsity.mask_engine.engine import SparsityEngine
 
     model = tiny_model("llama", seed=seed)
     eng = SparsityEngine(model, SparsityConfig(sparsity=0.5, seed=seed))
@@ -237,7 +237,7 @@ def test_mask_file_of_another_model_is_refused(tmp_path, sharded):
     the weights there are nonzero where it masks, so restore refuses it, naming file, tensor and count."""
     import shutil
 
-    from hf_sparsity.engine import SparsityEngine
+    from hf_sparsity.mask_engine.engine import SparsityEngine
 
     kw = {"max_shard_size": "20KB"} if sharded else {}
     mine = _sparse_folder(tmp_path / "mine", seed=1, **kw)
@@ -268,7 +268,7 @@ def test_weights_check_skips_folders_without_those_weights(tmp_path):
 
     from safetensors.torch import save_file
 
-    from hf_sparsity.engine import SparsityEngine
+    from hf_sparsity.mask_engine.engine import SparsityEngine
 
     src = _sparse_folder(tmp_path / "src", seed=1)
     (tmp_path / "masks_only").mkdir()

@@ -171,8 +171,8 @@ def workdir(tmp_path_factory):
     """A scratch folder with a good sparse model ``M`` and the broken folders the cases name."""
     from transformers import GPT2TokenizerFast
 
-    from hf_sparsity.config import SparsityConfig
-    from hf_sparsity.engine import SparsityEngine
+    from hf_sparsity.mask_engine.config import SparsityConfig
+    from hf_sparsity.mask_engine.engine import SparsityEngine
 
     from .conftest import shared_data_dir
 

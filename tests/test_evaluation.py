@@ -197,8 +197,8 @@ def gpt2_tokenizer(shared_data):
 @pytest.fixture
 def model_dirs(tmp_path, gpt2_tokenizer):
     """A dense tiny GPT-2 folder and the same weights with 50% topk masks (weights left dense on disk)."""
-    from hf_sparsity.config import SparsityConfig
-    from hf_sparsity.engine import SparsityEngine
+    from hf_sparsity.mask_engine.config import SparsityConfig
+    from hf_sparsity.mask_engine.engine import SparsityEngine
 
     model = tiny_model("gpt2", vocab=50257)
     dense, sparse = tmp_path / "dense", tmp_path / "sparse"

@@ -5,7 +5,7 @@ import torch
 from transformers import TrainerCallback
 
 from hf_sparsity import SparsityCallback, SparsityConfig, SparsityEngine, SparsityError
-from hf_sparsity.events import rewind_lr
+from hf_sparsity.mask_engine.events import rewind_lr
 
 from .conftest import tiny_model
 from .trainer_utils import InvariantChecker, make_trainer

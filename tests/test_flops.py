@@ -10,14 +10,14 @@ import torch
 from transformers import TrainerCallback
 
 from hf_sparsity.cli import main
-from hf_sparsity.config import SparsityConfig
-from hf_sparsity.engine import SparsityEngine
 from hf_sparsity.flops import (
     FlopAccountant,
     chinchilla_forward_flops,
     count_flops,
     count_flops_from_config,
 )
+from hf_sparsity.mask_engine.config import SparsityConfig
+from hf_sparsity.mask_engine.engine import SparsityEngine
 from hf_sparsity.utils import SparsityError
 
 from .conftest import tiny_config, tiny_model

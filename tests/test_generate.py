@@ -13,8 +13,8 @@ from .conftest import tiny_model
 def folders(tmp_path, shared_data):
     from transformers import GPT2TokenizerFast
 
-    from hf_sparsity.config import SparsityConfig
-    from hf_sparsity.engine import SparsityEngine
+    from hf_sparsity.mask_engine.config import SparsityConfig
+    from hf_sparsity.mask_engine.engine import SparsityEngine
 
     tok = GPT2TokenizerFast.from_pretrained(shared_data / "tokenizer/gpt2")
     model = tiny_model("gpt2", vocab=50257).eval()
@@ -64,8 +64,8 @@ def test_generate_on_a_finalized_folder_uses_its_zeros(folders, capsys):
 
 def test_generate_refuses_bad_input(folders, tmp_path, capsys):
     from hf_sparsity.cli import main
-    from hf_sparsity.config import SparsityConfig
-    from hf_sparsity.engine import SparsityEngine
+    from hf_sparsity.mask_engine.config import SparsityConfig
+    from hf_sparsity.mask_engine.engine import SparsityEngine
 
     _, _, masked, _ = folders
     other = tiny_model("llama")
@@ -106,8 +106,8 @@ def llama_folder(tmp_path, shared_data):
     """A masked Llama-family folder (realistic random weights: norms away from 1, GQA)."""
     from transformers import AutoModelForCausalLM, GPT2TokenizerFast, LlamaConfig
 
-    from hf_sparsity.config import SparsityConfig
-    from hf_sparsity.engine import SparsityEngine
+    from hf_sparsity.mask_engine.config import SparsityConfig
+    from hf_sparsity.mask_engine.engine import SparsityEngine
 
     tok = GPT2TokenizerFast.from_pretrained(shared_data / "tokenizer/gpt2")
     cfg = LlamaConfig(

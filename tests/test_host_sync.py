@@ -171,7 +171,7 @@ def _check_invariants(engine: SparsityEngine, opt: torch.optim.Optimizer) -> int
 def test_the_recorder_sees_host_reads_of_the_library_inside_hooks_and_not_torchs_own(monkeypatch):
     """The recorder is not blind: a host read planted in the library's gradient hook (run by the
     autograd engine) and in its step hook is caught, with its place; torch's own ``.item()`` is not."""
-    import hf_sparsity.enforcement as enforcement
+    import hf_sparsity.mask_engine.enforcement as enforcement
 
     # A version of _mask_grad that reads the gradient's sum on the host, compiled as library code.
     namespace: dict = {}
@@ -444,8 +444,8 @@ def test_cuda_steps_without_an_event_never_synchronize(tmp_path, optim, monkeypa
     count, ``on_pre_optimizer_step``, ``on_optimizer_step``, ``on_step_end``) runs under
     ``torch.cuda.set_sync_debug_mode("error")`` (any synchronizing CUDA call raises), except on the
     event step; masks sit on the weights' device and masked weights and moments stay exactly 0."""
-    from hf_sparsity.enforcement import MaskEnforcer
     from hf_sparsity.flops.callback import TokenCounter
+    from hf_sparsity.mask_engine.enforcement import MaskEnforcer
 
     event, max_steps = 6, 10
     state = {"strict": False}

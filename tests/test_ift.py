@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from hf_sparsity.cli import main
-from hf_sparsity.config import SparsityConfig, get_sparsity_config
-from hf_sparsity.engine import SparsityEngine
 from hf_sparsity.flops import count_flops, count_flops_from_config
 from hf_sparsity.ift import TRANSFORMS, DopedLinear, build_ift_model, sparse_ift, wide_width
-from hf_sparsity.targeting import plan_sparsity
+from hf_sparsity.mask_engine.config import SparsityConfig, get_sparsity_config
+from hf_sparsity.mask_engine.engine import SparsityEngine
+from hf_sparsity.mask_engine.targeting import plan_sparsity
 from hf_sparsity.utils import SparsityError
 
 from .conftest import ARCHS, tiny_config

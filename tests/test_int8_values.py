@@ -10,9 +10,9 @@ from torch import nn
 
 from hf_sparsity.backends import _native, get_backend
 from hf_sparsity.backends.formats import ACT_GROUPS, quantize_activations
-from hf_sparsity.config import SparsityConfig
-from hf_sparsity.engine import SparsityEngine
 from hf_sparsity.inference import restore_dense, sparse_layers, sparsify_for_inference
+from hf_sparsity.mask_engine.config import SparsityConfig
+from hf_sparsity.mask_engine.engine import SparsityEngine
 from hf_sparsity.utils import SparsityError
 
 from .conftest import tiny_model

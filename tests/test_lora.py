@@ -248,8 +248,8 @@ def test_the_engine_state_merge_reads_is_not_written_onto_the_peft_model_and_goe
     import weakref
 
     from hf_sparsity import merge_sparse
-    from hf_sparsity.config import get_sparsity_config
     from hf_sparsity.lora import view as lora_view
+    from hf_sparsity.mask_engine.config import get_sparsity_config
 
     model = lora(tiny_model(arch), arch)
     eng = SparsityEngine(model, SparsityConfig(sparsity=0.5))

@@ -9,10 +9,10 @@ import logging
 import pytest
 import torch
 
-from hf_sparsity.config import SparsityConfig
-from hf_sparsity.engine import SparsityEngine
 from hf_sparsity.inference import sparsify_for_inference
 from hf_sparsity.inference.decoding import native_generate, native_generate_kwargs
+from hf_sparsity.mask_engine.config import SparsityConfig
+from hf_sparsity.mask_engine.engine import SparsityEngine
 from hf_sparsity.utils import SparsityError
 
 from .conftest import tiny_model

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from hf_sparsity.cli import main
-from hf_sparsity.config import SparsityConfig
-from hf_sparsity.engine import SparsityEngine
+from hf_sparsity.mask_engine.config import SparsityConfig
+from hf_sparsity.mask_engine.engine import SparsityEngine
 
 from .conftest import tiny_model
 

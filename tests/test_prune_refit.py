@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from hf_sparsity import SparsityConfig, SparsityError
+from hf_sparsity.mask_engine.targeting import plan_sparsity
 from hf_sparsity.pruning import methods as M
 from hf_sparsity.pruning import prune_oneshot
 from hf_sparsity.pruning.blocks import find_blocks
 from hf_sparsity.pruning.refit import reconstruction_error, refit_weights
-from hf_sparsity.targeting import plan_sparsity
 
 from .conftest import tiny_model
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from hf_sparsity import SparsityConfig, SparsityError
+from hf_sparsity.mask_engine.targeting import plan_sparsity
 from hf_sparsity.pruning import OWLSettings, prune_oneshot, sample_calibration
 from hf_sparsity.pruning import methods as M
 from hf_sparsity.pruning.blocks import find_blocks
-from hf_sparsity.targeting import plan_sparsity
 
 from .conftest import ARCHS, tiny_model
 

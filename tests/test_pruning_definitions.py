@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from hf_sparsity import SparsityConfig
+from hf_sparsity.mask_engine.targeting import plan_sparsity
 from hf_sparsity.pruning import OWLSettings, prune_oneshot
 from hf_sparsity.pruning.blocks import find_blocks
-from hf_sparsity.targeting import plan_sparsity
 
 from .conftest import tiny_model
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from hf_sparsity.config import SparsityConfig
-from hf_sparsity.engine import SparsityEngine
 from hf_sparsity.inference import sparsify_for_inference
 from hf_sparsity.inference.decoding import greedy_decode, native_step_reason
+from hf_sparsity.mask_engine.config import SparsityConfig
+from hf_sparsity.mask_engine.engine import SparsityEngine
 from hf_sparsity.utils import SparsityError
 
 from .realistic import ARCHS, LLAMA_FAMILY, early_eos, generate_greedy, prompt, realistic_model

@@ -3,7 +3,7 @@
 import pytest
 
 from hf_sparsity import SparsityConfig, SparsityError
-from hf_sparsity.schedules import compile_schedule, imp_levels
+from hf_sparsity.mask_engine.schedules import compile_schedule, imp_levels
 
 
 @pytest.mark.parametrize("total", [7, 10, 99, 1000, 1237])

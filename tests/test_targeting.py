@@ -101,7 +101,7 @@ def test_validate_cli_lists_every_parameter(tmp_path, capsys):
 
 
 def test_debug_log_lists_the_plan(caplog):
-    from hf_sparsity.engine import SparsityEngine
+    from hf_sparsity.mask_engine.engine import SparsityEngine
 
     with caplog.at_level(logging.DEBUG, logger="hf_sparsity"):
         SparsityEngine(tiny_model("gpt2"), SparsityConfig(sparsity=0.5))

@@ -53,8 +53,8 @@ def _describe_source(args) -> str:
 
 
 def flops_command(args) -> int:
-    from ..config import check_level
     from ..flops import count_flops_from_config
+    from ..mask_engine.config import check_level
     from ..utils import SparsityError
     from . import _checks
 

@@ -23,7 +23,7 @@ def validate_command_parser(subparsers):
 
 
 def load_sparsity_config(path: str):
-    from ..config import SparsityConfig
+    from ..mask_engine.config import SparsityConfig
     from ..utils import SparsityError
 
     if path.endswith(".json"):
@@ -54,7 +54,7 @@ def meta_model(model: str):
 
 
 def validate_command(args) -> int:
-    from ..targeting import format_plan, plan_sparsity
+    from ..mask_engine.targeting import format_plan, plan_sparsity
     from . import _checks
 
     _checks.model_config(args.model, "--model")

@@ -9,12 +9,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import SparsityConfig
 from ..flops import count_flops
 from ..loading import load_model_folder, load_tokenizer, resolve_device
+from ..mask_engine.config import SparsityConfig
+from ..mask_engine.targeting import plan_sparsity
 from ..modeling import apply_masks, sparsity_table
 from ..storage.masks_file import load_masks_for
-from ..targeting import plan_sparsity
 
 __all__ = ["apply_masks", "load_masks_for", "load_model_for_eval", "sparsity_summary", "flops_summary"]
 
@@ -48,7 +48,7 @@ def sparsity_summary(
     """Per-layer and total sparsity of ``model`` as it will be scored.
 
     With ``masks`` the layers are the masked tensors; without, the default targets
-    (projection and FFN weights, see :func:`hf_sparsity.targeting.plan_sparsity`). Each
+    (projection and FFN weights, see :func:`hf_sparsity.mask_engine.targeting.plan_sparsity`). Each
     layer's ``sparsity`` is the measured fraction of exact zeros in the weight, so a
     finalized checkpoint reports the same numbers as its masked original. Also counts
     total and nonzero parameters (tied weights once) and, when ``hf_sparsity.flops`` is

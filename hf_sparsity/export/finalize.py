@@ -18,8 +18,8 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from ..config import SparsityConfig
 from ..constants import CONFIG_NAME, CONFIG_SECTION, SAFE_WEIGHTS_INDEX_NAME, SPARSITY_MASKS_NAME
+from ..mask_engine.config import SparsityConfig
 from ..storage.folders import MaskReader, iter_shards, read_config
 from ..storage.masks_file import save_masks
 from ..utils import SparsityError, atomic_dir

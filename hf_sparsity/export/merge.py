@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import SparsityConfig, get_sparsity_config
 from ..constants import SPARSITY_MASKS_NAME
-from ..engine import SparsityEngine
 from ..lora.masked import remove_masked_mode
 from ..lora.view import PeftBaseView, engine_state, is_peft_model
+from ..mask_engine.config import SparsityConfig, get_sparsity_config
+from ..mask_engine.engine import SparsityEngine
 from ..masks import mask_level
 from ..modeling import apply_masks
 from ..storage.masks_file import check_mask_names, load_masks_for

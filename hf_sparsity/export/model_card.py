@@ -23,10 +23,10 @@ from typing import Any
 
 import yaml
 
-from ..config import SparsityConfig, get_sparsity_state
 from ..constants import CONFIG_NAME, CONFIG_SECTION, SPARSITY_MASKS_NAME
 from ..evaluation.report import flat_metrics, format_metric, load_results, metric_rows
 from ..flops import count_flops_from_config
+from ..mask_engine.config import SparsityConfig, get_sparsity_state
 from ..storage.folders import MaskReader, inspect_checkpoint
 from ..storage.masks_file import read_mask_metadata
 from ..utils import SparsityError, atomic_write_text

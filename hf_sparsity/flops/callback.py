@@ -18,8 +18,8 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from ..mask_engine.targeting import unwrap_model
 from ..modeling import context_length
-from ..targeting import unwrap_model
 from ..utils import atomic_write_text
 from .accounting import FlopAccountant
 

@@ -9,8 +9,8 @@ from typing import Any
 
 from torch import nn
 
-from ..config import SparsityConfig, get_sparsity_config
 from ..constants import CONFIG_NAME, SPARSITY_MASKS_NAME
+from ..mask_engine.config import SparsityConfig, get_sparsity_config
 from ..modeling import architecture_builder, meta_causal_lm
 from ..storage.masks_file import mask_levels
 from ..utils import SparsityError

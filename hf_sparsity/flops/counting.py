@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import SparsityConfig
+from ..mask_engine.config import SparsityConfig
+from ..mask_engine.targeting import plan_sparsity, unwrap_model
 from ..modeling import context_length, full_numel, full_shape, linear_dims
-from ..targeting import plan_sparsity, unwrap_model
 from ..utils import SparsityError
 from .report import FlopReport, LayerFlops
 

@@ -10,8 +10,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import SparsityConfig, get_sparsity_config
 from ..flops import FlopReport
+from ..mask_engine.config import SparsityConfig, get_sparsity_config
 from ..modeling import meta_causal_lm
 from ..utils import atomic_dir
 from .models import (

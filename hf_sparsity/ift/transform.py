@@ -37,10 +37,10 @@ import os
 import re
 from typing import Any
 
-from ..config import SparsityConfig, check_level, get_sparsity_config, set_sparsity_config
 from ..constants import CONFIG_NAME
 from ..flops import build_meta_model, count_flops, load_config
-from ..targeting import plan_sparsity
+from ..mask_engine.config import SparsityConfig, check_level, get_sparsity_config, set_sparsity_config
+from ..mask_engine.targeting import plan_sparsity
 from ..utils import SparsityError
 from .models import (
     IFT_SECTION,

@@ -33,10 +33,10 @@ from ..backends.measure import (  # noqa: F401
     peak_read_gbs,
     read_bandwidth_gbs,
 )
-from ..config import SparsityConfig, check_level, check_structure
 from ..constants import SPARSITY_MASKS_NAME
-from ..engine import SparsityEngine
 from ..loading import load_model_folder
+from ..mask_engine.config import SparsityConfig, check_level, check_structure
+from ..mask_engine.engine import SparsityEngine
 from ..modeling import apply_masks, is_conv1d, linear_dims
 from ..utils import SparsityError
 from .conversion import (

@@ -33,13 +33,13 @@ from torch import nn
 
 from ..backends import LayerTarget, SparseBackend, available_backends, get_backend, ops
 from ..backends.arena import pack_weights
-from ..config import SparsityConfig
 from ..constants import SPARSITY_MASKS_NAME
 from ..hooks import compile_generate_on_any_device
+from ..mask_engine.config import SparsityConfig
+from ..mask_engine.targeting import plan_sparsity, unwrap_model
 from ..modeling import is_conv1d as _is_conv1d
 from ..modeling import replace_module
 from ..storage.masks_file import load_masks_for
-from ..targeting import plan_sparsity, unwrap_model
 from ..utils import SparsityError
 
 logger = logging.getLogger("hf_sparsity.inference")  # the name it logged under before the package

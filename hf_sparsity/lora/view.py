@@ -58,7 +58,7 @@ def base_name(name: str) -> str | None:
 class PeftBaseView:
     """The base model inside a ``PeftModel``, under the plain model's parameter and module names.
 
-    It answers what :class:`~hf_sparsity.engine.SparsityEngine` and the targeting rules ask
+    It answers what :class:`~hf_sparsity.mask_engine.engine.SparsityEngine` and the targeting rules ask
     of a model (``named_parameters``, ``get_parameter``, ``named_modules``, the embeddings,
     ``config``); the tensors are the ``PeftModel``'s own, so masking them masks the model.
     """

@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import SparsityConfig, check_structure
+from ..mask_engine.config import SparsityConfig, check_structure
+from ..mask_engine.targeting import TargetDecision, plan_sparsity, unwrap_model
 from ..masks import MASK_DTYPE
 from ..modeling import linear_kind
-from ..targeting import TargetDecision, plan_sparsity, unwrap_model
 from ..utils import SparsityError
 from . import methods as M
 from .algorithms import BlockContext, get_method, needs_calibration

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from ..config import SparsityConfig, check_level, check_structure
 from ..constants import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from ..loading import TOKENIZER_FILES, check_context_fits, check_device, check_model_folder
+from ..mask_engine.config import SparsityConfig, check_level, check_structure
 from ..modeling import check_token_ids
 from ..storage.masks_file import load_masks
 from ..utils import SparsityError, atomic_dir, check_out_dir

@@ -12,8 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..config import SparsityConfig, set_sparsity_config
 from ..constants import SPARSITY_MASKS_NAME
+from ..mask_engine.config import SparsityConfig, set_sparsity_config
 from ..storage.masks_file import save_masks
 from ..utils import atomic_dir
 from .oneshot import OneShotResult

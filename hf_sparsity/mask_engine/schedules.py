@@ -10,7 +10,7 @@ estimate that drift from the real step count and miss the final level).
 An event at step ``t`` fires right after optimizer step ``t`` (when ``t`` steps
 are done), so step ``t + 1`` is the first to train with the new masks.
 
-Forms (keys of the ``sparsity`` section, see :class:`~hf_sparsity.config.SparsityConfig`):
+Forms (keys of the ``sparsity`` section, see :class:`~hf_sparsity.mask_engine.config.SparsityConfig`):
 
 * **Explicit list** (``algorithm: static``)::
 
@@ -50,8 +50,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .checks import check_level
-from .utils import SparsityError
+from ..checks import check_level
+from ..utils import SparsityError
 
 SCHEDULE_TYPES = ("imp",)
 _EXPLICIT_KEYS = {"step", "sparsity", "densify", "rewind_to"}
@@ -267,7 +267,7 @@ def _check_in_run(step: int, total: int | None, what: str) -> None:
 
 
 def compile_schedule(config: Any, total_steps: int | None = None) -> Schedule:
-    """Turn a :class:`~hf_sparsity.config.SparsityConfig`'s schedule keys into events for a run of
+    """Turn a :class:`~hf_sparsity.mask_engine.config.SparsityConfig`'s schedule keys into events for a run of
     ``total_steps``.
 
     ``total_steps`` is needed for GMP/SET/RigL without an explicit ``update.stop`` and

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from . import masks as M
+from .. import masks as M
 
 
 @dataclass

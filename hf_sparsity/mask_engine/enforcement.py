@@ -1,7 +1,7 @@
 """Mask enforcement: what keeps masked weights, gradients and optimizer state at exactly 0.
 
 :class:`MaskEnforcer` owns the hooks and the device copies of the masks; it holds no
-mask *state* (that is :class:`hf_sparsity.engine.SparsityEngine`'s) and is told the
+mask *state* (that is :class:`hf_sparsity.mask_engine.engine.SparsityEngine`'s) and is told the
 current masks through :meth:`MaskEnforcer.place`. For every masked parameter:
 
 * gradients are masked as they arrive (a tensor hook on the parameter, so gradient
@@ -42,11 +42,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import masks as M
-from . import zero
-from .hooks import dtensor_local_shape_and_offset
-from .modeling import is_dtensor, local
-from .utils import SparsityError
+from .. import masks as M
+from .. import zero
+from ..hooks import dtensor_local_shape_and_offset
+from ..modeling import is_dtensor, local
+from ..utils import SparsityError
 
 # Optimizers whose state stays exactly 0 where gradient, weight and state are 0 (see module docstring).
 ZERO_PRESERVING_OPTIMIZERS = frozenset({"SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "NAdam", "RAdam"})

@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
-from . import masks as M
-from .hooks import closed_form_lr, set_last_lr
+from .. import masks as M
+from ..hooks import closed_form_lr, set_last_lr
+from ..utils import SparsityError
 from .schedules import ScheduledEvent
-from .utils import SparsityError
 
 logger = logging.getLogger(__name__)
 

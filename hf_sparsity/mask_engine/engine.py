@@ -14,9 +14,9 @@ Who owns what:
 * :class:`MaskState` (``engine.state_``): masks, levels, the optimizer step count, the
   event history, densified tensors, a pending LR rewind; ``state_dict`` /
   ``load_state_dict`` (JSON-simple; it travels in the mask file's metadata).
-* :class:`hf_sparsity.enforcement.MaskEnforcer` (``engine.enforcer``): hooks, optimizer-state
+* :class:`hf_sparsity.mask_engine.enforcement.MaskEnforcer` (``engine.enforcer``): hooks, optimizer-state
   zeroing, DTensor slicing; see that module for the enforcement rules.
-* :mod:`hf_sparsity.events`: pure functions giving the new masks of an event.
+* :mod:`hf_sparsity.mask_engine.events`: pure functions giving the new masks of an event.
 * The engine: the one place that changes masks (:meth:`~SparsityEngine.change_masks`),
   sets the step count (:meth:`~SparsityEngine.start`, from the caller's count on a (re)start)
   and advances it (:meth:`~SparsityEngine.after_step`), rewinds the LR
@@ -24,7 +24,7 @@ Who owns what:
   (:meth:`~SparsityEngine.stamp_config`).
 
 Scheduled events (prune, regrow, densify, SET/RigL updates, LR rewind; see
-:mod:`hf_sparsity.schedules`) fire inside :meth:`~SparsityEngine.after_step`, once the
+:mod:`hf_sparsity.mask_engine.schedules`) fire inside :meth:`~SparsityEngine.after_step`, once the
 step count reaches their step, on every rank alike (they depend only on the weights, the
 schedule and seeds, never on rank-local RNG).
 """
@@ -40,20 +40,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import masks as M
+from ..constants import SPARSITY_MASKS_NAME
+from ..hooks import carry_masks_in_save_pretrained, release_save_pretrained
+from ..lora.view import peft_view
+from ..modeling import format_sparsity_report, full_shape, full_tensor, sparsity_table
+from ..storage.folders import check_masks_match_weights
+from ..storage.masks_file import check_mask_names, load_masks_for, save_masks
+from ..utils import SparsityError
 from . import events as E
-from . import masks as M
 from .config import SparsityConfig, check_structure, mask_seeds, set_sparsity_config, with_mask_seeds
-from .constants import SPARSITY_MASKS_NAME
 from .enforcement import ZERO_PRESERVING_OPTIMIZERS, MaskEnforcer
-from .hooks import carry_masks_in_save_pretrained, release_save_pretrained
-from .lora.view import peft_view
 from .mask_state import MaskState, _state_field
-from .modeling import format_sparsity_report, full_shape, full_tensor, sparsity_table
 from .schedules import Schedule, ScheduledEvent, compile_schedule
-from .storage.folders import check_masks_match_weights
-from .storage.masks_file import check_mask_names, load_masks_for, save_masks
 from .targeting import TargetDecision, log_plan, plan_sparsity, unwrap_model
-from .utils import SparsityError
 
 __all__ = ["MaskState", "SparsityEngine", "ZERO_PRESERVING_OPTIMIZERS", "carry_masks_in_save_pretrained"]
 

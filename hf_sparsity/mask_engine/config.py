@@ -29,10 +29,10 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .checks import check_level, check_lora_mode, check_structure
-from .constants import CONFIG_SECTION
+from ..checks import check_level, check_lora_mode, check_structure
+from ..constants import CONFIG_SECTION
+from ..utils import SparsityError, atomic_write_text, library_version
 from .schedules import validate_drop_fraction, validate_schedule, validate_update
-from .utils import SparsityError, atomic_write_text, library_version
 
 __all__ = ["check_level", "check_structure"]  # re-exported: they used to live here
 

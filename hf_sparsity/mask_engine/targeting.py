@@ -20,10 +20,10 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from ..lora.view import peft_view
+from ..modeling import full_shape, input_dim, linear_kind
+from ..utils import SparsityError
 from .config import SparsityConfig, check_structure
-from .lora.view import peft_view
-from .modeling import full_shape, input_dim, linear_kind
-from .utils import SparsityError
 
 logger = logging.getLogger(__name__)
 
