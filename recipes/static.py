@@ -17,10 +17,9 @@ import _common as C  # the recipes' folder: the script's own, first on sys.path
 import torch
 from transformers import PrinterCallback, Trainer, TrainingArguments
 
-from hf_sparsity import SparsityCallback, SparsityConfig
+from hf_sparsity import SparsityCallback, SparsityConfig, last_complete_checkpoint
 from hf_sparsity.data import BlockDataset
 from hf_sparsity.logging_utils import move_to_front
-from hf_sparsity.storage.resume import last_complete_checkpoint
 
 # ----------------------------------------------------------------------------- defaults
 DEFAULTS = C.recipe_defaults(
@@ -35,8 +34,8 @@ DEFAULTS = C.recipe_defaults(
 # ---------------------------------------------------------------------------------------
 
 
-def train(args, name, model, tokenizer, data, eval_blocks, steps, metrics_cb, callbacks):
-    """Training in ``OUTPUT_DIR/name``: ``steps`` optimizer steps of ``Trainer`` with ``metrics_cb`` (the
+def train(args, name, model, tokenizer, data, eval_blocks, steps, sparsity_cb, callbacks):
+    """Training in ``OUTPUT_DIR/name``: ``steps`` optimizer steps of ``Trainer`` with ``sparsity_cb`` (a
     ``SparsityCallback``), then an evaluation and ``final/``. ``None`` if a callback stopped it early
     (after a checkpoint)."""
     out = os.path.join(args.output_dir, name)
@@ -74,11 +73,11 @@ def train(args, name, model, tokenizer, data, eval_blocks, steps, metrics_cb, ca
         train_dataset=data,
         eval_dataset=BlockDataset(eval_blocks),
         processing_class=tokenizer,
-        callbacks=[metrics_cb, *callbacks, C.StagePrinter(name)],
+        callbacks=[sparsity_cb, *callbacks, C.StagePrinter(name)],
     )
-    # Trainer puts its reporters first; metrics_cb goes ahead of them, so TensorBoard logs the model's
-    # config with its sparsity section and every sparsity/ scalar metrics_cb adds to a log.
-    move_to_front(trainer, metrics_cb)
+    # Trainer puts its reporters first; sparsity_cb goes ahead of them, so TensorBoard logs the model's
+    # config with its sparsity section and every sparsity/ scalar the callback adds to a log.
+    move_to_front(trainer, sparsity_cb)
     trainer.remove_callback(PrinterCallback)  # StagePrinter prints one short line per log instead
     # The newest complete checkpoint: a run killed while saving leaves a partial newer folder.
     checkpoint = last_complete_checkpoint(out) if args.resume else None
@@ -92,8 +91,8 @@ def train(args, name, model, tokenizer, data, eval_blocks, steps, metrics_cb, ca
         C.log(f"[{name}] interrupted at step {step} (checkpoint saved); rerun with --resume true")
         return None
     metrics = trainer.evaluate()
-    trainer.save_model(os.path.join(out, "final"))  # weights, masks (a sparse stage) and tokenizer
-    return C.record_stage(out, steps, metrics["eval_loss"], metrics_cb, history, data, t0)
+    trainer.save_model(os.path.join(out, "final"))  # weights, masks and tokenizer
+    return C.record_stage(out, steps, metrics["eval_loss"], sparsity_cb, history, data, t0)
 
 
 def main(argv=None, callbacks=()):
