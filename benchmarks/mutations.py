@@ -960,6 +960,25 @@ MUTATIONS = (
         ),
         ("tests/test_native_sampling.py",),
     ),
+    Mutation(
+        "recipe-metrics-callback-after-reporters",
+        "spdf.py leaves its metrics callback where Trainer lists it, after TensorBoard (the dense stage's "
+        "FLOPs and the sparse model's config section never reach TensorBoard)",
+        (("recipes/spdf.py", "    move_to_front(trainer, metrics_cb)\n", ""),),
+        ("tests/test_recipes.py::test_recipe_smoke[spdf]",),
+    ),
+    Mutation(
+        "recipe-interrupted-stage-goes-on",
+        "imp.py goes on to the IMP stage after a preemption stopped the dense baseline",
+        (
+            (
+                "recipes/imp.py",
+                "        if dense is None:\n            return None\n        stages.append(dense)",
+                "        if dense is not None:\n            stages.append(dense)",
+            ),
+        ),
+        ("tests/test_recipes.py::test_an_interrupted_first_stage_stops_the_recipe_and_resume_runs_the_rest",),
+    ),
 )
 
 NEW_TEST_FILES = (

@@ -1,5 +1,6 @@
 """The recipes' arguments and output folder: ``--key value`` for every default, ``--config FILE.yaml``,
-unknown keys refused; which process prints; a run's folder checked before anything is written."""
+unknown keys refused; which process prints and writes (and the others wait for it); a run's folder
+checked before anything is written."""
 
 from __future__ import annotations
 
@@ -15,6 +16,12 @@ import yaml
 
 def is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
+
+
+def wait_for_main_process() -> None:
+    """Under DDP, every process waits here until the main one (which alone writes) gets here too."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
 
 
 def log(msg: str) -> None:
@@ -78,8 +85,7 @@ def prepare_output_dir(args) -> None:
         )
     if args.overwrite and not args.resume and out.is_dir() and is_main_process():
         shutil.rmtree(out)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
+    wait_for_main_process()
     out.mkdir(parents=True, exist_ok=True)
 
 

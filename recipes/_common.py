@@ -1,31 +1,34 @@
-"""Shared machinery for the recipes: arguments, data, models, one training stage, plots, results.
+"""Shared machinery for the recipes: arguments, data, models, what a stage leaves behind, plots, results.
 
 Each recipe (``static.py``, ``imp.py``, ``spdf.py``, ``variable_spdf.py``,
-``sparse_ift.py``) keeps its defaults in one block and its story top to bottom;
-what they all need lives here:
+``sparse_ift.py``, ``prune_recover.py``) keeps its defaults in one block and its story top to
+bottom, its ``TrainingArguments``, ``Trainer`` (with ``callbacks=[SparsityCallback(...), ...]``)
+and ``trainer.train(resume_from_checkpoint=...)`` included; what they all need that is not the
+``Trainer`` lives here:
 
 * :func:`parse_args`: ``--key value`` for every default, ``--config FILE.yaml``;
-  unknown keys refused with the list of known ones.
+  unknown keys refused.
 * :func:`load_texts` / :func:`prepare_data`: the embedded default (no network, nothing
   from any data folder), a local ``.txt`` / ``.jsonl`` file, or any HF dataset name.
 * :class:`ScheduledData`: the training stream in a fixed, seeded order, cut into
   segments: a new segment starts at each prune (the seeded reshuffle of
   Cerebras' iterative pruning) and at each stage change (a later stage draws from a disjoint pool of
   blocks, so it never repeats the earlier stage's data, as in Variable SPDF). The order
-  is a pure function of the schedule and the seed, and Trainer walks it
-  sequentially, so a resumed run sees exactly the samples an uninterrupted one does.
-* :func:`train_stage`: one stage: its ``TrainingArguments`` (:func:`training_arguments`,
-  every setting in one place), its ``Trainer`` (or a subclass), then :func:`train_and_save`:
-  resume from the last complete checkpoint, train, evaluate, save ``final/``, record the stage
-  (:func:`stage_done` skips a stage a resumed run already finished).
+  is a pure function of the schedule and the seed, and a recipe's Trainer walks it
+  sequentially (``train_sampling_strategy="sequential"``), so a resumed run sees exactly the
+  samples an uninterrupted one does.
+* :func:`stage_done` (with ``--resume``, a stage already finished is not run again) and
+  :func:`record_stage` (a finished stage's figures, ``stage_done.json``); :class:`EvalAt` and
+  :class:`StagePrinter`, callbacks a recipe lists; :func:`finalize` and :func:`load_model`
+  between stages.
 * :func:`plot_stages`, :func:`write_results`.
 
-By concern: ``_args.py`` (arguments, the output folder), ``_data.py`` (texts, blocks, the
-training stream, the model), ``_stages.py`` (one training stage, finalize between stages),
-``_outputs.py`` (plot, results). This module gathers them, so a recipe reads ``C.<name>``.
+By concern: ``_args.py`` (arguments, the output folder, which process writes), ``_data.py``
+(texts, blocks, the training stream, the model), ``_stages.py`` (skipping and recording a
+stage, finalize between stages), ``_outputs.py`` (plot, results). This module gathers them, so
+a recipe reads ``C.<name>``.
 
-Stateless: nothing here holds state between calls; the recipes build their sparsity
-config and ``SparsityCallback`` themselves and hand them to :func:`train_stage`.
+Stateless: nothing here holds state between calls.
 """
 
 from _args import (  # noqa: F401
@@ -35,6 +38,7 @@ from _args import (  # noqa: F401
     parse_args,
     prepare_output_dir,
     recipe_defaults,
+    wait_for_main_process,
 )
 from _data import (  # noqa: F401  (re-exported: recipes use them as C.<name>)
     ScheduledData,
@@ -52,16 +56,14 @@ from _outputs import fmt_flops, plot_stages, write_results  # noqa: F401
 from _stages import (  # noqa: F401
     STAGE_DONE,
     EvalAt,
+    StagePrinter,
     StageResult,
-    dense_finetune,
     eval_every,
     finalize,
     load_model,
+    record_stage,
     sparsity_levels,
     stage_done,
-    train_and_save,
-    train_stage,
-    training_arguments,
 )
 
 

@@ -18,12 +18,16 @@ TensorBoard logs, ``final/``), ``loss.png`` and ``results.json``.
 """
 
 import os
+import time
 
 import _common as C  # the recipes' folder: the script's own, first on sys.path
-from transformers import Trainer
+import torch
+from transformers import PrinterCallback, Trainer, TrainingArguments
 
-from hf_sparsity import SparsityCallback, SparsityConfig
+from hf_sparsity import SparsityCallback, SparsityConfig, last_complete_checkpoint
+from hf_sparsity.data import BlockDataset
 from hf_sparsity.flops.callback import FlopCallback
+from hf_sparsity.logging_utils import move_to_front
 from hf_sparsity.mask_engine.schedules import compile_schedule, imp_levels
 
 # ----------------------------------------------------------------------------- defaults
@@ -57,12 +61,68 @@ class RewindingTrainer(Trainer):
         return super().create_scheduler(self.lr_period, optimizer)
 
 
-def train(args, name, model, tokenizer, data, eval_blocks, steps, metrics_cb, callbacks=(), **kw):
-    """One stage under :class:`RewindingTrainer`: the LR schedule's period is ``lr_period`` (default the
-    stage's steps), so a rewind restarts it from the rewind step; ``eval_steps`` as given."""
-    kw.setdefault("lr_period", steps)
-    stage = (args, name, model, tokenizer, data, eval_blocks, steps, metrics_cb, callbacks)
-    return C.train_stage(*stage, trainer_class=RewindingTrainer, **kw)
+def train(args, name, model, tokenizer, data, eval_blocks, steps, metrics_cb, callbacks, *, lr_period=None,
+          eval_steps=None):  # fmt: skip
+    """One stage in ``OUTPUT_DIR/name``: ``steps`` optimizer steps of :class:`RewindingTrainer` (its LR
+    schedule ``lr_period`` steps long, default ``steps``) with ``metrics_cb`` (the ``SparsityCallback``, or
+    a ``FlopCallback`` that counts a dense stage's FLOPs the same way), then an evaluation and ``final/``.
+    ``None`` if a callback stopped it early (after a checkpoint)."""
+    out = os.path.join(args.output_dir, name)
+    done = C.stage_done(args, out)  # with --resume, a stage the interrupted run finished is not run again
+    if done is not None:
+        return done
+    training_args = TrainingArguments(
+        output_dir=out,
+        max_steps=steps,
+        per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.batch_size * 2,
+        gradient_accumulation_steps=args.grad_accum,
+        learning_rate=args.learning_rate,
+        weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps,
+        lr_scheduler_type=args.lr_scheduler,
+        max_grad_norm=1.0,
+        logging_steps=args.logging_steps,
+        eval_strategy="steps",
+        eval_steps=eval_steps or C.eval_every(steps),
+        save_strategy="steps",
+        save_steps=args.save_steps or max(steps // 2, 1),  # checkpoints: masks and FLOP count included
+        save_total_limit=2,
+        report_to=["tensorboard"] if args.tensorboard else [],
+        seed=args.seed,
+        use_cpu=not torch.cuda.is_available(),
+        disable_tqdm=True,
+        include_num_input_tokens_seen=True,  # FLOPs of the tokens actually trained
+        ddp_find_unused_parameters=False,
+        train_sampling_strategy="sequential",  # the stream's seeded order as is: resume sees the same
+    )
+    trainer = RewindingTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=data,
+        eval_dataset=BlockDataset(eval_blocks),
+        processing_class=tokenizer,
+        callbacks=[metrics_cb, *callbacks, C.StagePrinter(name)],
+        lr_period=lr_period or steps,
+    )
+    # Trainer puts its reporters first; metrics_cb goes ahead of them, so TensorBoard logs the model's
+    # config with its sparsity section and every sparsity/ scalar metrics_cb adds to a log.
+    move_to_front(trainer, metrics_cb)
+    trainer.remove_callback(PrinterCallback)  # StagePrinter prints one short line per log instead
+    # The newest complete checkpoint: a run killed while saving leaves a partial newer folder.
+    checkpoint = last_complete_checkpoint(out) if args.resume else None
+    if checkpoint:
+        C.log(f"[{name}] resuming from {checkpoint}")
+    t0 = time.time()
+    trainer.train(resume_from_checkpoint=checkpoint)
+    history = list(trainer.state.log_history)  # the training run's logs, for the plot
+    if trainer.state.global_step < steps:
+        step = trainer.state.global_step
+        C.log(f"[{name}] interrupted at step {step} (checkpoint saved); rerun with --resume true")
+        return None
+    metrics = trainer.evaluate()
+    trainer.save_model(os.path.join(out, "final"))  # weights, masks (a sparse stage) and tokenizer
+    return C.record_stage(out, steps, metrics["eval_loss"], metrics_cb, history, data, t0)
 
 
 def main(argv=None, callbacks=()):
@@ -97,35 +157,17 @@ def main(argv=None, callbacks=()):
     if args.dense_baseline_steps:
         dense_data = C.stage_data(train_blocks, args, args.dense_baseline_steps, [(0, pool)])
         dense_model = C.build_model(args, tokenizer)
-        stages.append(
-            train(
-                args,
-                "dense",
-                dense_model,
-                tokenizer,
-                dense_data,
-                eval_blocks,
-                args.dense_baseline_steps,
-                FlopCallback(args.block_size),
-                callbacks,
-            )
-        )
+        dense = train(args, "dense", dense_model, tokenizer, dense_data, eval_blocks,
+                      args.dense_baseline_steps, FlopCallback(args.block_size), callbacks)  # fmt: skip
+        if dense is None:
+            return None
+        stages.append(dense)
     model = C.build_model(args, tokenizer)
     sparsity_cb = SparsityCallback(sparsity, seq_len=args.block_size)
-    st = train(
-        args,
-        "imp",
-        model,
-        tokenizer,
-        data,
-        eval_blocks,
-        total,
-        sparsity_cb,
-        [C.EvalAt(extra), *callbacks],
-        lr_period=args.dense_steps,
-        eval_steps=every,
-    )
-    if st.interrupted:
+    imp_callbacks = [C.EvalAt(extra), *callbacks]
+    st = train(args, "imp", model, tokenizer, data, eval_blocks, total, sparsity_cb, imp_callbacks,
+               lr_period=args.dense_steps, eval_steps=every)  # fmt: skip
+    if st is None:
         return None
     evals = {h["step"]: h["eval_loss"] for h in st.log_history if "eval_loss" in h}
     dense_phase = evals.get(args.dense_steps - 1)

@@ -18,25 +18,26 @@ WikiText-2 by the Wanda/SparseGPT protocol when ``--wikitext2`` is given):
    optionally distilled from the dense model (KL on logits, ``--distill_alpha``, ``--distill_temperature``);
 4. ``final``: ``finalize_checkpoint`` bakes the masks into a vanilla folder.
 
-Writes ``OUTPUT_DIR/{dense,pruned,recovered,final}/``, ``results.json`` and ``perplexity.png``.
+Writes ``OUTPUT_DIR/{dense,pruned,recovered,final}/``, ``results.json`` and ``perplexity.png``. The
+stages are short and save no checkpoints (``save_strategy="no"``), so there is no ``--resume``: an
+interrupted run starts over with ``--overwrite true``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
 import shutil
 import sys
 import time
 from pathlib import Path
 
+import _common as C  # the recipes' folder: the script's own, first on sys.path
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Trainer, TrainingArguments
 
-from hf_sparsity import SparsityCallback, SparsityConfig, SparsityError, finalize_checkpoint
+from hf_sparsity import SparsityCallback, SparsityConfig, SparsityError
 from hf_sparsity.data import BlockDataset, build_tokenizer, embedded_text, pack_tokens
 from hf_sparsity.loading import load_model_folder
 from hf_sparsity.pruning import prune_oneshot, read_documents, sample_calibration, save_pruned
@@ -79,26 +80,6 @@ DEFAULTS = dict(
     wikitext2_windows=64,
 )
 # ---------------------------------------------------------------------------------------
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="YAML file overriding the defaults (unknown keys refused)")
-    for key, value in DEFAULTS.items():
-        kind = (lambda s: s.lower() in ("1", "true", "yes")) if isinstance(value, bool) else type(value)
-        p.add_argument(f"--{key}", type=kind, default=None)
-    args = p.parse_args(argv)
-    merged = dict(DEFAULTS)
-    if args.config:
-        import yaml
-
-        loaded = yaml.safe_load(Path(args.config).read_text()) or {}
-        unknown = sorted(set(loaded) - set(DEFAULTS))
-        if unknown:
-            raise SparsityError(f"{args.config}: unknown keys {unknown}; known: {sorted(DEFAULTS)}")
-        merged.update(loaded)
-    merged.update({k: v for k, v in vars(args).items() if k in DEFAULTS and v is not None})
-    return argparse.Namespace(**merged)
 
 
 def load_data(args):
@@ -184,16 +165,6 @@ def train_args(args, out, steps, lr) -> TrainingArguments:
     )  # fmt: skip
 
 
-def _is_main() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0
-
-
-def _barrier() -> None:
-    """Under a launcher (DDP, DeepSpeed): the other processes wait while the main one writes files."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-
-
 def _check_launcher(targs: TrainingArguments) -> None:
     """Set up the process group now (a launcher's processes meet here) and refuse ZeRO-3, which
     partitions the models this recipe prunes and evaluates whole."""
@@ -214,15 +185,15 @@ def _prepare_output(args) -> Path:
     if out.exists() and any(out.iterdir()):
         if not args.overwrite:
             raise SparsityError(f"{out} is not empty; pass --overwrite true or choose another --output_dir.")
-        if _is_main():
+        if C.is_main_process():
             shutil.rmtree(out)
-    _barrier()
+    C.wait_for_main_process()
     out.mkdir(parents=True, exist_ok=True)
     return out
 
 
 def main(argv=None) -> dict:
-    args = parse_args(argv)
+    args = C.parse_args(DEFAULTS, __doc__, argv)
     out = _prepare_output(args)
     tok, texts, train, held_out = load_data(args)
     stages, t0 = [], time.time()
@@ -230,18 +201,18 @@ def main(argv=None) -> dict:
     def record(stage, model, **extra):
         stages.append({"stage": stage, **evaluate(model, held_out, args, tok), **extra})
         stages[-1]["elapsed_s"] = round(time.time() - t0, 1)
-        if _is_main():
-            print(json.dumps(stages[-1]), flush=True)
+        C.log(json.dumps(stages[-1]))
 
     # 1. dense
     dense = dense_model(args, tok)
     if args.dense_steps:
-        Trainer(model=dense, args=train_args(args, out / "dense_run", args.dense_steps, args.dense_lr),
-                train_dataset=BlockDataset(train)).train()  # fmt: skip
-    if _is_main():
+        training_args = train_args(args, out / "dense_run", args.dense_steps, args.dense_lr)
+        trainer = Trainer(model=dense, args=training_args, train_dataset=BlockDataset(train))
+        trainer.train()
+    if C.is_main_process():
         dense.save_pretrained(out / "dense")
         tok.save_pretrained(out / "dense")
-    _barrier()
+    C.wait_for_main_process()
     record("dense", dense)
 
     # 2. one-shot prune (a copy: the dense model stays the teacher). Every process prunes the same
@@ -251,28 +222,28 @@ def main(argv=None) -> dict:
     student, _ = load_model_folder(out / "dense")
     calib = sample_calibration(texts, tok, nsamples=args.nsamples, seqlen=args.seqlen, seed=args.calib_seed)
     result = prune_oneshot(student, config, calib, method=args.method)
-    if _is_main():
+    if C.is_main_process():
         save_pruned(student, result, out / "pruned", config=config, tokenizer=tok)
-    _barrier()
+    C.wait_for_main_process()
     record("pruned", student, prune_s=round(result.seconds, 2))
 
     # 3. recover: the pruned folder in Trainer; SparsityCallback restores its masks and keeps them fixed
     student, _ = load_model_folder(out / "pruned")
     callback = SparsityCallback(config, seq_len=args.block_size)
+    training_args = train_args(args, out / "recover_run", args.recover_steps, args.recover_lr)
     trainer = DistillTrainer(
-        model=student, args=train_args(args, out / "recover_run", args.recover_steps, args.recover_lr),
-        train_dataset=BlockDataset(train), callbacks=[callback],
+        model=student, args=training_args, train_dataset=BlockDataset(train), callbacks=[callback],
         teacher=dense.eval() if args.distill_alpha > 0 else None,
         alpha=args.distill_alpha, temperature=args.distill_temperature,
     )  # fmt: skip
     if args.recover_steps:
         trainer.train()
         trainer.save_model(out / "recovered")  # weights + sparsity_masks.safetensors + config section
-    elif _is_main():
+    elif C.is_main_process():
         shutil.copytree(out / "pruned", out / "recovered")
-    if _is_main():
+    if C.is_main_process():
         tok.save_pretrained(out / "recovered")
-    _barrier()
+    C.wait_for_main_process()
     flops = callback.flops  # None when recover_steps is 0 (no training ran)
     record(
         "recovered", student, masks_restored_from=str(callback.restored_from),
@@ -281,18 +252,14 @@ def main(argv=None) -> dict:
     )  # fmt: skip
 
     # 4. finalize: masks baked into zeros, a vanilla folder
-    if _is_main():
-        finalize_checkpoint(out / "recovered", out / "final", overwrite=True)
-    _barrier()
-    record("final", load_model_folder(out / "final")[0])
+    final = C.finalize(str(out / "recovered"), str(out / "final"))
+    record("final", C.load_model(final))
 
     results = summarize(args, stages)
-    if _is_main():
-        (out / "results.json").write_text(json.dumps(results, indent=2))
+    C.write_results(str(out / "results.json"), results)
+    if C.is_main_process():
         plot(stages, out / "perplexity.png", args)
-        print(
-            f"gap closed by recovery: {results['gap_closed']:.1%}; wrote {out}/results.json, perplexity.png"
-        )
+    C.log(f"gap closed by recovery: {results['gap_closed']:.1%}; wrote {out}/results.json, perplexity.png")
     return results
 
 

@@ -22,11 +22,16 @@ fine-tuning stage only ever sees the fine-tuning data. Writes ``OUTPUT_DIR/pretr
 """
 
 import os
+import time
 
 import _common as C  # the recipes' folder: the script's own, first on sys.path
+import torch
+from transformers import PrinterCallback, Trainer, TrainingArguments
 
-from hf_sparsity import SparsityCallback, SparsityConfig
+from hf_sparsity import SparsityCallback, SparsityConfig, last_complete_checkpoint
+from hf_sparsity.data import BlockDataset
 from hf_sparsity.flops.callback import FlopCallback
+from hf_sparsity.logging_utils import move_to_front
 
 # ----------------------------------------------------------------------------- defaults
 DEFAULTS = C.recipe_defaults(
@@ -42,6 +47,68 @@ DEFAULTS = C.recipe_defaults(
     # model, data, training, run control: the recipes' shared defaults (recipes/_args.py)
 )
 # ---------------------------------------------------------------------------------------
+
+
+def train(args, name, model, tokenizer, data, eval_blocks, steps, metrics_cb, callbacks, *, learning_rate,
+          warmup_steps):  # fmt: skip
+    """One stage in ``OUTPUT_DIR/name``: ``steps`` optimizer steps of ``Trainer`` with ``metrics_cb`` (the
+    ``SparsityCallback``, or a ``FlopCallback`` that counts a dense stage's FLOPs the same way), then an
+    evaluation and ``final/``. ``None`` if a callback stopped it early (after a checkpoint)."""
+    out = os.path.join(args.output_dir, name)
+    done = C.stage_done(args, out)  # with --resume, a stage the interrupted run finished is not run again
+    if done is not None:
+        return done
+    training_args = TrainingArguments(
+        output_dir=out,
+        max_steps=steps,
+        per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.batch_size * 2,
+        gradient_accumulation_steps=args.grad_accum,
+        learning_rate=learning_rate,
+        weight_decay=args.weight_decay,
+        warmup_steps=warmup_steps,
+        lr_scheduler_type=args.lr_scheduler,
+        max_grad_norm=1.0,
+        logging_steps=args.logging_steps,
+        eval_strategy="steps",
+        eval_steps=C.eval_every(steps),
+        save_strategy="steps",
+        save_steps=args.save_steps or max(steps // 2, 1),  # checkpoints: masks and FLOP count included
+        save_total_limit=2,
+        report_to=["tensorboard"] if args.tensorboard else [],
+        seed=args.seed,
+        use_cpu=not torch.cuda.is_available(),
+        disable_tqdm=True,
+        include_num_input_tokens_seen=True,  # FLOPs of the tokens actually trained
+        ddp_find_unused_parameters=False,
+        train_sampling_strategy="sequential",  # the stream's seeded order as is: resume sees the same
+    )
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=data,
+        eval_dataset=BlockDataset(eval_blocks),
+        processing_class=tokenizer,
+        callbacks=[metrics_cb, *callbacks, C.StagePrinter(name)],
+    )
+    # Trainer puts its reporters first; metrics_cb goes ahead of them, so TensorBoard logs the model's
+    # config with its sparsity section and every sparsity/ scalar metrics_cb adds to a log.
+    move_to_front(trainer, metrics_cb)
+    trainer.remove_callback(PrinterCallback)  # StagePrinter prints one short line per log instead
+    # The newest complete checkpoint: a run killed while saving leaves a partial newer folder.
+    checkpoint = last_complete_checkpoint(out) if args.resume else None
+    if checkpoint:
+        C.log(f"[{name}] resuming from {checkpoint}")
+    t0 = time.time()
+    trainer.train(resume_from_checkpoint=checkpoint)
+    history = list(trainer.state.log_history)  # the training run's logs, for the plot
+    if trainer.state.global_step < steps:
+        step = trainer.state.global_step
+        C.log(f"[{name}] interrupted at step {step} (checkpoint saved); rerun with --resume true")
+        return None
+    metrics = trainer.evaluate()
+    trainer.save_model(os.path.join(out, "final"))  # weights, masks (a sparse stage) and tokenizer
+    return C.record_stage(out, steps, metrics["eval_loss"], metrics_cb, history, data, t0)
 
 
 def main(argv=None, callbacks=()):
@@ -63,18 +130,20 @@ def main(argv=None, callbacks=()):
     metrics_cb = (
         SparsityCallback(sparsity, seq_len=args.block_size) if sparsity else FlopCallback(args.block_size)
     )
-    pre = C.train_stage(
-        args, "pretrain", model, tokenizer, data, eval_blocks, args.pretrain_steps, metrics_cb, callbacks
-    )
-    if pre.interrupted:
+    pre = train(args, "pretrain", model, tokenizer, data, eval_blocks, args.pretrain_steps, metrics_cb,
+                callbacks, learning_rate=args.learning_rate, warmup_steps=args.warmup_steps)  # fmt: skip
+    if pre is None:
         return None
     # 2. finalize: masks -> exact zeros, a vanilla checkpoint
     start = pre.model_dir
     if sparsity is not None:
         start = C.finalize(pre.model_dir, os.path.join(args.output_dir, "pretrain_finalized"))
-    # 3. dense fine-tuning on the second dataset
-    ft = C.dense_finetune(args, start, tokenizer, ft_train, ft_eval, callbacks)
-    if ft.interrupted:
+    # 3. dense fine-tuning on the second dataset: every weight trainable, its FLOPs counted the same way
+    ft_data = C.stage_data(ft_train, args, args.finetune_steps, [(0, list(range(len(ft_train))))])
+    ft = train(args, "finetune", C.load_model(start), tokenizer, ft_data, ft_eval, args.finetune_steps,
+               FlopCallback(args.block_size), callbacks, learning_rate=args.finetune_learning_rate,
+               warmup_steps=max(args.finetune_steps // 10, 1))  # fmt: skip
+    if ft is None:
         return None
 
     label = f"SPDF {args.sparsity:.0%} sparse pre-training" if sparsity else "dense pre-training"

@@ -11,10 +11,15 @@ Writes ``OUTPUT_DIR/train/`` (checkpoints with ``sparsity_masks.safetensors``,
 """
 
 import os
+import time
 
 import _common as C  # the recipes' folder: the script's own, first on sys.path
+import torch
+from transformers import PrinterCallback, Trainer, TrainingArguments
 
-from hf_sparsity import SparsityCallback, SparsityConfig
+from hf_sparsity import SparsityCallback, SparsityConfig, last_complete_checkpoint
+from hf_sparsity.data import BlockDataset
+from hf_sparsity.logging_utils import move_to_front
 
 # ----------------------------------------------------------------------------- defaults
 DEFAULTS = C.recipe_defaults(
@@ -29,6 +34,67 @@ DEFAULTS = C.recipe_defaults(
 # ---------------------------------------------------------------------------------------
 
 
+def train(args, name, model, tokenizer, data, eval_blocks, steps, sparsity_cb, callbacks):
+    """Training in ``OUTPUT_DIR/name``: ``steps`` optimizer steps of ``Trainer`` with ``sparsity_cb`` (a
+    ``SparsityCallback``), then an evaluation and ``final/``. ``None`` if a callback stopped it early
+    (after a checkpoint)."""
+    out = os.path.join(args.output_dir, name)
+    done = C.stage_done(args, out)  # with --resume, a run that finished already is not run again
+    if done is not None:
+        return done
+    training_args = TrainingArguments(
+        output_dir=out,
+        max_steps=steps,
+        per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.batch_size * 2,
+        gradient_accumulation_steps=args.grad_accum,
+        learning_rate=args.learning_rate,
+        weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps,
+        lr_scheduler_type=args.lr_scheduler,
+        max_grad_norm=1.0,
+        logging_steps=args.logging_steps,
+        eval_strategy="steps",
+        eval_steps=C.eval_every(steps),
+        save_strategy="steps",
+        save_steps=args.save_steps or max(steps // 2, 1),  # checkpoints: masks and FLOP count included
+        save_total_limit=2,
+        report_to=["tensorboard"] if args.tensorboard else [],
+        seed=args.seed,
+        use_cpu=not torch.cuda.is_available(),
+        disable_tqdm=True,
+        include_num_input_tokens_seen=True,  # FLOPs of the tokens actually trained
+        ddp_find_unused_parameters=False,
+        train_sampling_strategy="sequential",  # the stream's seeded order as is: resume sees the same
+    )
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=data,
+        eval_dataset=BlockDataset(eval_blocks),
+        processing_class=tokenizer,
+        callbacks=[sparsity_cb, *callbacks, C.StagePrinter(name)],
+    )
+    # Trainer puts its reporters first; sparsity_cb goes ahead of them, so TensorBoard logs the model's
+    # config with its sparsity section and every sparsity/ scalar the callback adds to a log.
+    move_to_front(trainer, sparsity_cb)
+    trainer.remove_callback(PrinterCallback)  # StagePrinter prints one short line per log instead
+    # The newest complete checkpoint: a run killed while saving leaves a partial newer folder.
+    checkpoint = last_complete_checkpoint(out) if args.resume else None
+    if checkpoint:
+        C.log(f"[{name}] resuming from {checkpoint}")
+    t0 = time.time()
+    trainer.train(resume_from_checkpoint=checkpoint)
+    history = list(trainer.state.log_history)  # the training run's logs, for the plot
+    if trainer.state.global_step < steps:
+        step = trainer.state.global_step
+        C.log(f"[{name}] interrupted at step {step} (checkpoint saved); rerun with --resume true")
+        return None
+    metrics = trainer.evaluate()
+    trainer.save_model(os.path.join(out, "final"))  # weights, masks and tokenizer
+    return C.record_stage(out, steps, metrics["eval_loss"], sparsity_cb, history, data, t0)
+
+
 def main(argv=None, callbacks=()):
     """Run the recipe; ``callbacks`` go to the Trainer too (tests inject a simulated preemption)."""
     args, tokenizer, train_blocks, eval_blocks = C.start(DEFAULTS, __doc__, argv)
@@ -36,10 +102,8 @@ def main(argv=None, callbacks=()):
     data = C.stage_data(train_blocks, args, args.max_steps, [(0, list(range(len(train_blocks))))])
     sparsity = SparsityConfig(sparsity=args.sparsity, init_method=args.init_method, seed=args.sparsity_seed)
     sparsity_cb = SparsityCallback(sparsity, seq_len=args.block_size)
-    stage = C.train_stage(
-        args, "train", model, tokenizer, data, eval_blocks, args.max_steps, sparsity_cb, callbacks
-    )
-    if stage.interrupted:
+    stage = train(args, "train", model, tokenizer, data, eval_blocks, args.max_steps, sparsity_cb, callbacks)
+    if stage is None:
         return None
     plot = C.plot_stages(
         [stage], os.path.join(args.output_dir, "loss.png"), f"static {args.sparsity:.0%} sparse"

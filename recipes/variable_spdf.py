@@ -38,11 +38,16 @@ with masks), ``stage1_finalized/``, ``stage2/`` (``continue``: ``pretrain/`` and
 """
 
 import os
+import time
 
 import _common as C  # the recipes' folder: the script's own, first on sys.path
+import torch
+from transformers import PrinterCallback, Trainer, TrainingArguments
 
-from hf_sparsity import SparsityCallback, SparsityConfig
+from hf_sparsity import SparsityCallback, SparsityConfig, last_complete_checkpoint
+from hf_sparsity.data import BlockDataset
 from hf_sparsity.flops.callback import FlopCallback
+from hf_sparsity.logging_utils import move_to_front
 
 # ----------------------------------------------------------------------------- defaults
 DEFAULTS = C.recipe_defaults(
@@ -103,6 +108,68 @@ def stage_steps(args) -> tuple[int, int]:
     return stage1, args.pretrain_steps - stage1
 
 
+def train(args, name, model, tokenizer, data, eval_blocks, steps, metrics_cb, callbacks, *, learning_rate,
+          warmup_steps):  # fmt: skip
+    """One stage in ``OUTPUT_DIR/name``: ``steps`` optimizer steps of ``Trainer`` with ``metrics_cb`` (the
+    ``SparsityCallback``, or a ``FlopCallback`` that counts a dense stage's FLOPs the same way), then an
+    evaluation and ``final/``. ``None`` if a callback stopped it early (after a checkpoint)."""
+    out = os.path.join(args.output_dir, name)
+    done = C.stage_done(args, out)  # with --resume, a stage the interrupted run finished is not run again
+    if done is not None:
+        return done
+    training_args = TrainingArguments(
+        output_dir=out,
+        max_steps=steps,
+        per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.batch_size * 2,
+        gradient_accumulation_steps=args.grad_accum,
+        learning_rate=learning_rate,
+        weight_decay=args.weight_decay,
+        warmup_steps=warmup_steps,
+        lr_scheduler_type=args.lr_scheduler,
+        max_grad_norm=1.0,
+        logging_steps=args.logging_steps,
+        eval_strategy="steps",
+        eval_steps=C.eval_every(steps),
+        save_strategy="steps",
+        save_steps=args.save_steps or max(steps // 2, 1),  # checkpoints: masks and FLOP count included
+        save_total_limit=2,
+        report_to=["tensorboard"] if args.tensorboard else [],
+        seed=args.seed,
+        use_cpu=not torch.cuda.is_available(),
+        disable_tqdm=True,
+        include_num_input_tokens_seen=True,  # FLOPs of the tokens actually trained
+        ddp_find_unused_parameters=False,
+        train_sampling_strategy="sequential",  # the stream's seeded order as is: resume sees the same
+    )
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=data,
+        eval_dataset=BlockDataset(eval_blocks),
+        processing_class=tokenizer,
+        callbacks=[metrics_cb, *callbacks, C.StagePrinter(name)],
+    )
+    # Trainer puts its reporters first; metrics_cb goes ahead of them, so TensorBoard logs the model's
+    # config with its sparsity section and every sparsity/ scalar metrics_cb adds to a log.
+    move_to_front(trainer, metrics_cb)
+    trainer.remove_callback(PrinterCallback)  # StagePrinter prints one short line per log instead
+    # The newest complete checkpoint: a run killed while saving leaves a partial newer folder.
+    checkpoint = last_complete_checkpoint(out) if args.resume else None
+    if checkpoint:
+        C.log(f"[{name}] resuming from {checkpoint}")
+    t0 = time.time()
+    trainer.train(resume_from_checkpoint=checkpoint)
+    history = list(trainer.state.log_history)  # the training run's logs, for the plot
+    if trainer.state.global_step < steps:
+        step = trainer.state.global_step
+        C.log(f"[{name}] interrupted at step {step} (checkpoint saved); rerun with --resume true")
+        return None
+    metrics = trainer.evaluate()
+    trainer.save_model(os.path.join(out, "final"))  # weights, masks (a sparse stage) and tokenizer
+    return C.record_stage(out, steps, metrics["eval_loss"], metrics_cb, history, data, t0)
+
+
 def main(argv=None, callbacks=()):
     """Run the recipe; ``callbacks`` go to every Trainer too (tests inject a simulated preemption)."""
     # Long by design: a recipe's story, read top to bottom (nanoGPT's train.py style).
@@ -124,23 +191,15 @@ def main(argv=None, callbacks=()):
         schedule=[{"step": stage1, "densify": True}] if continue_ else None,
     )
     model = C.build_model(args, tokenizer)
-    # Each stage is one transformers Trainer run, its SparsityCallback (or FlopCallback) first among
-    # the callbacks: C.train_stage (recipes/_stages.py) builds its TrainingArguments and Trainer.
+    lr, warmup = args.learning_rate, args.warmup_steps
     if continue_:
         # One Trainer run, one LR schedule: a densify event at the stage boundary.
         data = C.stage_data(train_blocks, args, args.pretrain_steps, [(0, pool1), (stage1, pool2)])
-        pre = C.train_stage(
-            args,
-            "pretrain",
-            model,
-            tokenizer,
-            data,
-            eval_blocks,
-            args.pretrain_steps,
-            SparsityCallback(sparsity, seq_len=args.block_size),
-            [C.EvalAt([stage1 - 1, stage1]), *callbacks],
-        )
-        if pre.interrupted:
+        sparsity_cb = SparsityCallback(sparsity, seq_len=args.block_size)
+        extra = [C.EvalAt([stage1 - 1, stage1]), *callbacks]  # evaluate either side of the densify event
+        pre = train(args, "pretrain", model, tokenizer, data, eval_blocks, args.pretrain_steps, sparsity_cb,
+                    extra, learning_rate=lr, warmup_steps=warmup)  # fmt: skip
+        if pre is None:
             return None
         n1 = stage1 * len(data) // args.pretrain_steps
         seen = [data.order[:n1], data.order[n1:]]
@@ -149,37 +208,20 @@ def main(argv=None, callbacks=()):
     else:
         # Stage 1: a sparse pre-training run of its own (warm-up and decay over its steps).
         data1 = C.stage_data(train_blocks, args, stage1, [(0, pool1)])
-        s1 = C.train_stage(
-            args,
-            "stage1",
-            model,
-            tokenizer,
-            data1,
-            eval_blocks,
-            stage1,
-            SparsityCallback(sparsity, seq_len=args.block_size),
-            callbacks,
-        )
-        if s1.interrupted:
+        sparsity_cb = SparsityCallback(sparsity, seq_len=args.block_size)
+        s1 = train(args, "stage1", model, tokenizer, data1, eval_blocks, stage1, sparsity_cb, callbacks,
+                   learning_rate=lr, warmup_steps=warmup)  # fmt: skip
+        if s1 is None:
             return None
         # Convert: masks -> exact zeros, a vanilla dense checkpoint (weights only: a fresh optimizer).
         converted = C.finalize(s1.model_dir, os.path.join(args.output_dir, "stage1_finalized"))
         # Stage 2: dense pre-training of its own, its own warm-up, decay and peak LR, unseen data.
         data2 = C.stage_data(train_blocks, args, stage2, [(0, pool2)])
-        s2 = C.train_stage(
-            args,
-            "stage2",
-            C.load_model(converted),
-            tokenizer,
-            data2,
-            eval_blocks,
-            stage2,
-            FlopCallback(args.block_size),
-            callbacks,
-            learning_rate=args.stage2_learning_rate,
-            warmup_steps=max(stage2 // 10, 1) if args.stage2_warmup_steps < 0 else args.stage2_warmup_steps,
-        )
-        if s2.interrupted:
+        warmup2 = max(stage2 // 10, 1) if args.stage2_warmup_steps < 0 else args.stage2_warmup_steps
+        s2 = train(args, "stage2", C.load_model(converted), tokenizer, data2, eval_blocks, stage2,
+                   FlopCallback(args.block_size), callbacks, learning_rate=args.stage2_learning_rate,
+                   warmup_steps=warmup2)  # fmt: skip
+        if s2 is None:
             return None
         seen = [data1.order, data2.order]
         stages = [s1, s2]
@@ -188,8 +230,11 @@ def main(argv=None, callbacks=()):
     overlap = len(set(seen[0]) & set(seen[1]))
 
     # Dense fine-tuning on the second dataset, from the dense pre-trained model.
-    ft = C.dense_finetune(args, start, tokenizer, ft_train, ft_eval, callbacks)
-    if ft.interrupted:
+    ft_data = C.stage_data(ft_train, args, args.finetune_steps, [(0, list(range(len(ft_train))))])
+    ft = train(args, "finetune", C.load_model(start), tokenizer, ft_data, ft_eval, args.finetune_steps,
+               FlopCallback(args.block_size), callbacks, learning_rate=args.finetune_learning_rate,
+               warmup_steps=max(args.finetune_steps // 10, 1))  # fmt: skip
+    if ft is None:
         return None
 
     # FLOPs over both stages. The sparsifiable layers' dense FLOPs per token are the same in

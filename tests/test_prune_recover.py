@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import sys
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ TINY = [
 
 @pytest.mark.slow
 def test_prune_recover_recipe(tmp_path):
+    sys.path.insert(0, str(REPO / "recipes"))  # as when run as a script: its folder first (_common)
     spec = importlib.util.spec_from_file_location("prune_recover", REPO / "recipes" / "prune_recover.py")
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)

@@ -89,14 +89,39 @@ def test_recipe_smoke(name, tmp_path):
     if name == "spdf":  # the fine-tuned model is dense and vanilla
         assert not (tmp_path / "finetune" / "final" / "sparsity_masks.safetensors").exists()
         assert "sparsity" not in json.loads((tmp_path / "pretrain_finalized" / "config.json").read_text())
+        _check_reporters_come_after_the_metrics_callback(tmp_path)
+
+
+def _tensorboard(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ev = EventAccumulator(str(next((run_dir / "runs").iterdir())))
+    ev.Reload()
+    return ev
+
+
+def _check_reporters_come_after_the_metrics_callback(tmp_path):
+    """The recipe puts its metrics callback ahead of TensorBoard: the sparse stage's logged model config
+    carries the sparsity section SparsityCallback adds at train begin, and the dense stage's FLOP count
+    (FlopCallback, listed after the reporters by Trainer) reaches TensorBoard."""
+    pre = _tensorboard(tmp_path / "pretrain")
+    config_text = pre.Tensors("model_config/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert '"sparsity": {' in config_text
+    ft = _tensorboard(tmp_path / "finetune")
+    tags = set(ft.Tags()["scalars"])
+    for tag in (
+        "train/sparsity/train_flops",
+        "train/sparsity/dense_equivalent_flops",
+        "train/sparsity/tokens",
+    ):
+        assert tag in tags, (tag, sorted(tags))
+    tokens = ft.Scalars("train/sparsity/tokens")[-1]
+    assert tokens.value == tokens.step * 4 * 64  # batch 4 x 64 tokens per step: every step counted
 
 
 def _check_tensorboard(tmp_path):
     """Loss, LR, per-layer and total sparsity, cumulative FLOPs vs dense reach TensorBoard."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    ev = EventAccumulator(str(next((tmp_path / "train" / "runs").iterdir())))
-    ev.Reload()
+    ev = _tensorboard(tmp_path / "train")
     tags = set(ev.Tags()["scalars"])
     for tag in ("train/loss", "train/learning_rate", "train/sparsity/total", "train/sparsity/train_flops",
                 "train/sparsity/dense_equivalent_flops", "eval/loss"):  # fmt: skip
@@ -157,6 +182,34 @@ def test_interrupted_and_resumed_run_is_bit_identical(name, args, stop_stage, st
     assert resumed["stages"][0]["flops"]["train_flops"] == pytest.approx(
         fl_full
     )  # FLOPs carried across resume
+
+
+@pytest.mark.slow  # two short recipe runs
+def test_an_interrupted_first_stage_stops_the_recipe_and_resume_runs_the_rest(tmp_path):
+    """IMP with a dense baseline: a preemption in the baseline (the first stage) ends the run there, with
+    no later stage started and no results; ``--resume`` continues the baseline from its checkpoint, then
+    runs IMP."""
+    args = [
+        "--dense_steps",
+        4,
+        "--rewind_to",
+        2,
+        "--iterations",
+        1,
+        "--dense_baseline_steps",
+        4,
+        "--save_steps",
+        2,
+    ]
+    assert _run("imp", tmp_path, *args, callbacks=[StopAt("dense", 2)]) is None
+    assert (tmp_path / "dense" / "checkpoint-2").is_dir() and not (tmp_path / "dense" / "final").exists()
+    assert not (tmp_path / "imp").exists() and not (tmp_path / "results.json").exists()
+    res = _run("imp", tmp_path, *args, "--resume", "true")
+    assert [st["name"] for st in res["stages"]] == ["dense", "imp"]
+    dense = json.loads((tmp_path / "dense" / "stage_done.json").read_text())
+    assert [h["step"] for h in dense["log_history"] if "loss" in h] == [2, 4]  # both halves, once each
+    assert res["dense_baseline_eval_loss"] == dense["final_eval_loss"] > 0
+    assert dense["flops"]["tokens"] == 4 * 4 * 64  # the FLOP count carried across the resume
 
 
 def test_stage_data_reshuffles_and_stages_are_disjoint():
