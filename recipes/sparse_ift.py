@@ -23,11 +23,11 @@ import torch
 from transformers import PrinterCallback, Trainer, TrainingArguments
 
 from hf_sparsity import SparsityCallback, SparsityConfig, last_complete_checkpoint
-from hf_sparsity.mask_engine.config import get_sparsity_config
 from hf_sparsity.data import BlockDataset
 from hf_sparsity.flops.callback import FlopCallback
 from hf_sparsity.ift import sparse_ift
 from hf_sparsity.logging_utils import move_to_front
+from hf_sparsity.mask_engine.config import get_sparsity_config
 
 # ----------------------------------------------------------------------------- defaults
 DEFAULTS = C.recipe_defaults(
