@@ -84,6 +84,11 @@ def generate_args(args) -> None:
     if getattr(args, "values", None):
         _int8_values(args.backend, args.model_dir)
     _sampling(args)
+    if getattr(args, "head", None) and not getattr(args, "values", None):
+        raise SparsityError(
+            f"--head {args.head} goes with --values int8 (the float model's head is left as it is); add "
+            "--values int8, or drop --head."
+        )
     if getattr(args, "activations", None):
         if not getattr(args, "values", None):
             raise SparsityError(
