@@ -10,6 +10,8 @@ and the half-to-even ties are tested exactly.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -240,3 +242,91 @@ def test_native_step_reads_the_int8_embedding_and_head(name):
     dec.close()
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
     assert torch.equal(greedy_decode(model, ids, 6), greedy_decode(model, ids, 6, step="model"))
+
+
+# ---------------------------------------------------------------------------- hf_sparsity generate
+@pytest.fixture(params=["gpt2", "llama"])
+def folder(request, tmp_path, shared_data):
+    """A saved tiny model with the GPT-2 tokenizer (Llama with its head tied, as SmolLM2's) and its masks."""
+    from transformers import GPT2TokenizerFast
+
+    from hf_sparsity.config import SparsityConfig
+    from hf_sparsity.engine import SparsityEngine
+
+    tok = GPT2TokenizerFast.from_pretrained(shared_data / "tokenizer/gpt2")
+    kw = {"tie_word_embeddings": True} if request.param == "llama" else {}
+    model = realistic_model(request.param, vocab=len(tok), hidden=64, **kw)
+    eng = SparsityEngine(model, SparsityConfig(sparsity=0.5, init_method="topk"))
+    eng.build_masks()
+    eng.apply()
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    eng.save(tmp_path / "m")
+    return tmp_path / "m", tok
+
+
+def _reference_text(path, tok, text: str, n: int, **options) -> str:
+    """The folder's model converted in this process, greedy: the text ``hf_sparsity generate`` streams."""
+    from hf_sparsity.loading import load_model_folder
+
+    model, _ = load_model_folder(str(path), masks=False)
+    sparsify_for_inference(model.eval(), "bitmask", masks=str(path), **options)
+    ids = tok(text, return_tensors="pt").input_ids
+    return tok.decode(greedy_decode(model, ids, n, step="model")[0, ids.shape[1] :])
+
+
+@needs_native
+def test_cli_generate_int8_head_by_default_and_head_float32(folder, capsys):
+    from hf_sparsity.cli import main
+
+    path, tok = folder
+    text = "Sparse models are"
+    args = [
+        "generate",
+        str(path),
+        "--prompt",
+        text,
+        "--max-new-tokens",
+        "5",
+        "--no-dense",
+        "--backend",
+        "bitmask",
+    ]
+    mib = {}
+    for head in (None, "float32"):
+        extra = ["--head", head] if head else []
+        assert main([*args, "--values", "int8", *extra]) == 0
+        out, err = capsys.readouterr()
+        want = _reference_text(path, tok, text, 5, values="int8", **({"head": head} if head else {}))
+        assert out.startswith(text) and want.strip() in out and "[bitmask:" in err
+        mib[head] = float(re.search(r"weights ([0-9.]+) MiB", err).group(1))
+    vocab, dim = len(tok), 64  # the float table gone, its int8 codes and scales in its place
+    assert mib["float32"] - mib[None] == pytest.approx(
+        (4 * vocab * dim - (vocab * dim + 4 * vocab)) / 2**20, abs=0.1
+    )
+
+
+@needs_native
+@pytest.mark.parametrize("folder", ["llama"], indirect=True)
+def test_cli_show_choices_with_int8_values_lists_the_int8_head(folder, capsys):
+    """``--backend auto --values int8 --show-choices`` printed the table until the LM head's row, which has no
+    group or timings, ended in a KeyError."""
+    from hf_sparsity.cli import main
+
+    path, _ = folder
+    args = ["generate", str(path), "--prompt", "Hello", "--max-new-tokens", "3", "--no-dense"]
+    assert main([*args, "--values", "int8", "--show-choices"]) == 0
+    err = capsys.readouterr().err
+    head = next(line for line in err.splitlines() if line.startswith("lm_head"))
+    assert "LM head, int8 values" in head and "native_dense" in head and "[auto:" in err
+
+
+def test_cli_head_refusals(tmp_path, capsys):
+    from hf_sparsity.cli import main
+
+    args = ["generate", str(tmp_path), "--prompt", "x"]
+    assert main([*args, "--head", "int8"]) == 2  # before anything loads: no model needed
+    assert "--head int8 goes with --values int8" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--values", "int8", "--head", "int4"])
+    assert e.value.code == 2 and "invalid choice: 'int4'" in capsys.readouterr().err

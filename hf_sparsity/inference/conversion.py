@@ -400,7 +400,8 @@ def resident_weight_bytes(model: nn.Module) -> int:
     """Bytes of every distinct tensor storage the model holds: parameters, buffers and sparse formats.
 
     Tied weights count once. For a sparsified model the packed formats count (values, bit masks,
-    indices) and the dense copies only where they are still held (``keep_dense=True``).
+    indices) and the dense copies only where they are still held (``keep_dense=True``); an
+    :class:`Int8Embedding` holds nothing of its own (the int8 head's codes count with the head).
     """
     model_u = unwrap_model(model)
     seen: dict[int, int] = {}
@@ -419,10 +420,6 @@ def resident_weight_bytes(model: nn.Module) -> int:
         if isinstance(m, SparseLinear):
             for t in _layer_storage(m):
                 add(t)
-        elif isinstance(m, Int8Embedding):  # the head's codes (counted with it), and a kept original
-            add(m.int8_rows()[0])
-            if m._original[0] is not None:
-                add(m._original[0].weight)
     return sum(seen.values())
 
 
