@@ -160,7 +160,7 @@ def _int8_head(model_u: nn.Module, taken: set[str], keep_dense: bool, options: d
     name = next((n for n, m in model_u.named_modules() if m is head), None) if head is not None else None
     if type(head) is not nn.Linear or name is None or name in taken:
         return None
-    opts = {k: options[k] for k in ("threads", "activations") if options.get(k) is not None}
+    opts = {k: options[k] for k in ("threads", "activations", "kernel") if options.get(k) is not None}
     w = head.weight.detach()
     b = get_backend("native_dense").from_dense(
         w, torch.ones((), dtype=torch.uint8).expand(w.shape), values="int8", **opts
