@@ -325,8 +325,8 @@ MUTATIONS = (
         (
             (
                 "hf_sparsity/inference/native_step.py",
-                "for t in (parts.embed, parts.pos_embed, *parts.final)):",
-                "for t in (parts.embed, parts.pos_embed)):",
+                "for t in (table, parts.pos_embed, *parts.final)):",
+                "for t in (table, parts.pos_embed)):",
             ),
         ),
         (
