@@ -33,10 +33,11 @@ built at it through ``HF_SPARSITY_NATIVE_ISA`` (set for this process and the ``h
 subprocesses); llama.cpp's rows import ``llama-cpp-python`` from ``--llama-cpp-dir`` (default: a folder per
 level in the cache, ``~/.cache/hf_sparsity/llama-cpp-python/LEVEL``), built there once when missing with
 ``pip install --target DIR --no-deps --no-binary llama-cpp-python llama-cpp-python==VERSION`` (the version
-installed in this environment) and ``CMAKE_ARGS`` from :data:`LLAMA_CPP_CMAKE` (``native``:
-``-DGGML_NATIVE=ON``; ``avx2``: AVX2 / FMA / F16C without AVX-512; ``scalar``: no SIMD extension beyond the
-x86-64 baseline): a compile of several minutes. A level the CPU lacks is refused before anything loads.
-The CPU's SIMD flags (``/proc/cpuinfo``) and the level are printed with the table.
+installed in this environment; ``--llama-cpp-src SDIST``: from that sdist instead) and ``CMAKE_ARGS`` from
+:data:`LLAMA_CPP_CMAKE` (``native``: ``-DGGML_NATIVE=ON``; ``avx2``: AVX2 / FMA / F16C without AVX-512;
+``scalar``: no SIMD extension beyond the x86-64 baseline): a compile of several minutes. A level the CPU
+lacks is refused before anything loads. The CPU's SIMD flags (``/proc/cpuinfo``) and the level are printed
+with the table.
 
 ``--sampling-only`` keeps the rows sampling is compared with (the native loop, ``generate+native`` greedy,
 sampling, top-p only), so more rounds fit in the same time and the compared rows run next to each other.
@@ -147,8 +148,9 @@ def parse_model(item: str) -> dict:
     )
 
 
-def llama_cpp_build(level: str, target: str) -> None:
-    """``llama-cpp-python`` at ``level`` into ``target`` (module docstring), unless already there."""
+def llama_cpp_build(level: str, target: str, source: str | None = None) -> None:
+    """``llama-cpp-python`` at ``level`` into ``target`` (module docstring), unless already there; from the
+    sdist ``source`` when given, else from the package index."""
     from importlib.metadata import PackageNotFoundError, version
 
     if os.path.isdir(os.path.join(target, "llama_cpp")):
@@ -159,7 +161,7 @@ def llama_cpp_build(level: str, target: str) -> None:
         pin = ""
     cmd = [
         sys.executable, "-m", "pip", "install", "--target", target, "--no-deps", "--no-binary",
-        "llama-cpp-python", f"llama-cpp-python{pin}",
+        "llama-cpp-python", source or f"llama-cpp-python{pin}",
     ]  # fmt: skip
     said = f"CMAKE_ARGS='{LLAMA_CPP_CMAKE[level]}' {' '.join(cmd)}"
     print(f"building llama-cpp-python for --isa {level} (minutes): {said}", file=sys.stderr)
@@ -305,6 +307,9 @@ def main(argv=None) -> int:
     p.add_argument(
         "--llama-cpp-dir", default=None, help="llama-cpp-python built at --isa (default: see above)"
     )
+    p.add_argument(
+        "--llama-cpp-src", default=None, help="a llama-cpp-python sdist to build from (default: PyPI)"
+    )
     p.add_argument("--gguf", default=None, help="llama.cpp rows: NAME=file.gguf,NAME=file.gguf")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tokens", type=int, default=128)
@@ -353,7 +358,7 @@ def main(argv=None) -> int:
             os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
             "hf_sparsity", "llama-cpp-python", args.isa,
         )  # fmt: skip
-        llama_cpp_build(args.isa, target)
+        llama_cpp_build(args.isa, target, args.llama_cpp_src)
         sys.path.insert(0, target)
     for name, path in ggufs.items():
         run = _llama_cpp_runner(path, args.threads, first["ids"][0].tolist(), args.tokens)
