@@ -7,9 +7,11 @@ folders, with WikiText-2 perplexity and bytes per weight on every row.
         --gguf F32=smol-f32.gguf,Q8_0=smol-q8_0.gguf,Q4_0=smol-q4_0.gguf,Q4_K_M=smol-q4_k_m.gguf \\
         --threads 2 --tokens 128 --rounds 3 --ppl-windows 16 --data-dir DATA_DIR
 
-Each ``NAME=FOLDER[:int8]`` is a model folder (``hf_sparsity prune`` output: weights and
+Each ``NAME=FOLDER[:int8[:f32head]]`` is a model folder (``hf_sparsity prune`` output: weights and
 ``sparsity_masks.safetensors``; a folder without masks, a dense or finalized model, converts with its exact
-zeros as ``hf_sparsity generate`` does; ``:int8``: int8 values with per-row scales). Per folder the model is
+zeros as ``hf_sparsity generate`` does; ``:int8``: int8 values with per-row scales, the LM head too;
+``:int8:f32head``: int8 values with the LM head left float32, ``--head float32``: the head's perplexity
+cost is the ``ppl`` of ``NAME=FOLDER:int8`` beside ``NAME=FOLDER:int8:f32head``). Per folder the model is
 loaded once and converted with ``sparsify_for_inference(model, "auto")``; the rows (one prompt, batch 1):
 
 * ``native loop``: :func:`hf_sparsity.inference.decoding.greedy_decode` (one native call per token);
@@ -25,6 +27,17 @@ loaded once and converted with ``sparsify_for_inference(model, "auto")``; the ro
   --repetition-penalty 1.1``);
 * ``--gguf NAME=FILE``: llama.cpp (``llama-cpp-python``, an optional benchmark dependency) on the GGUF file,
   greedy, the same threads and prompt ids; its perplexity from its own logits on the same windows.
+
+``--isa native|avx2|scalar`` (default ``native``): the instruction level of both engines. Our kernels are
+built at it through ``HF_SPARSITY_NATIVE_ISA`` (set for this process and the ``hf_sparsity generate``
+subprocesses); llama.cpp's rows import ``llama-cpp-python`` from ``--llama-cpp-dir`` (default: a folder per
+level in the cache, ``~/.cache/hf_sparsity/llama-cpp-python/LEVEL``), built there once when missing with
+``pip install --target DIR --no-deps --no-binary llama-cpp-python llama-cpp-python==VERSION`` (the version
+installed in this environment; ``--llama-cpp-src SDIST``: from that sdist instead) and ``CMAKE_ARGS`` from
+:data:`LLAMA_CPP_CMAKE` (``native``: ``-DGGML_NATIVE=ON``; ``avx2``: AVX2 / FMA / F16C without AVX-512;
+``scalar``: no SIMD extension beyond the x86-64 baseline): a compile of several minutes. A level the CPU
+lacks is refused before anything loads. The CPU's SIMD flags (``/proc/cpuinfo``) and the level are printed
+with the table.
 
 ``--sampling-only`` keeps the rows sampling is compared with (the native loop, ``generate+native`` greedy,
 sampling, top-p only), so more rounds fit in the same time and the compared rows run next to each other.
@@ -73,15 +86,99 @@ CLI_SAMPLING = [
 ]
 
 
-def _cli(folder: str, values: str | None, args, extra: list[str]) -> tuple[float | None, str]:
+ISAS = ("native", "avx2", "scalar")
+"""``--isa``: the instruction levels (``HF_SPARSITY_NATIVE_ISA`` for our kernels)."""
+
+ISA_FLAGS = {"native": (), "avx2": ("avx", "avx2", "fma", "f16c"), "scalar": ()}
+"""The ``/proc/cpuinfo`` flags a level needs."""
+
+SIMD_FLAGS = (
+    "sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx_vnni", "avx512f", "avx512bw", "avx512vl",
+    "avx512_vnni", "avx512_bf16", "amx_int8",
+)  # fmt: skip
+"""The flags printed with the table (the ones either engine's kernels may use)."""
+
+_GGML_OFF = "-DGGML_NATIVE=OFF -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF -DGGML_BMI2=OFF"
+LLAMA_CPP_CMAKE = {
+    "native": "-DGGML_NATIVE=ON",
+    "avx2": f"{_GGML_OFF} -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON",
+    "scalar": f"{_GGML_OFF} -DGGML_SSE42=OFF -DGGML_AVX=OFF -DGGML_AVX2=OFF -DGGML_FMA=OFF -DGGML_F16C=OFF",
+}
+"""``CMAKE_ARGS`` of the ``llama-cpp-python`` build per ``--isa`` level."""
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
+    """The CPU's flags (the first ``flags`` line of ``/proc/cpuinfo``; empty where there is none)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
+
+def isa_problem(level: str, flags: set[str]) -> str | None:
+    """Why ``--isa level`` cannot run on a CPU with ``flags`` (None: it can)."""
+    if level not in ISAS:
+        return f"--isa {level!r}: use one of {', '.join(ISAS)}."
+    missing = [f for f in ISA_FLAGS[level] if f not in flags]
+    if missing:
+        return (
+            f"--isa {level}: this CPU lacks {', '.join(missing)} (/proc/cpuinfo flags); pick "
+            f"{' or '.join(lv for lv in ISAS if not [f for f in ISA_FLAGS[lv] if f not in flags])}."
+        )
+    return None
+
+
+def parse_model(item: str) -> dict:
+    """``NAME=FOLDER[:int8[:f32head]]`` -> ``dict(name, folder, values, head)``; ValueError (one line)."""
+    name, eq, spec = item.partition("=")
+    folder, *opts = spec.split(":")
+    if not eq or not name or not folder:
+        raise ValueError(f"{item!r}: give NAME=FOLDER, NAME=FOLDER:int8 or NAME=FOLDER:int8:f32head.")
+    if opts not in ([], ["int8"], ["int8", "f32head"]):
+        raise ValueError(
+            f"{item!r}: the options after FOLDER are ':int8' (int8 values, LM head too) or "
+            "':int8:f32head' (int8 values, the LM head float32)."
+        )
+    return dict(
+        name=name, folder=folder, values="int8" if opts else None, head="float32" if len(opts) == 2 else None
+    )
+
+
+def llama_cpp_build(level: str, target: str, source: str | None = None) -> None:
+    """``llama-cpp-python`` at ``level`` into ``target`` (module docstring), unless already there; from the
+    sdist ``source`` when given, else from the package index."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    if os.path.isdir(os.path.join(target, "llama_cpp")):
+        return
+    try:
+        pin = "==" + version("llama-cpp-python")
+    except PackageNotFoundError:
+        pin = ""
+    cmd = [
+        sys.executable, "-m", "pip", "install", "--target", target, "--no-deps", "--no-binary",
+        "llama-cpp-python", source or f"llama-cpp-python{pin}",
+    ]  # fmt: skip
+    said = f"CMAKE_ARGS='{LLAMA_CPP_CMAKE[level]}' {' '.join(cmd)}"
+    print(f"building llama-cpp-python for --isa {level} (minutes): {said}", file=sys.stderr)
+    subprocess.run(cmd, env={**os.environ, "CMAKE_ARGS": LLAMA_CPP_CMAKE[level]}, check=True)
+
+
+def _cli(m: dict, args, extra: list[str]) -> tuple[float | None, str]:
     """One ``hf_sparsity generate`` run with ``extra`` options: (its tok/s, the loop it says ran)."""
     cmd = [
         sys.executable, "-c", "import sys; from hf_sparsity.cli import main; sys.exit(main(sys.argv[1:]))",
-        "generate", folder, "--prompt", args.prompt, "--max-new-tokens", str(args.tokens), "--no-dense",
+        "generate", m["folder"], "--prompt", args.prompt, "--max-new-tokens", str(args.tokens), "--no-dense",
         "--threads", str(args.threads),
     ]  # fmt: skip
-    if values:
-        cmd += ["--values", values]
+    if m["values"]:
+        cmd += ["--values", m["values"]]
+    if m["head"]:
+        cmd += ["--head", m["head"]]
     cmd += extra
     res = subprocess.run(cmd, capture_output=True, text=True, check=False)
     m = re.search(r"\[auto: ([0-9.]+) tok/s", res.stderr)
@@ -134,19 +231,20 @@ def _load(args):
 
     models = {}
     for item in args.models:
-        name, _, spec = item.partition("=")
-        folder, _, values = spec.partition(":")
+        spec = parse_model(item)
+        name, folder, values, head = spec["name"], spec["folder"], spec["values"], spec["head"]
         tok = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         model.generation_config.eos_token_id = None  # exactly --tokens new tokens (module docstring)
         t = time.perf_counter()
         masks = None if os.path.isfile(os.path.join(folder, SPARSITY_MASKS_NAME)) else "zeros"  # as the CLI
-        sparsify_for_inference(model, "auto", masks=masks, **({"values": values} if values else {}))
+        options = {k: v for k, v in (("values", values), ("head", head)) if v}
+        sparsify_for_inference(model, "auto", masks=masks, **options)
         convert_s = time.perf_counter() - t
         ids = tok(args.prompt, return_tensors="pt").input_ids
         reason = native_step_reason(model, ids.shape[1] + args.tokens)
         print(f"{name}: converted in {convert_s:.1f} s; native step: {reason or 'yes'}", file=sys.stderr)
-        models[name] = dict(model=model, tok=tok, ids=ids, folder=folder, values=values or None)
+        models[name] = dict(model=model, tok=tok, ids=ids, folder=folder, values=values, head=head)
     return models
 
 
@@ -191,7 +289,7 @@ def _rows_for(m: dict, args) -> dict:
 
         def cli(extra):
             def run():
-                tok_s, loop = _cli(m["folder"], m["values"], args, extra)
+                tok_s, loop = _cli(m, args, extra)
                 loops.append(loop)
                 return tok_s if tok_s is not None else float("nan")
 
@@ -204,7 +302,14 @@ def _rows_for(m: dict, args) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("models", nargs="+", help="NAME=FOLDER or NAME=FOLDER:int8")
+    p.add_argument("models", nargs="+", help="NAME=FOLDER, NAME=FOLDER:int8 or NAME=FOLDER:int8:f32head")
+    p.add_argument("--isa", default="native", choices=ISAS, help="instruction level of both engines")
+    p.add_argument(
+        "--llama-cpp-dir", default=None, help="llama-cpp-python built at --isa (default: see above)"
+    )
+    p.add_argument(
+        "--llama-cpp-src", default=None, help="a llama-cpp-python sdist to build from (default: PyPI)"
+    )
     p.add_argument("--gguf", default=None, help="llama.cpp rows: NAME=file.gguf,NAME=file.gguf")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tokens", type=int, default=128)
@@ -221,6 +326,17 @@ def main(argv=None) -> int:
     )
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    flags = cpu_flags()
+    try:
+        problem = isa_problem(args.isa, flags)
+        for item in args.models:
+            parse_model(item)
+    except ValueError as e:
+        problem = str(e)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    os.environ["HF_SPARSITY_NATIVE_ISA"] = args.isa  # our kernels, here and in the subprocesses
     torch.set_num_threads(args.threads)
 
     import hf_sparsity
@@ -237,6 +353,13 @@ def main(argv=None) -> int:
     if args.sampling_only:
         runs = {k: fn for k, fn in runs.items() if k[1] in SAMPLING_ROWS}
     first = next(iter(models.values()))
+    if ggufs:  # llama.cpp at the same level: its own build, imported ahead of any other
+        target = args.llama_cpp_dir or os.path.join(
+            os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+            "hf_sparsity", "llama-cpp-python", args.isa,
+        )  # fmt: skip
+        llama_cpp_build(args.isa, target, args.llama_cpp_src)
+        sys.path.insert(0, target)
     for name, path in ggufs.items():
         run = _llama_cpp_runner(path, args.threads, first["ids"][0].tolist(), args.tokens)
         runs[(name, "llama.cpp")] = lambda run=run: run()[1]
@@ -265,8 +388,20 @@ def main(argv=None) -> int:
         if args.ppl_windows:
             windows = wikitext2_windows(first["tok"], wikitext2_rows(path), 512)[: args.ppl_windows]
             ppl[name] = _gguf_perplexity(gpath, windows, args.threads)
+    simd = [f for f in SIMD_FLAGS if f in flags]
+    llama_at = ""
+    if ggufs:
+        import llama_cpp
+
+        llama_at = f"; llama-cpp-python {llama_cpp.__version__} from {os.path.dirname(llama_cpp.__file__)}"
+    from hf_sparsity.backends import _native
+
     print(
-        f"\nhf_sparsity {hf_sparsity.__version__}, torch {torch.__version__}, {args.threads} threads; "
+        f"\n--isa {args.isa} (HF_SPARSITY_NATIVE_ISA; our int8 products: {_native.int8_dot()}; llama.cpp "
+        f"CMAKE_ARGS '{LLAMA_CPP_CMAKE[args.isa]}'){llama_at}; CPU SIMD flags: {' '.join(simd) or 'none'}"
+    )
+    print(
+        f"hf_sparsity {hf_sparsity.__version__}, torch {torch.__version__}, {args.threads} threads; "
         f"{args.tokens} new tokens after a {first['ids'].shape[1]}-token prompt, medians of {args.rounds} "
         f"interleaved rounds; load average before {load0[0]:.1f}, after {load1[0]:.1f}"
     )
@@ -296,7 +431,10 @@ def main(argv=None) -> int:
             print(f"{name:<14}{cells}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"threads": args.threads, "tokens": args.tokens, "rows": results}, f, indent=2)
+            json.dump(
+                {"threads": args.threads, "tokens": args.tokens, "isa": args.isa, "cpu_flags": simd,
+                 "rows": results}, f, indent=2,
+            )  # fmt: skip
     return 0
 
 

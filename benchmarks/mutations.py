@@ -325,8 +325,8 @@ MUTATIONS = (
         (
             (
                 "hf_sparsity/inference/native_step.py",
-                "for t in (parts.embed, parts.pos_embed, *parts.final)):",
-                "for t in (parts.embed, parts.pos_embed)):",
+                "for t in (table, parts.pos_embed, *parts.final)):",
+                "for t in (table, parts.pos_embed)):",
             ),
         ),
         (
@@ -978,6 +978,126 @@ MUTATIONS = (
             ),
         ),
         ("tests/test_recipes.py::test_an_interrupted_first_stage_stops_the_recipe_and_resume_runs_the_rest",),
+    ),
+    Mutation(
+        "int8-head-off-by-default",
+        "values='int8' leaves the LM head float unless head='int8' is asked for",
+        (
+            (
+                "hf_sparsity/inference/conversion.py",
+                '    return head or "int8"',
+                '    return head or "float32"',
+            ),
+        ),
+        ("tests/test_int8_head.py::test_int8_head_logits_match_their_float64_definition",),
+    ),
+    Mutation(
+        "int8-head-float32-ignored",
+        "head='float32' still converts the LM head to int8",
+        (
+            (
+                "hf_sparsity/inference/conversion.py",
+                '    if head == "int8":  # the int8 LM head',
+                "    if head:  # the",
+            ),
+        ),
+        ("tests/test_int8_head.py::test_head_float32_keeps_the_float_head_and_embedding_bit_exact",),
+    ),
+    Mutation(
+        "int8-head-float-activations-ignored",
+        "the int8 head quantizes its activations even with activations='float32'",
+        (
+            (
+                "hf_sparsity/inference/conversion.py",
+                'for k in ("threads", "activations", "kernel")',
+                'for k in ("threads",)',
+            ),
+        ),
+        ("tests/test_int8_head.py::test_int8_head_logits_match_their_float64_definition",),
+    ),
+    Mutation(
+        "int8-embedding-without-scales",
+        "the input embedding tied to the int8 head returns the codes without their row scales",
+        (
+            (
+                "hf_sparsity/inference/conversion.py",
+                "rows = codes.index_select(0, flat).float().mul_(scales.index_select(0, flat)[:, None])",
+                "rows = codes.index_select(0, flat).float()",
+            ),
+        ),
+        (
+            "tests/test_int8_head.py::test_tied_embedding_reads_the_dequantized_codes_exactly_and_frees_the_float_table",
+        ),
+    ),
+    Mutation(
+        "int8-head-tie-missed",
+        "a tied input embedding keeps its float table beside the int8 head (memory doubled, codes unshared)",
+        (
+            (
+                "hf_sparsity/inference/conversion.py",
+                "tied = isinstance(emb, nn.Embedding) and emb.weight is head.weight",
+                "tied = False",
+            ),
+        ),
+        (
+            "tests/test_int8_head.py::test_tied_embedding_reads_the_dequantized_codes_exactly_and_frees_the_float_table",
+        ),
+    ),
+    Mutation(
+        "int8-embedding-restored-untied",
+        "restore_dense gives the embedding a copy of the head's weight instead of the head's weight (untied)",
+        (
+            (
+                "hf_sparsity/inference/conversion.py",
+                "            emb.weight = w\n",
+                "            emb.weight = nn.Parameter(w.detach().clone())\n",
+            ),
+        ),
+        (
+            "tests/test_int8_head.py::test_tied_embedding_reads_the_dequantized_codes_exactly_and_frees_the_float_table",
+        ),
+    ),
+    Mutation(
+        "native-int8-embedding-unscaled",
+        "the native step looks up the int8 embedding's codes without their row scale",
+        (("hf_sparsity/backends/csrc/decode.c", "x[i] = (float)c[i] * s;", "x[i] = (float)c[i];"),),
+        ("tests/test_int8_head.py::test_native_step_reads_the_int8_embedding_and_head",),
+    ),
+    Mutation(
+        "auto-report-needs-group",
+        "auto_report reads every choice's group: the int8 LM head's row (no group) ends in a KeyError",
+        (("hf_sparsity/inference/conversion.py", 'group = c.get("group") or (', 'group = c["group"] or ('),),
+        ("tests/test_int8_head.py::test_cli_show_choices_with_int8_values_lists_the_int8_head",),
+    ),
+    Mutation(
+        "cli-head-dropped",
+        "hf_sparsity generate --head float32 does not reach sparsify_for_inference",
+        (("hf_sparsity/cli/generate.py", '        values["head"] = args.head', "        pass"),),
+        ("tests/test_int8_head.py::test_cli_generate_int8_head_by_default_and_head_float32",),
+    ),
+    Mutation(
+        "int8-head-without-int8-values-accepted",
+        "head='int8' without values='int8' is not refused",
+        (
+            (
+                "hf_sparsity/inference/conversion.py",
+                '        if head == "int8":\n            raise SparsityError(',
+                "        if False:\n            raise SparsityError(",
+            ),
+        ),
+        ("tests/test_int8_head.py::test_head_option_refusals_leave_the_model_untouched",),
+    ),
+    Mutation(
+        "decode-user-isa-unchecked",
+        "benchmarks/decode_user.py runs an --isa level the CPU lacks instead of refusing it",
+        (("benchmarks/decode_user.py", "    if missing:\n", "    if False:\n"),),
+        ("tests/test_decode_user_args.py",),
+    ),
+    Mutation(
+        "decode-user-f32head-ignored",
+        "benchmarks/decode_user.py reads NAME=FOLDER:int8:f32head as int8 with the int8 head",
+        (("benchmarks/decode_user.py", 'head="float32" if len(opts) == 2 else None', "head=None"),),
+        ("tests/test_decode_user_args.py",),
     ),
 )
 

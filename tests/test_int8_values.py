@@ -72,7 +72,7 @@ def test_auto_int8_prefill_sees_the_int8_activations_too():
     ids = torch.randint(2, 128, (1, 40), generator=torch.Generator().manual_seed(1))
     opts = {"check": False, "rounds": 1, "stream_bytes": 1, "plan_cache": False, "lm_head": False}
     opts.update(formats=("bitmask",), margin=-100.0)  # bitmask whatever the timings (ties: fewer bytes)
-    sparsify_for_inference(model, "auto", masks=eng.masks, values="int8", **opts)
+    sparsify_for_inference(model, "auto", masks=eng.masks, values="int8", head="float32", **opts)
     layers = sparse_layers(model)
     assert any(getattr(m.backend.decode, "int8_activations", False) for m in layers.values())
     with torch.no_grad():
@@ -91,7 +91,10 @@ def test_auto_with_int8_chooses_int8_formats_only_when_asked():
     model, eng = _masked("llama")
     opts = {"check": False, "rounds": 1, "stream_bytes": 1}
     sparsify_for_inference(model, "auto", masks=eng.masks, values="int8", **opts)
-    decode = {type(m.backend.decode).__name__: m.backend.decode for m in sparse_layers(model).values()}
+    layers = [
+        m for m in sparse_layers(model).values() if not m.lm_head
+    ]  # the int8 head: tests/test_int8_head
+    decode = {type(m.backend.decode).__name__: m.backend.decode for m in layers}
     for b in decode.values():
         if type(b).__name__ in ("BitmaskBackend", "NM24Backend"):
             assert b.int8

@@ -173,8 +173,11 @@ class SparseBackend:
 
         The default converts each layer with :meth:`from_dense` (``options`` passed through). A backend
         that decides per layer or looks at the whole model (``auto``) overrides this: it may leave layers
-        out, convert modules that are not targets (an LM head) and record its choices.
+        out, convert modules that are not targets (an LM head) and record its choices. ``head``
+        (``"int8"`` / ``"float32"``, from ``sparsify_for_inference``) is a model-level option: the int8 LM
+        head is converted by the caller, after the plan.
         """
+        options.pop("head", None)
         return ModelPlan(
             [(t.module_name, wrap(t.module, cls.from_dense(t.weight, t.mask, **options))) for t in targets]
         )

@@ -71,6 +71,11 @@ def _has_tokenizer(model: str, flag: str) -> None:
 
 def generate_args(args) -> None:
     """``hf_sparsity generate MODEL_DIR ...``."""
+    if getattr(args, "head", None) and not getattr(args, "values", None):
+        raise SparsityError(
+            f"--head {args.head} goes with --values int8 (the float model's head is left as it is); add "
+            "--values int8, or drop --head."
+        )
     model_dir(args.model_dir, "MODEL_DIR")
     _has_tokenizer(args.model_dir, "MODEL_DIR")
     _backend(args.backend)

@@ -5,7 +5,8 @@
     hf_sparsity generate MODEL_DIR --prompt TEXT --backend bitmask --max-new-tokens 64
     hf_sparsity generate MODEL_DIR --prompt TEXT --masks zeros      # a finalized folder: its exact zeros
     hf_sparsity generate MODEL_DIR --prompt TEXT --compile          # torch.compile'd forward, static cache
-    hf_sparsity generate MODEL_DIR --prompt TEXT --values int8      # int8 values, per-row scales
+    hf_sparsity generate MODEL_DIR --prompt TEXT --values int8      # int8 values, per-row scales, LM head too
+    hf_sparsity generate MODEL_DIR --prompt TEXT --values int8 --head float32   # ... the LM head as it is
     hf_sparsity generate MODEL_DIR --prompt TEXT --lean             # greedy_decode's loop (same tokens)
     hf_sparsity generate MODEL_DIR --prompt TEXT --do-sample --temperature 0.7 --top-p 0.9 --seed 0
 
@@ -192,6 +193,8 @@ def generate_command(args) -> int:
     values = {"values": args.values} if args.values else {}
     if args.activations:
         values["activations"] = args.activations
+    if args.head:
+        values["head"] = args.head
     sparsify_for_inference(model, args.backend, masks=masks, **values)
     convert_s = time.perf_counter() - t
     if args.backend == "auto" and args.show_choices:
@@ -317,6 +320,13 @@ def generate_command_parser(subparsers):
         choices=("int8", "float32"),
         help="With --values int8: int8 activations, 32 scales per row (default; int8 dot products), or "
         "float32 (bitmask, nm24, native_dense)",
+    )
+    p.add_argument(
+        "--head",
+        default=None,
+        choices=("int8", "float32"),
+        help="With --values int8: the LM head's values, int8 codes with per-row scales (default; a tied "
+        "input embedding reads the same codes) or float32 (the head as it is)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch / native kernel threads")
     p.add_argument("--no-dense", action="store_true", help="Skip the dense comparison run")

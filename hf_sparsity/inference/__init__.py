@@ -2,7 +2,8 @@
 
 * :mod:`~hf_sparsity.inference.conversion`: :func:`sparsify_for_inference` and :func:`restore_dense`
   (the sparse layer :class:`SparseLinear` swapped in for the targeted ``nn.Linear`` / ``Conv1D`` and
-  back), and what reports on the converted model (:func:`auto_report`, :func:`sparse_layer_bytes`, ...);
+  back; :class:`Int8Embedding` for the input embedding tied to an int8 LM head), and what reports on
+  the converted model (:func:`auto_report`, :func:`sparse_layer_bytes`, ...);
 * :mod:`~hf_sparsity.inference.decoding`: batch-1 generation: the native step behind
   ``model.generate(custom_generate=native_generate)`` and :func:`greedy_decode`;
 * :mod:`~hf_sparsity.inference.bench`: the timing harness behind ``hf_sparsity bench`` and
@@ -13,6 +14,7 @@ sparsify_for_inference``).
 """
 
 from .conversion import (
+    Int8Embedding,
     SparseLinear,
     auto_choices,
     auto_report,
@@ -26,6 +28,7 @@ from .conversion import (
 )
 
 __all__ = [
+    "Int8Embedding",
     "SparseLinear",
     "auto_choices",
     "auto_report",

@@ -271,8 +271,8 @@ def auto_groups(model) -> tuple[dict[str, dict[str, Any]], dict | None]:
     groups: dict[str, dict[str, Any]] = {}
     check = None
     for c in auto_choices(model).values():
-        key = c["group"] + (" (LM head)" if c.get("lm_head") else "")
-        g = groups.setdefault(key, {k: c[k] for k in PLAN_KEYS} | {"layers": 0})
+        key = c.get("group", "int8 values") + (" (LM head)" if c.get("lm_head") else "")
+        g = groups.setdefault(key, {k: c.get(k) for k in PLAN_KEYS} | {"layers": 0})
         g["layers"] += 1
         check = c.get("whole_model_check", check)
     return groups, check
@@ -311,11 +311,8 @@ def bench_model(
     dense_t, back_t, err = _interleaved_decode(
         model, klass, found, ids, dense_logits, new_tokens, rounds, options
     )
-    layers = {  # auto may also swap the LM head (native GEMV): it is not a sparse layer
-        n: m
-        for n, m in sparse_layers(model).items()
-        if not (getattr(m.backend, "choice", None) or {}).get("lm_head")
-    }
+    # auto may also swap the LM head (native GEMV), int8 values the head too: it is not a sparse layer
+    layers = {n: m for n, m in sparse_layers(model).items() if not m.lm_head}
     nnz = sum(m.backend.nnz for m in layers.values())
     numel = sum(m.backend.out_features * m.backend.in_features for m in layers.values())  # no mask rebuilt
     kernels = sorted({str(getattr(m.backend, "kernel", klass.name)) for m in layers.values()})
@@ -410,7 +407,7 @@ def decode_bytes_per_token(model) -> int:
                 add(t)
         elif isinstance(m, nn.Linear) or is_conv1d(m):
             add(m.weight)
-    if emb is not None and emb.weight.data_ptr() not in seen:
-        w = emb.weight
+    w = getattr(emb, "weight", None)  # an Int8Embedding reads the head's codes, counted above
+    if w is not None and w.data_ptr() not in seen:
         total += w.shape[1] * w.element_size()  # one row
     return total

@@ -56,9 +56,12 @@ class SparseLinear(nn.Module):
     ``keep_dense=False``, in which case the dense layer is rebuilt from the backend.
     """
 
-    def __init__(self, original: nn.Module, backend: SparseBackend, keep_dense: bool = True):
+    def __init__(
+        self, original: nn.Module, backend: SparseBackend, keep_dense: bool = True, lm_head: bool = False
+    ):
         super().__init__()
         self.backend = backend
+        self.lm_head = lm_head  # the model's output embedding, converted though no mask names it
         self.in_features = backend.in_features
         self.out_features = backend.out_features
         self.was_conv1d = _is_conv1d(original)
@@ -87,6 +90,92 @@ class SparseLinear(nn.Module):
     def extra_repr(self) -> str:
         kind = "Conv1D" if self.was_conv1d else "Linear"
         return f"{kind} -> {self.backend.name}: {self.backend.extra_repr()}"
+
+
+class Int8Embedding(nn.Module):
+    """Stands in for the ``nn.Embedding`` tied to an int8 LM head: it reads the head's codes, so the
+    weights stay tied and the float table is freed. Looking up token ``t`` returns ``codes[t] * scales[t]``
+    (float32 products, then the embedding's dtype): exactly the rows the head multiplies by.
+
+    Keeps the original embedding (outside the module tree) for :func:`restore_dense` when built with
+    ``keep_dense=True``; else :meth:`to_dense_module` rebuilds it from the codes, tied to the restored head.
+    """
+
+    def __init__(self, original: nn.Embedding, head: SparseLinear, keep_dense: bool = True):
+        super().__init__()
+        self.head = [head]  # a list: the head is a module of the model already, not a child of this one
+        self.num_embeddings, self.embedding_dim = original.num_embeddings, original.embedding_dim
+        self.padding_idx = original.padding_idx
+        self.dtype = original.weight.dtype
+        self._original = [original if keep_dense else None]
+
+    def int8_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(codes int8 [rows, dim], scales float32 [rows])`` of the head (views, no copy)."""
+        return self.head[0].backend.int8_rows()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        codes, scales = self.int8_rows()
+        flat = ids.reshape(-1)
+        rows = codes.index_select(0, flat).float().mul_(scales.index_select(0, flat)[:, None])
+        return rows.to(self.dtype).view(*ids.shape, self.embedding_dim)
+
+    def to_dense_module(self, head: nn.Module | None = None) -> nn.Module:
+        """The original embedding, or a new one holding the dequantized rows (the weight of ``head``, the
+        restored LM head, when it has this shape: tied again)."""
+        orig = self._original[0]
+        if orig is not None:
+            return orig
+        emb = nn.Embedding(self.num_embeddings, self.embedding_dim, padding_idx=self.padding_idx)
+        w = getattr(head, "weight", None)
+        if isinstance(w, nn.Parameter) and tuple(w.shape) == (self.num_embeddings, self.embedding_dim):
+            emb.weight = w
+        else:
+            codes, scales = self.int8_rows()
+            emb.weight = nn.Parameter(codes.float().mul_(scales[:, None]).to(self.dtype))
+        return emb
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim} -> the int8 LM head's codes"
+
+
+HEADS = ("int8", "float32")
+"""``head=`` of :func:`sparsify_for_inference`: the LM head's values when the model's values are int8."""
+
+
+def _head_option(head: Any, values: Any) -> str | None:
+    """``head`` checked against ``values``: ``"int8"`` by default with ``values="int8"``; None without."""
+    if head is not None and head not in HEADS:
+        raise SparsityError(f"head={head!r}: use 'int8' or 'float32' (the LM head's values).")
+    if values != "int8":
+        if head == "int8":
+            raise SparsityError(
+                "head='int8' goes with values='int8' (the int8 LM head of an int8 model); add values='int8', "
+                "or drop head."
+            )
+        return None
+    return head or "int8"
+
+
+def _int8_head(model_u: nn.Module, taken: set[str], keep_dense: bool, options: dict) -> tuple | None:
+    """``(head name, SparseLinear, (embedding name, Int8Embedding) or None)``: the output embedding on
+    ``native_dense`` with int8 values, and the input embedding tied to it reading the same codes. None
+    when the model has no float ``nn.Linear`` head or a mask names it (it converts as a sparse layer)."""
+    head = model_u.get_output_embeddings() if hasattr(model_u, "get_output_embeddings") else None
+    name = next((n for n, m in model_u.named_modules() if m is head), None) if head is not None else None
+    if type(head) is not nn.Linear or name is None or name in taken:
+        return None
+    opts = {k: options[k] for k in ("threads", "activations", "kernel") if options.get(k) is not None}
+    w = head.weight.detach()
+    b = get_backend("native_dense").from_dense(
+        w, torch.ones((), dtype=torch.uint8).expand(w.shape), values="int8", **opts
+    )
+    layer = SparseLinear(head, b, keep_dense=keep_dense, lm_head=True)
+    emb = model_u.get_input_embeddings() if hasattr(model_u, "get_input_embeddings") else None
+    tied = isinstance(emb, nn.Embedding) and emb.weight is head.weight
+    if not tied:
+        return name, layer, None
+    emb_name = next(n for n, m in model_u.named_modules() if m is emb)
+    return name, layer, (emb_name, Int8Embedding(emb, layer, keep_dense=keep_dense))
 
 
 def _resolve_masks(model: nn.Module, masks: Any, config: Any) -> dict[str, torch.Tensor]:
@@ -163,6 +252,7 @@ def sparsify_for_inference(
     *,
     config: Any = None,
     keep_dense: bool | None = None,
+    head: str | None = None,
     verbose: bool = False,
     **backend_options: Any,
 ) -> nn.Module:
@@ -184,6 +274,14 @@ def sparsify_for_inference(
             the sparse ones (masked positions exactly 0). Default: ``False`` for backends whose
             ``capabilities.frees_dense`` is set (``auto``, ``bitmask``, ``nm24``, ``native_dense``:
             the point is memory), ``True`` otherwise.
+        head: the LM head's values with ``values="int8"``: ``"int8"`` (default) stores the output embedding
+            as int8 codes with one scale per row (``scale = max|w_row| / 127``), multiplied by
+            ``native_dense``'s GEMV with the layers' activation quantization, on every backend; an input
+            embedding tied to it reads the same codes (:class:`Int8Embedding`: ``codes[t] * scales[t]``),
+            so the weights stay tied and the float table is freed (``keep_dense=False``). ``"float32"``
+            keeps the head as it is (``auto`` may still put it on the float native GEMV). An untied head
+            converts alone. ``head="int8"`` without ``values="int8"`` is refused. A head a mask names
+            converts as a sparse layer instead.
         verbose: print the per-layer choice of ``auto``.
         **backend_options: passed to the backend's :meth:`~hf_sparsity.backends.SparseBackend.plan_model`,
             which by default passes them to ``from_dense`` (e.g. ``kernel="torch"``,
@@ -204,20 +302,40 @@ def sparsify_for_inference(
     if any(isinstance(m, SparseLinear) for m in model_u.modules()):
         raise SparsityError("The model is already sparsified for inference; call restore_dense(model) first.")
     _check_values(model_u, klass, backend_options.get("values"))
+    head = _head_option(head, backend_options.get("values"))
     found = _resolve_masks(model_u, masks, config)
     targets = [LayerTarget(*t) for t in _sparse_targets(model_u, found)]
+    out_emb = model_u.get_output_embeddings() if hasattr(model_u, "get_output_embeddings") else None
+    if any(t.module is out_emb for t in targets):  # a head a mask names converts as a sparse layer
+        out_emb = None
 
     def wrap(module: nn.Module, prepared: SparseBackend, keep_dense: bool = keep_dense) -> SparseLinear:
-        return SparseLinear(module, prepared, keep_dense=keep_dense)
+        return SparseLinear(module, prepared, keep_dense=keep_dense, lm_head=module is out_emb)
 
-    plan = klass.plan_model(model_u, targets, wrap, **backend_options)
+    plan_options = dict(backend_options, head=head) if head else backend_options
+    plan = klass.plan_model(model_u, targets, wrap, **plan_options)
     swaps, choices = plan.swaps, plan.choices
+    if head == "int8":  # the int8 LM head (and the embedding tied to it), whatever the backend
+        int8_head = _int8_head(model_u, {t.module_name for t in targets}, keep_dense, backend_options)
+        if int8_head is not None:
+            swaps = [s for s in swaps if s[0] != int8_head[0]] + [int8_head[:2]]
+            if int8_head[2] is not None:
+                swaps.append(int8_head[2])
+            if choices:
+                choices[int8_head[0]] = dict(
+                    decode="native_dense",
+                    values="int8",
+                    prefill="unpack",
+                    prefill_large="unpack",
+                    lm_head=True,
+                )
     for module_name, new in swaps:  # every layer prepared: now swap them all
         replace_module(model_u, module_name, new)
     n_swapped = len(swaps)
     # the dense weights the targets and the plan still reference go before the packed tensors are copied
     # into one huge-page buffer in reading order (each original freed as its copy lands: no second model)
     del plan, swaps, targets, found
+    out_emb = None
     pack_weights(model_u)
     if choices:
         _AUTO_CHOICES[model_u] = choices
@@ -268,11 +386,16 @@ def auto_report(model: nn.Module) -> str:
         f"{'layer':<44} {'group':<32} {'decode':>12} {'x dense':>7} {'prefill':>8} {'x dense':>7} "
         f"{'long':>7} {'x dense':>7}"
     ]
+
+    def ratio(v: Any) -> str:  # "-": not measured (the int8 LM head is not timed)
+        return f"{v:>7.2f}" if isinstance(v, (int, float)) else f"{'-':>7}"
+
     for name, c in rows.items():
+        group = c.get("group") or ("LM head, int8 values" if c.get("lm_head") else "-")
         lines.append(
-            f"{name:<44} {c['group']:<32} {c['decode']:>12} {c['decode_vs_dense']:>7.2f} "
-            f"{c['prefill']:>8} {c['prefill_vs_dense']:>7.2f} {c['prefill_large']:>7} "
-            f"{c['prefill_large_vs_dense']:>7.2f}"
+            f"{name:<44} {group:<32} {c.get('decode', '-'):>12} {ratio(c.get('decode_vs_dense'))} "
+            f"{c.get('prefill', '-'):>8} {ratio(c.get('prefill_vs_dense'))} {c.get('prefill_large', '-'):>7} "
+            f"{ratio(c.get('prefill_large_vs_dense'))}"
         )
     return "\n".join(lines)
 
@@ -281,7 +404,8 @@ def resident_weight_bytes(model: nn.Module) -> int:
     """Bytes of every distinct tensor storage the model holds: parameters, buffers and sparse formats.
 
     Tied weights count once. For a sparsified model the packed formats count (values, bit masks,
-    indices) and the dense copies only where they are still held (``keep_dense=True``).
+    indices) and the dense copies only where they are still held (``keep_dense=True``); an
+    :class:`Int8Embedding` holds nothing of its own (the int8 head's codes count with the head).
     """
     model_u = unwrap_model(model)
     seen: dict[int, int] = {}
@@ -315,13 +439,13 @@ def sparse_layer_bytes(model: nn.Module) -> dict[str, float]:
     """Resident bytes of the converted (sparse-able) layers' weights against the same weights dense.
 
     What the formats themselves save, without the parts that stay dense (embeddings, norms, a
-    tied LM head), which bound :func:`resident_weight_bytes`'s whole-model ratio. An LM head that
-    ``auto`` put on ``native_dense`` is not a sparse layer and is left out. Returns ``{"sparse":
-    bytes, "dense": bytes, "ratio": sparse / dense, "layers": count}``.
+    tied LM head), which bound :func:`resident_weight_bytes`'s whole-model ratio. An LM head converted
+    without a mask (``auto``'s ``native_dense``, the int8 head) is not a sparse layer and is left out.
+    Returns ``{"sparse": bytes, "dense": bytes, "ratio": sparse / dense, "layers": count}``.
     """
     sparse = dense = n = 0
     for m in unwrap_model(model).modules():
-        if not isinstance(m, SparseLinear) or (getattr(m.backend, "choice", None) or {}).get("lm_head"):
+        if not isinstance(m, SparseLinear) or m.lm_head:
             continue
         b = m.backend
         sparse += sum(t.numel() * t.element_size() for t in _layer_storage(m))
@@ -357,6 +481,9 @@ def restore_dense(model: nn.Module) -> nn.Module:
     for name, module in list(model_u.named_modules()):
         if isinstance(module, SparseLinear):
             replace_module(model_u, name, module.to_dense_module())
+    for name, module in list(model_u.named_modules()):  # tied to the restored head again
+        if isinstance(module, Int8Embedding):
+            replace_module(model_u, name, module.to_dense_module(model_u.get_output_embeddings()))
     return model
 
 

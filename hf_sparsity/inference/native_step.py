@@ -19,7 +19,7 @@ from torch import nn
 from ..backends import _native, get_backend
 from ..hooks import tensor_version
 from ..utils import SparsityError, torch_threads
-from .conversion import SparseLinear
+from .conversion import Int8Embedding, SparseLinear
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 """``config.model_type`` values the native step runs: Llama / Mistral / Qwen2 / Qwen3 (pre-norm blocks with
@@ -60,6 +60,8 @@ class _Decoder(ctypes.Structure):  # hfs_decoder_t in csrc/api.h (tests/test_str
         ("act", ctypes.c_int64),
         ("pos_embed", ctypes.c_void_p),
         ("final_norm_bias", ctypes.c_void_p),
+        ("embed_codes", ctypes.c_void_p),
+        ("embed_scales", ctypes.c_void_p),
     ]
 
 
@@ -120,7 +122,7 @@ def _parts(model: nn.Module) -> _Parts | str:
         heads = int(cfg.n_head)
         hd = int(cfg.n_embd) // heads
         return _Parts(
-            arch=1, blocks=out, embed=base.wte.weight, pos_embed=base.wpe.weight, rotary=None,
+            arch=1, blocks=out, embed=_table(base.wte), pos_embed=base.wpe.weight, rotary=None,
             final=(base.ln_f.weight, base.ln_f.bias), eps=float(blocks[0].ln_1.eps),
             scale=float(blocks[0].attn.scaling), hidden=int(cfg.n_embd), heads=heads, kv=heads, hd=hd,
             ffn=int(blocks[0].mlp.c_fc.weight.shape[1] if type(blocks[0].mlp.c_fc).__name__ == "Conv1D"
@@ -144,12 +146,18 @@ def _parts(model: nn.Module) -> _Parts | str:
         out.append({"proj": proj, "norms": norms, "qk_norms": qk})
     heads, kv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
     return _Parts(
-        arch=0, blocks=out, embed=base.embed_tokens.weight, pos_embed=None, rotary=base.rotary_emb,
+        arch=0, blocks=out, embed=_table(base.embed_tokens), pos_embed=None, rotary=base.rotary_emb,
         final=(base.norm.weight, None), eps=float(layers[0].input_layernorm.variance_epsilon),
         scale=float(layers[0].self_attn.scaling), hidden=int(cfg.hidden_size), heads=heads, kv=kv,
         hd=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads), ffn=int(cfg.intermediate_size),
         act=0,
     )  # fmt: skip
+
+
+def _table(embedding: nn.Module) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The token embedding's table: its weight, or (an :class:`Int8Embedding`) the int8 head's ``(codes,
+    scales)``, which the step dequantizes per row as the module does."""
+    return embedding.int8_rows() if isinstance(embedding, Int8Embedding) else embedding.weight
 
 
 def _is_conv1d(mod) -> bool:
@@ -217,7 +225,8 @@ def native_step_reason(model: nn.Module, length: int | None = None) -> str | Non
                 return f"layer {i}: a norm whose weight is not float32 on the CPU"
     if not (isinstance(head, SparseLinear) or (type(head) is nn.Linear and _f32(head.weight.detach()))):
         return f"LM head {type(head).__name__} (native step: SparseLinear or float32 nn.Linear)"
-    if not all(_f32(t if t is None else t.detach()) for t in (parts.embed, parts.pos_embed, *parts.final)):
+    table = parts.embed if torch.is_tensor(parts.embed) else None  # int8 codes: the head's, checked above
+    if not all(_f32(t if t is None else t.detach()) for t in (table, parts.pos_embed, *parts.final)):
         return "embeddings or final norm not float32 on the CPU"
     return None
 
@@ -323,19 +332,21 @@ class NativeDecoder:
         vocab = int(head.out_features)
         self.logits = torch.empty(vocab)
         fw, fb = parts.final
+        table = parts.embed if torch.is_tensor(parts.embed) else None
+        codes, scales = (None, None) if table is not None else parts.embed
         dec = _Decoder(
             len(parts.blocks), parts.hidden, heads, kv, hd, parts.ffn, total, vocab, self.threads,
             parts.eps, parts.scale, ctypes.addressof(layers), head_addr, head_bias, _ptr(fw.detach()),
-            parts.embed.detach().data_ptr(), _ptr(self._rope[0]), _ptr(self._rope[1]), None,
+            _ptr(table if table is None else table.detach()), _ptr(self._rope[0]), _ptr(self._rope[1]), None,
             self.logits.data_ptr(), parts.arch, parts.act,
             _ptr(parts.pos_embed if parts.pos_embed is None else parts.pos_embed.detach()),
-            _ptr(fb if fb is None else fb.detach()),
+            _ptr(fb if fb is None else fb.detach()), _ptr(codes), _ptr(scales),
         )  # fmt: skip
         self._lib = _native.load()
         self._work = torch.empty(int(self._lib.hfs_decode_work_floats(ctypes.byref(dec))))
         dec.work = self._work.data_ptr()
         self._dec, self._layers, self._caches, self.total = dec, layers, caches, total
-        self._embed_rows = int(parts.embed.shape[0])
+        self._embed_rows = int((parts.embed if table is not None else codes).shape[0])
 
     @torch.inference_mode()
     def start(self, input_ids: torch.Tensor, total: int, limit: int | None = None) -> torch.Tensor:

@@ -14,7 +14,7 @@ from ...modeling import replace_module
 from .. import measure
 from ..base import BackendCapabilities, LayerTarget, ModelPlan, SparseBackend, Wrap, _new_counters
 from ..formats import SMALL_BATCH
-from ..registry import get_backend, register_backend
+from ..registry import register_backend
 from .cache import PlanCache
 from .cost import DTYPES, PLAN_KEYS, _build, _product_input
 from .planner import plan_layers
@@ -30,7 +30,9 @@ class AutoBackend(SparseBackend):
     ``formats`` (candidates, default all that apply), ``values`` (None or ``"int8"``), ``prefill_batch``
     (128), ``rounds`` (7), ``sample_layers`` (8), ``stream_bytes`` (64 MiB), ``margin`` (-0.03),
     ``model_tolerance`` (3.0), ``plan_cache`` (True), ``keep_dense_for_prefill`` (False), ``threads``;
-    for a whole model also ``lm_head`` (True) and ``check`` (True).
+    for a whole model also ``lm_head`` (True: time the float LM head on the native GEMV against dense),
+    ``head`` (``"int8"``: the LM head is left to ``sparsify_for_inference``, which stores it as int8) and
+    ``check`` (True).
     """
 
     name = "auto"
@@ -45,7 +47,7 @@ class AutoBackend(SparseBackend):
     )
 
     def __init__(self, weight: torch.Tensor, mask: torch.Tensor, **options: Any):
-        options = {k: v for k, v in options.items() if k not in ("lm_head", "check")}
+        options = {k: v for k, v in options.items() if k not in ("lm_head", "check", "head")}
         b, prefill, keep, choice = plan_layers({"layer": (weight, mask)}, **options)["layer"]
         if b is None:  # dense won: F.linear on the masked weight
             b = _build("dense", weight, mask, options.get("threads"))
@@ -65,7 +67,9 @@ class AutoBackend(SparseBackend):
     def plan_model(cls, model: Any, targets: list[LayerTarget], wrap: Wrap, **options: Any) -> ModelPlan:
         """Plan every target layer (module docstring), the LM head (``lm_head=False`` skips it), then check
         the whole model's decoding against the model as it was (``check=False`` skips it)."""
-        lm_head = options.pop("lm_head", True)
+        # head="int8": sparsify_for_inference converts the LM head itself (int8 codes, every backend)
+        int8_head = options.pop("head", None) == "int8"
+        lm_head = options.pop("lm_head", True) and not int8_head
         check = options.pop("check", True)
         plan = plan_layers({t.name: (t.weight, t.mask) for t in targets}, **options)
         swaps: list[tuple[str, nn.Module]] = []
@@ -154,19 +158,6 @@ def _plan_lm_head(model: nn.Module, taken: set[str], options: dict, wrap: Wrap) 
     if name is None or name in taken:
         return None
     w = head.weight.detach()
-    if options.get("values") == "int8":  # asked for: the int8 GEMV reads a quarter of fp32's bytes, no timing
-        b = get_backend("native_dense").from_dense(
-            w,
-            torch.ones((), dtype=torch.uint8).expand(w.shape),
-            threads=options.get("threads"),
-            values="int8",
-        )
-        choice = {"decode": "native_dense", "values": "int8", "prefill": "unpack", "lm_head": True}
-        return (
-            name,
-            wrap(head, AutoBackend.from_plan(b, ("unpack", "unpack"), None, choice), keep_dense=True),
-            choice,
-        )
     keys = ("rounds", "margin", "threads", "prefill_batch", "plan_cache", "model_tolerance")
     opts = {k: v for k, v in options.items() if k in keys}
     plan = plan_layers(

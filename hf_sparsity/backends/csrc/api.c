@@ -212,6 +212,7 @@ static const hfs_field_t g_fields[] = {
     HFS_FIELD(hfs_decoder_t, embed), HFS_FIELD(hfs_decoder_t, cos), HFS_FIELD(hfs_decoder_t, sin),
     HFS_FIELD(hfs_decoder_t, work), HFS_FIELD(hfs_decoder_t, logits), HFS_FIELD(hfs_decoder_t, arch),
     HFS_FIELD(hfs_decoder_t, act), HFS_FIELD(hfs_decoder_t, pos_embed), HFS_FIELD(hfs_decoder_t, final_norm_bias),
+    HFS_FIELD(hfs_decoder_t, embed_codes), HFS_FIELD(hfs_decoder_t, embed_scales),
     HFS_FIELD(hfs_sampler_t, vocab), HFS_FIELD(hfs_sampler_t, top_k), HFS_FIELD(hfs_sampler_t, cap),
     HFS_FIELD(hfs_sampler_t, seen_room), HFS_FIELD(hfs_sampler_t, n_tail), HFS_FIELD(hfs_sampler_t, tail_op),
     HFS_FIELD(hfs_sampler_t, tail_keep), HFS_FIELD(hfs_sampler_t, tail_value), HFS_FIELD(hfs_sampler_t, penalty),

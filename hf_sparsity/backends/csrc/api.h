@@ -44,6 +44,8 @@ typedef struct {
   int64_t act;   /* GPT-2's MLP activation: 0 GELU with the tanh approximation, 1 GELU (erf) */
   const float* pos_embed;       /* [positions, hidden] (GPT-2) */
   const float* final_norm_bias; /* (GPT-2) */
+  const int8_t* embed_codes;    /* non-NULL: the embedding is int8 codes [rows, hidden] (a tied int8 LM head's), */
+  const float* embed_scales;    /* row r = embed_codes[r] * embed_scales[r]; `embed` is then unused */
 } hfs_decoder_t;
 
 /* One generation's sampling processors (sample.c; Python: sampling.py's _Sampler): the repetition penalty and

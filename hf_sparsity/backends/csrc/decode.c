@@ -171,7 +171,13 @@ static void decode_layers(const hfs_decoder_t* d, int64_t token, int64_t pos) {
   const int64_t D = d->hidden, H = d->heads, G = d->kv_heads, hd = d->head_dim, F = d->ffn, T = d->max_len;
   float *x = d->work, *h = x + D, *o = h + D, *att = o + D, *q = att + H * hd, *k = q + H * hd, *v = k + G * hd;
   float *g = v + G * hd, *u = g + F, *sc = u + F;
-  memcpy(x, d->embed + token * D, (size_t)D * sizeof(float));
+  if (d->embed_codes) { /* a tied int8 LM head's row, dequantized as torch does: float(code) * scale */
+    const int8_t* c = d->embed_codes + token * D;
+    const float s = d->embed_scales[token];
+    for (int64_t i = 0; i < D; i++) x[i] = (float)c[i] * s;
+  } else {
+    memcpy(x, d->embed + token * D, (size_t)D * sizeof(float));
+  }
   if (d->pos_embed)
     for (int64_t i = 0; i < D; i++) x[i] += d->pos_embed[pos * D + i];
   const float *cs = d->cos ? d->cos + pos * hd : NULL, *sn = d->sin ? d->sin + pos * hd : NULL;

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ...utils import SparsityError
 from .. import _native
 from ..registry import register_backend
 from .base import _PackedBackend, packed_capabilities
@@ -44,6 +45,16 @@ class NativeDenseBackend(_PackedBackend):
             return self.values
         n = self.out_features * self.in_features
         return self._scaled(self._codes()[:n].view(self.out_features, self.in_features).clone())
+
+    def int8_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(codes int8 [out, in], scales float32 [out])``: views of the int8 values' buffer (no copy), row
+        ``r`` standing for ``codes[r] * scales[r]``. What a tied input embedding reads (the rows of an int8
+        LM head: :class:`hf_sparsity.inference.conversion.Int8Embedding`)."""
+        if not self.int8:
+            raise SparsityError(f"{self.name}: int8_rows needs int8 values (values='int8').")
+        n = self.out_features * self.in_features
+        sb = _native.scale_bytes(self.out_features)
+        return self.values[sb : sb + n].view(self.out_features, self.in_features), self.scales
 
     def _dense_mask(self) -> torch.Tensor:
         return (self._unpack() != 0).to(torch.uint8)
