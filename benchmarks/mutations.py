@@ -44,6 +44,26 @@ MUTATIONS = (
         ("tests/test_enforcement.py",),
     ),
     Mutation(
+        "fused-grad-mask-before-ddp-copy",
+        "the end-of-backward gradient pass runs as soon as it is queued, before callbacks the backward "
+        "queued later (DDP's copy of averaged gradients into .grad)",
+        (
+            (
+                "hf_sparsity/enforcement.py",
+                "        queue_after_backward(self._mask_fused_grads)",
+                "        self._mask_fused_grads()",
+            ),
+        ),
+        ("tests/test_fused_grad_mask.py",),
+    ),
+    Mutation(
+        "fused-grad-mask-flag-sticks",
+        "the end-of-backward pass is queued once per flag, not per backward: a backward that failed leaves "
+        "the next one unmasked",
+        (("hf_sparsity/enforcement.py", "if task != self._queued_in:", "if self._queued_in == -1:"),),
+        ("tests/test_fused_grad_mask.py",),
+    ),
+    Mutation(
         "reader-nonzeros",
         "the mask reader no longer checks nonzero counts",
         (("hf_sparsity/storage/masks_file.py", 'if nnz != info[name]["nonzeros"]:', "if False:"),),
