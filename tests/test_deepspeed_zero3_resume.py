@@ -49,14 +49,14 @@ def test_zero3_resume_restores_masks_bit_identical_and_trains_on(zero3, tmp_path
 
 @pytest.mark.slow
 def test_zero3_resume_refuses_a_mask_file_that_does_not_fit(zero3, tmp_path):
-    """Refused before the first step, naming the problem (one process: the check is each rank's own)."""
+    """Refused before the first step, naming the problem."""
     bad = tmp_path / zero3.ckpt.name
     shutil.copytree(zero3.ckpt, bad)
     masks, _ = load_masks(bad)
     name = sorted(masks)[0]
     masks[name] = torch.ones(3, 5, dtype=torch.uint8)
     save_masks(bad, masks)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(SCRIPT), str(tmp_path), "--stage", "3", *ZERO3_TRAIN, "--resume", str(bad)]  # fmt: skip
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=400)
     assert proc.returncode != 0
