@@ -64,6 +64,30 @@ MUTATIONS = (
         ("tests/test_fused_grad_mask.py",),
     ),
     Mutation(
+        "cusparselt-tokens-unpadded",
+        "cusparselt hands cuSPARSELt the token count as it comes, not padded to the multiple it needs",
+        (("hf_sparsity/backends/cusparselt.py", "pad = (-tokens) % self._multiple", "pad = 0"),),
+        ("tests/test_cusparselt.py",),
+    ),
+    Mutation(
+        "cusparselt-search-every-call",
+        "cusparselt searches the algorithm on every call instead of once per shape and token bucket",
+        (("hf_sparsity/backends/cusparselt.py", "        if alg is None:\n", "        if True:\n"),),
+        ("tests/test_cusparselt.py",),
+    ),
+    Mutation(
+        "auto-cuda-always-sparse",
+        "auto on CUDA takes cusparselt for every regime, even where dense measured faster",
+        (
+            (
+                "hf_sparsity/backends/cusparselt.py",
+                'regime: "cusparselt" if t["cusparselt"] < t["dense"] * (1.0 - margin) else "dense"',
+                'regime: "cusparselt"',
+            ),
+        ),
+        ("tests/test_cusparselt.py",),
+    ),
+    Mutation(
         "reader-nonzeros",
         "the mask reader no longer checks nonzero counts",
         (("hf_sparsity/storage/masks_file.py", 'if nnz != info[name]["nonzeros"]:', "if False:"),),
