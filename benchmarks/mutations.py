@@ -44,6 +44,56 @@ MUTATIONS = (
         ("tests/test_enforcement.py",),
     ),
     Mutation(
+        "fused-grad-mask-before-ddp-copy",
+        "the end-of-backward gradient pass runs as soon as it is queued, before callbacks the backward "
+        "queued later (DDP's copy of averaged gradients into .grad)",
+        (
+            (
+                "hf_sparsity/mask_engine/enforcement.py",
+                "        queue_after_backward(self._mask_fused_grads)",
+                "        self._mask_fused_grads()",
+            ),
+        ),
+        ("tests/test_fused_grad_mask.py",),
+    ),
+    Mutation(
+        "fused-grad-mask-flag-sticks",
+        "the end-of-backward pass is queued once per flag, not per backward: a backward that failed leaves "
+        "the next one unmasked",
+        (
+            (
+                "hf_sparsity/mask_engine/enforcement.py",
+                "if task != self._queued_in:",
+                "if self._queued_in == -1:",
+            ),
+        ),
+        ("tests/test_fused_grad_mask.py",),
+    ),
+    Mutation(
+        "cusparselt-tokens-unpadded",
+        "cusparselt hands cuSPARSELt the token count as it comes, not padded to the multiple it needs",
+        (("hf_sparsity/backends/cusparselt.py", "pad = (-tokens) % self._multiple", "pad = 0"),),
+        ("tests/test_cusparselt.py",),
+    ),
+    Mutation(
+        "cusparselt-search-every-call",
+        "cusparselt searches the algorithm on every call instead of once per shape and token bucket",
+        (("hf_sparsity/backends/cusparselt.py", "        if alg is None:\n", "        if True:\n"),),
+        ("tests/test_cusparselt.py",),
+    ),
+    Mutation(
+        "auto-cuda-always-sparse",
+        "auto on CUDA takes cusparselt for every regime, even where dense measured faster",
+        (
+            (
+                "hf_sparsity/backends/cusparselt.py",
+                'regime: "cusparselt" if t["cusparselt"] < t["dense"] * (1.0 - margin) else "dense"',
+                'regime: "cusparselt"',
+            ),
+        ),
+        ("tests/test_cusparselt.py",),
+    ),
+    Mutation(
         "reader-nonzeros",
         "the mask reader no longer checks nonzero counts",
         (("hf_sparsity/storage/masks_file.py", 'if nnz != info[name]["nonzeros"]:', "if False:"),),

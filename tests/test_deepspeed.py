@@ -14,7 +14,7 @@ import torch
 
 from hf_sparsity import zero
 from hf_sparsity.cli import main as cli_main
-from hf_sparsity.storage.masks_file import load_masks, save_masks
+from hf_sparsity.storage.masks_file import load_masks
 from hf_sparsity.utils import SparsityError, torch_threads
 
 from .conftest import REPO
@@ -65,29 +65,17 @@ def _consolidated_and_finalized(ckpt, tmp_path):
     return fp32, load_file(out / "model.safetensors")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "stage,train,save_at",
-    [(1, ["--prune_at", "3"], 6), (2, ["--prune_at", "3"], 6), (3, ["--init", "topk", "--prune_at", "3"], 3)],
-    ids=["zero1-random-prune", "zero2-random-prune", "zero3-topk-prune-resume"],
-)
-def test_zero_matches_single_process_and_saves_sparse(stage, train, save_at, tmp_path):
-    ref_out, ds_out = tmp_path / "single", tmp_path / "zero"
-    ref_out.mkdir()
-    ds_out.mkdir()
-    (ref,) = _run(ref_out, "--stage", "0", *train, "--save_steps", str(save_at), procs=1)
-    r0, r1 = _run(ds_out, "--stage", str(stage), *train, "--save_steps", str(save_at))
-    # Masks: identical on both ranks and to the single process (random or topk init, and a magnitude
-    # prune over the whole tensor at step 3, gathered on every rank: ZeRO-1/2 ranks holding no piece of a
-    # weight must join the gather too).
+def _check_against_single_process(ref, r0, r1, ckpt, tmp_path):
+    """Masks identical on both ranks and to the single process (random or topk init, and a magnitude
+    prune over the whole tensor at step 3, gathered on every rank: ZeRO-1/2 ranks holding no piece of a
+    weight must join the gather too); after every step, read back through DeepSpeed, fp32 masters and Adam
+    moments exactly 0 where masked; the losses of one process; the checkpoint consolidated by DeepSpeed's
+    own converter and finalized: exact zeros where masked, the kept weights kept."""
     assert r0["masks"] == r1["masks"] == ref["masks"]
     assert r0["events"] == ref["events"]
-    # After every step, read back through DeepSpeed: fp32 masters and Adam moments exactly 0 where masked.
     assert r0["violations"] == r1["violations"] == [0] * 6
     for step, loss in ref["losses"].items():
         assert r0["losses"][step] == pytest.approx(loss, rel=1e-5, abs=1e-5), step
-
-    ckpt = ds_out / f"checkpoint-{save_at}"
     masks, _ = load_masks(ckpt)
     assert len(masks) == 14
     fp32, final = _consolidated_and_finalized(ckpt, tmp_path)
@@ -96,58 +84,19 @@ def test_zero_matches_single_process_and_saves_sparse(stage, train, save_at, tmp
         assert torch.count_nonzero(fp32[name][m == 0]) == 0, name  # the master weights DeepSpeed saved
         assert torch.count_nonzero(final[name][m == 0]) == 0, name
         assert torch.count_nonzero(final[name][m == 1]) == int(m.sum())  # and the kept ones survived
+    return masks
 
-    if stage == 3:  # resume the ZeRO-3 run from checkpoint-3: masks bit-identical, training goes on
-        before = r0["masks"]
-        s0, s1 = _run(ds_out, "--stage", "3", *train, "--resume", str(ckpt))
-        assert s0["restored_from"] == str(ckpt)
-        assert s0["masks"] == s1["masks"] == before
-        assert s0["violations"] == [0, 0, 0]
-        for step in ("4", "5", "6"):
-            assert s0["losses"][step] == pytest.approx(r0["losses"][step], rel=1e-5, abs=1e-5)
 
-        # A mask file that does not fit the model: refused before the first step, naming the problem.
-        bad = tmp_path / "bad"
-        shutil.copytree(ckpt, bad / ckpt.name)
-        name = sorted(masks)[0]
-        masks[name] = torch.ones(3, 5, dtype=torch.uint8)
-        save_masks(bad / ckpt.name, masks)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(SCRIPT), str(bad), "--stage", "3", *train, "--resume", str(bad / ckpt.name)]  # fmt: skip
-        proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=400)
-        assert proc.returncode != 0
-        assert f"mask {name!r} has shape [3, 5]" in proc.stdout + proc.stderr
-        assert not (bad / "rank0.json").exists()  # no step was trained
-
-        # On a different number of processes: DeepSpeed's universal checkpoint (its own converter), loaded
-        # by one process. The masks come from the mask file (full shapes), bit-identical.
-        conv = subprocess.run(
-            [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-             str(ckpt / "global_step3"), "--output_folder", str(ckpt / "global_step3_universal"),
-             "--inject_missing_state"],
-            env=ENV, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert conv.returncode == 0, conv.stderr[-3000:]
-        one = tmp_path / "one"
-        one.mkdir()
-        (u,) = _run(one, "--stage", "3", *train, "--resume", str(ckpt), "--universal", procs=1, torchrun=True)
-        assert u["world_size"] == 1 and u["restored_from"] == str(ckpt)
-        assert u["masks"] == before
-        assert u["violations"] == [0, 0, 0]
-        for step in ("4", "5", "6"):
-            assert u["losses"][step] == pytest.approx(r0["losses"][step], rel=1e-4, abs=1e-4)
-
-        # Resumed with another level in the config: pruned further at train begin, as one process does.
-        lv, lv_ref = tmp_path / "level", tmp_path / "level_ref"
-        lv.mkdir()
-        lv_ref.mkdir()
-        more = ["--init", "topk", "--sparsity", "0.9"]
-        (sr,) = _run(lv_ref, "--stage", "0", *more, "--resume", str(ref_out / ckpt.name), procs=1)
-        z0, z1 = _run(lv, "--stage", "3", *more, "--resume", str(ckpt))
-        assert z0["events"][-1] == sr["events"][-1] == "resume-level-change"
-        assert z0["masks"] == z1["masks"] == sr["masks"]
-        assert z0["levels"] == sr["levels"] and min(z0["levels"]) > 0.899
-        assert z0["violations"] == [0, 0, 0]
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2], ids=["zero1-random-prune", "zero2-random-prune"])
+def test_zero_matches_single_process_and_saves_sparse(stage, tmp_path):
+    ref_out, ds_out = tmp_path / "single", tmp_path / "zero"
+    ref_out.mkdir()
+    ds_out.mkdir()
+    train = ["--prune_at", "3", "--save_steps", "6"]
+    (ref,) = _run(ref_out, "--stage", "0", *train, procs=1)
+    r0, r1 = _run(ds_out, "--stage", str(stage), *train)
+    _check_against_single_process(ref, r0, r1, ds_out / "checkpoint-6", tmp_path)
 
 
 @pytest.mark.slow

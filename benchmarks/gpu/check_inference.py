@@ -1,23 +1,15 @@
-"""Check e: the inference backends on the device against the emulator, and 2:4 against dense speed.
+"""Check e: the inference backends on the device against the emulator.
 
-Parity: a Llama model (GQA) with magnitude 2:4 masks on its projections and FFN, run through
+A Llama model (GQA) with magnitude 2:4 masks on its projections and FFN, run through
 ``sparsify_for_inference`` on each backend on the device (``csr``, ``masked_dense``, ``emulator`` in
-float32; ``semi_structured`` in bfloat16) and compared with the ``emulator`` on the CPU in float32,
-the reference every backend is tested against: the largest logit difference relative to the
-largest reference logit.
-
-Speed: Llama-7B-shaped layers (q/k/v/o 4096x4096, gate/up 11008x4096, down 4096x11008) in bfloat16
-at 1, 16 and 2048 tokens: ``F.linear`` on the masked dense weight against the ``semi_structured``
-backend's ``linear``; CUDA-event timing, the median of 5 rounds of 50 calls. In the CPU dry run
-the 2:4 backend is unavailable (its reason is reported) and ``masked_dense`` stands in, at small
-shapes, so the timing code runs.
+float32; ``semi_structured`` and ``cusparselt`` in bfloat16) and compared with the ``emulator`` on the
+CPU in float32, the reference every backend is tested against: the largest logit difference relative to
+the largest reference logit. The speed of 2:4 against dense is check g (``check_sparse24.py``).
 """
 
 from __future__ import annotations
 
 import copy
-import statistics
-import time
 
 import common
 
@@ -71,7 +63,7 @@ def parity(report, args) -> list[str]:
     scale = ref.abs().max().item()
     rows, problems = {}, []
     cases = [("csr", torch.float32), ("masked_dense", torch.float32), ("emulator", torch.float32)]
-    cases.append(("semi_structured", torch.bfloat16))
+    cases += [("semi_structured", torch.bfloat16), ("cusparselt", torch.bfloat16)]
     for backend, dtype in cases:
         klass = get_backend(backend, check_available=False)
         why = klass.unavailable_reason()
@@ -90,92 +82,14 @@ def parity(report, args) -> list[str]:
     return problems
 
 
-def timed(fn, device, calls: int, rounds: int = 5) -> float:
-    """Median seconds per call of ``fn()`` over ``rounds`` rounds of ``calls`` calls."""
-    import torch
-
-    fn()
-    common.sync(device)
-    out = []
-    for _ in range(rounds):
-        if device.startswith("cuda"):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(calls):
-                fn()
-            end.record()
-            end.synchronize()
-            out.append(start.elapsed_time(end) / 1e3 / calls)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            out.append((time.perf_counter() - t0) / calls)
-    return statistics.median(out)
-
-
-def speed(report, args) -> list[str]:
-    import torch
-    import torch.nn.functional as F
-
-    from hf_sparsity.backends import get_backend
-    from hf_sparsity.masks import nm_mask
-
-    semi = get_backend("semi_structured", check_available=False)
-    why = semi.unavailable_reason()
-    if why is None and not args.device.startswith("cuda"):
-        why = "runs on CUDA only"
-    name = "semi_structured" if why is None else "masked_dense"
-    backend = get_backend(name)
-    if why is not None:
-        report.note(f"2:4 speed: semi_structured unavailable ({why}); masked_dense stands in")
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    if args.tiny:
-        shapes = {"qkvo": (128, 128), "gate_up": (352, 128), "down": (128, 352)}
-        tokens, calls = (1, 16, 64), 5
-    else:
-        shapes = {"qkvo": (4096, 4096), "gate_up": (11008, 4096), "down": (4096, 11008)}
-        tokens, calls = (1, 16, 2048), 50
-    table, problems = {}, []
-    g = torch.Generator().manual_seed(0)
-    for label, (out_f, in_f) in shapes.items():
-        w = (torch.randn(out_f, in_f, generator=g) * 0.02).to(device=args.device, dtype=dtype)
-        mask = nm_mask(w.abs().float(), 2, 4, dim=-1).to(args.device)
-        dense_w = w * mask.to(dtype)
-        sparse = backend.from_dense(w, mask)
-        for n in tokens:
-            x = torch.randn(n, in_f, generator=g).to(device=args.device, dtype=dtype)
-            with torch.no_grad():
-                y_dense, y_sparse = F.linear(x, dense_w), sparse.linear(x)
-                rel = ((y_sparse.float() - y_dense.float()).abs().max() / y_dense.float().abs().max()).item()
-                t_dense = timed(lambda: F.linear(x, dense_w), args.device, calls)  # noqa: B023
-                t_sparse = timed(lambda: sparse.linear(x), args.device, calls)  # noqa: B023
-            key = f"{label} {out_f}x{in_f} @ {n} tokens"
-            table[key] = {
-                "dense_us": round(t_dense * 1e6, 1),
-                f"{name}_us": round(t_sparse * 1e6, 1),
-                "speedup": round(t_dense / t_sparse, 3),
-                "max_rel_diff": float(f"{rel:.3g}"),
-            }
-            report.note(f"{key}: {table[key]}")
-            if not rel <= BF16_TOL:
-                problems.append(f"{key}: {name} output differs from dense by {rel:.3g}")
-    report.figures["speed"] = {"backend": name, "dtype": str(dtype).replace("torch.", ""), "layers": table}
-    return problems
-
-
 def run(report: common.Report, args) -> tuple[str, str]:
-    problems = parity(report, args) + speed(report, args)
+    problems = parity(report, args)
     rows = report.figures["parity_vs_cpu_emulator"]
     ran = [b for b, r in rows.items() if isinstance(r, dict)]
     skipped = [f"{b} ({r})" for b, r in rows.items() if not isinstance(r, dict)]
-    sp = report.figures["speed"]
-    speedups = ", ".join(f"{k.split(' @ ')[0].split()[0]}@{k.split(' @ ')[1].split()[0]} {v['speedup']}x"
-                         for k, v in sp["layers"].items())  # fmt: skip
     summary = f"parity vs emulator: {', '.join(ran)} ok"
     if skipped:
         summary += f"; {'; '.join(skipped)}"
-    summary += f"; {sp['backend']} vs dense: {speedups}"
     if problems:
         return "fail", "; ".join(problems)[:400]
     return "pass", summary

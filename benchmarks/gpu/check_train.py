@@ -87,16 +87,24 @@ def one_run(shape: str, optim: str, out: str, args, resume: str | None = None, s
     return cb, checker, masks, restored
 
 
-def finalize_zeros(ckpt: str, out: str) -> tuple[int, int]:
-    """``hf_sparsity convert --finalize``; (masked positions not exactly 0, masked positions)."""
+def finalize_zeros(ckpt: str, out: str, in_process: bool = False) -> tuple[int, int]:
+    """``hf_sparsity convert --finalize``; (masked positions not exactly 0, masked positions). The command
+    in its own process; with ``in_process`` (the dry run) its ``main`` here: the same code, no start-up."""
     from safetensors.torch import load_file
 
     from hf_sparsity.storage.masks_file import load_masks
 
-    cmd = [sys.executable, "-m", "hf_sparsity", "convert", "--finalize", ckpt, out, "--no-model-card"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ))
-    if proc.returncode:
-        raise RuntimeError(f"convert --finalize failed: {proc.stderr.strip()[-300:]}")
+    argv = ["convert", "--finalize", ckpt, out, "--no-model-card"]
+    if in_process:
+        from hf_sparsity.cli import main as cli_main
+
+        if cli_main(argv):
+            raise RuntimeError("convert --finalize failed")
+    else:
+        cmd = [sys.executable, "-m", "hf_sparsity", *argv]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ))
+        if proc.returncode:
+            raise RuntimeError(f"convert --finalize failed: {proc.stderr.strip()[-300:]}")
     masks, _ = load_masks(ckpt)
     weights = load_file(os.path.join(out, "model.safetensors"))
     bad = sum(common.masked_nonzeros(weights[n], m) for n, m in masks.items())
@@ -105,7 +113,8 @@ def finalize_zeros(ckpt: str, out: str) -> tuple[int, int]:
 
 def run(report: common.Report, args) -> tuple[str, str]:
     problems = []
-    for shape in ("gpt2", "llama"):
+    shapes = args.shapes.split(",")
+    for shape in shapes:
         for optim in OPTIMIZERS:
             key = f"{shape}/{optim}"
             fused = optim == "adamw_torch_fused"
@@ -137,7 +146,7 @@ def run(report: common.Report, args) -> tuple[str, str]:
                 saved[k].equal(restored[k].to(saved[k].dtype)) for k in saved
             ) and saved.keys() == restored.keys()  # fmt: skip
             same_final = masks.keys() == masks2.keys() and all(masks[k].equal(masks2[k]) for k in masks)
-            bad, total = finalize_zeros(ckpt, out + "-final")
+            bad, total = finalize_zeros(ckpt, out + "-final", in_process=args.tiny)
             report.figures[key].update(
                 resume_masks_identical=same_file, resumed_final_masks_identical=same_final,
                 resumed_violations=checker2.violations, finalize_masked_nonzeros=bad, finalize_masked=total,
@@ -151,10 +160,14 @@ def run(report: common.Report, args) -> tuple[str, str]:
     if problems:
         return "fail", "; ".join(problems)[:400]
     return "pass", (
-        "gpt2 + llama x fused + foreach AdamW, bf16: 0 masked nonzeros in weights and moments after "
+        f"{' + '.join(shapes)} x fused + foreach AdamW, bf16: 0 masked nonzeros in weights and moments after "
         "every step, prune 0.5->0.75, resume bit-identical, finalize exact zeros"
     )
 
 
+def extra(ap) -> None:
+    ap.add_argument("--shapes", default="gpt2,llama", help="comma-separated: gpt2, llama (default both)")
+
+
 if __name__ == "__main__":
-    common.main(run, __doc__)
+    common.main(run, __doc__, extra)

@@ -6,6 +6,8 @@ Built in:
 * ``csr`` - compressed sparse rows for inference: a native row-parallel kernel with
   16-bit column indices for batch-1 decoding on CPU, torch.sparse CSR elsewhere.
 * ``semi_structured`` - 2:4 sparsity through torch's semi-structured tensors (CUDA, Ampere+).
+* ``cusparselt`` - 2:4 through cuSPARSELt called directly: compressed once, the algorithm searched once
+  per shape (CUDA, Ampere+); ``auto`` on a CUDA model chooses it or dense per layer group.
 * ``bitmask`` - 1 bit per weight + packed values (fp32 / bf16), native AVX2 kernels on CPU:
   the format for 50-75% sparsity.
 * ``nm24`` - 2:4 on CPU: packed values + 2-bit positions, native AVX2 kernels.
@@ -26,6 +28,7 @@ from . import ops  # noqa: F401  (registers the torch.ops.hf_sparsity custom ops
 from .auto import AutoBackend  # noqa: E402
 from .base import PHASES, BackendCapabilities, LayerTarget, ModelPlan, SparseBackend, WorkCounters, check_nm
 from .csr import CSRBackend  # noqa: E402
+from .cusparselt import CuSparseLtBackend  # noqa: E402
 from .emulator import EmulatorBackend, MachineSpec  # noqa: E402
 from .formats import BitmaskBackend, NativeDenseBackend, NM24Backend  # noqa: E402
 
@@ -40,6 +43,7 @@ __all__ = [
     "BackendCapabilities",
     "BitmaskBackend",
     "CSRBackend",
+    "CuSparseLtBackend",
     "EmulatorBackend",
     "LayerTarget",
     "MachineSpec",

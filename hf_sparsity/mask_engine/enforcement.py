@@ -4,9 +4,15 @@
 mask *state* (that is :class:`hf_sparsity.mask_engine.engine.SparsityEngine`'s) and is told the
 current masks through :meth:`MaskEnforcer.place`. For every masked parameter:
 
-* gradients are masked as they arrive (a tensor hook on the parameter, so gradient
-  clipping, DDP all-reduce and gradient accumulation only ever see masked gradients);
-  parameters without such a hook (FSDP2 shards) are masked in :meth:`before_step`;
+* gradients are masked at the end of every backward pass, in one fused multiply over every
+  targeted gradient (``torch._foreach_mul_``), so gradient clipping and gradient accumulation
+  only ever see masked gradients. A tensor hook on each parameter only notes that a backward
+  reached it and queues the multiply once per backward (``queue_callback``); the multiply runs
+  after every callback that backward queued (DDP's all-reduce copy-back included: masking after
+  the averaging gives the same gradient as averaging masked ones). DeepSpeed ZeRO parameters,
+  whose gradients DeepSpeed moves into its own buffers during the backward, and RigL's dense
+  gradient capture keep a multiply per gradient as it arrives; parameters without a hook (FSDP2
+  shards) are masked in :meth:`before_step`;
 * after every optimizer step, masked weights are exactly 0: set to 0, unless every optimizer
   is one whose update keeps a zero weight zero (below), where a zero weight with a masked
   gradient and zero state stays exactly 0 without another pass over the weights;
@@ -69,6 +75,19 @@ def _mask_grad(g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         return g * m
 
 
+def _foreach_mask(grads: list[torch.Tensor], masks: list[torch.Tensor]) -> None:
+    """``grads[i] *= masks[i]`` for every ``i``, in place, in one call (``.grad`` tensors: never expanded,
+    accumulation gives them a layout of their own). The masks stay uint8 (one byte per weight, the
+    memory the masks are allowed): torch multiplies tensor by tensor inside the one call, with the
+    promotion to the gradient's dtype done in the kernel."""
+    torch._foreach_mul_(grads, masks)
+
+
+def queue_after_backward(fn: Callable[[], None]) -> None:
+    """Run ``fn`` when the running backward pass ends (called from a hook inside it)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
 class MaskEnforcer:
     """Hooks and device masks for one model. ``place(masks)`` after every change of the masks."""
 
@@ -88,6 +107,8 @@ class MaskEnforcer:
         self._zero_masks: dict[str, torch.Tensor] = {}  # DeepSpeed: the piece its master copies hold
         self._grad_hooks: list[Any] = []
         self._hooked: set[str] = set()
+        self._fused: dict[str, torch.Tensor] = {}  # hooked parameters masked by the end-of-backward pass
+        self._queued_in = -1  # the backward (autograd graph task) the end-of-backward pass is queued in
         self._opt_hooks: list[Any] = []
         self._hooks_enabled = False
 
@@ -230,9 +251,13 @@ class MaskEnforcer:
         for name, p in self._params.items():
             if is_dtensor(p) or not p.requires_grad:
                 continue  # FSDP2 writes sharded grads directly; masked in before_step()
-            # In place: the incoming gradient of a leaf weight is a fresh matmul output that
-            # nothing else holds, and an out-of-place product would double the traffic.
-            self._grad_hooks.append(p.register_hook(lambda g, n=name: self._on_grad(n, g)))
+            if zero.is_zero(p):  # DeepSpeed takes the gradient during the backward: mask it as it comes
+                # In place: the incoming gradient of a leaf weight is a fresh matmul output that
+                # nothing else holds, and an out-of-place product would double the traffic.
+                self._grad_hooks.append(p.register_hook(lambda g, n=name: self._on_grad(n, g)))
+            else:
+                self._fused[name] = p
+                self._grad_hooks.append(p.register_hook(lambda g, n=name: self._on_grad_fused(n, g)))
             self._hooked.add(name)
 
     def capture_gradients(self, on: bool) -> None:
@@ -258,10 +283,44 @@ class MaskEnforcer:
             self.captured[name] = g.detach().float().clone() if prev is None else prev + g.detach().float()
         return _mask_grad(g, mask)
 
+    def _on_grad_fused(self, name: str, g: torch.Tensor) -> torch.Tensor | None:
+        """A gradient of ``name`` is on its way: queue the end-of-backward pass once per backward; the
+        gradient itself goes on unchanged (RigL's capture keeps the dense one first)."""
+        if self.capture_grads:
+            return self._on_grad(name, g)
+        task = torch._C._current_graph_task_id()  # a backward that failed never ran its pass: no flag sticks
+        if task != self._queued_in:
+            self._queued_in = task
+            queue_after_backward(self._after_backward)
+        return None
+
+    def _after_backward(self) -> None:
+        # Queued from inside the backward; queue once more so that the pass runs after every callback
+        # that backward queued after this one (DDP queues its copy of the averaged gradients late).
+        queue_after_backward(self._mask_fused_grads)
+
+    @torch.no_grad()
+    def _mask_fused_grads(self) -> None:
+        """Every hooked gradient times its mask, in one ``torch._foreach_mul_``."""
+        self._queued_in = -1
+        grads, masks = [], []
+        for name, p in self._fused.items():
+            g = p.grad
+            if g is None:
+                continue
+            m = self._dev_masks[name]
+            if m.device != g.device:  # the model moved since the masks were placed: placed again
+                self.place(self._masks)  # (host work once, on the first backward after the move)
+                return self._mask_fused_grads()
+            grads.append(g)
+            masks.append(m)
+        if grads:
+            _foreach_mask(grads, masks)
+
     def remove_grad_hooks(self) -> None:
         for h in self._grad_hooks:
             h.remove()
-        self._grad_hooks, self._hooked = [], set()
+        self._grad_hooks, self._hooked, self._fused = [], set(), {}
 
     def enable(self) -> None:
         """Start masking gradients as they are produced (and keep doing so across :meth:`place`)."""

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...modeling import replace_module
-from .. import measure
+from .. import cusparselt, measure
 from ..base import BackendCapabilities, LayerTarget, ModelPlan, SparseBackend, Wrap, _new_counters
 from ..formats import SMALL_BATCH
 from ..registry import register_backend
@@ -66,11 +66,17 @@ class AutoBackend(SparseBackend):
     @classmethod
     def plan_model(cls, model: Any, targets: list[LayerTarget], wrap: Wrap, **options: Any) -> ModelPlan:
         """Plan every target layer (module docstring), the LM head (``lm_head=False`` skips it), then check
-        the whole model's decoding against the model as it was (``check=False`` skips it)."""
+        the whole model's decoding against the model as it was (``check=False`` skips it). A model on a
+        CUDA device is planned by :func:`hf_sparsity.backends.cusparselt.plan_cuda` instead: dense against
+        ``cusparselt`` for 2:4 layers, per layer group, for decoding and for prefill."""
         # head="int8": sparsify_for_inference converts the LM head itself (int8 codes, every backend)
         int8_head = options.pop("head", None) == "int8"
         lm_head = options.pop("lm_head", True) and not int8_head
         check = options.pop("check", True)
+        if cusparselt.runs_on_cuda(targets):  # dense against cuSPARSELt 2:4, per layer group
+            if "prefill_batch" in options:
+                options["prefill_tokens"] = options.pop("prefill_batch")
+            return cusparselt.plan_cuda(targets, wrap, **options)
         plan = plan_layers({t.name: (t.weight, t.mask) for t in targets}, **options)
         swaps: list[tuple[str, nn.Module]] = []
         choices: dict[str, dict] = {}
