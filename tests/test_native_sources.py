@@ -60,8 +60,7 @@ def fake_build(tmp_path, monkeypatch):
     monkeypatch.setattr(_native, "SOURCE_DIR", str(src))
     monkeypatch.setattr(_native, "SOURCE_PATH", str(src / "hfs_kernels.c"))
     monkeypatch.setenv("HF_SPARSITY_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv("HF_SPARSITY_NATIVE_PORTABLE", raising=False)
-    monkeypatch.delenv("HF_SPARSITY_NATIVE_NO_AVX512", raising=False)
+    monkeypatch.delenv("HF_SPARSITY_NATIVE_ISA", raising=False)
     return (lambda: _native._build(str(cc))), src, log
 
 

@@ -43,6 +43,20 @@ static void quantize_row(const float* x, int64_t in, float* buf, float* deq) {
   }
 }
 
+#if HFS_SIMD
+/* 2:4: `bytes` (<= 8) meta bytes -> their columns' kept bits, eight per byte: each nibble's positions
+   p0 < p1 of its group of four -> 1 << p0 | 1 << p1, one byte shuffle per nibble */
+static inline __attribute__((always_inline)) uint64_t nm24_bits(const uint8_t* m, int64_t bytes) {
+  uint64_t raw = 0;
+  memcpy(&raw, m, (size_t)bytes);
+  const __m128i lut = _mm_setr_epi8(1, 3, 5, 9, 3, 2, 6, 10, 5, 6, 4, 12, 9, 10, 12, 8);
+  const __m128i b = _mm_cvtsi64_si128((long long)raw), low = _mm_set1_epi8(15);
+  const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(b, low));
+  const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(b, 4), low));
+  return (uint64_t)_mm_cvtsi128_si64(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)));
+}
+#endif
+
 #if HFS_VNNI
 /* quantize_row without the dequantized copy, sixteen columns per instruction (the same codes: IEEE division
    and round half to even). Float lane j of the i-th sixteen columns of a block is group 4 * i + j / 4 of the
@@ -226,17 +240,6 @@ static void bm_q8_rows(const job_t* j, int64_t r0, int64_t r1) {
   }
 }
 
-/* 2:4: `bytes` (<= 8) meta bytes -> their columns' kept bits, eight per byte: each nibble's positions
-   p0 < p1 of its group of four -> 1 << p0 | 1 << p1, one byte shuffle per nibble */
-static inline __attribute__((always_inline)) uint64_t nm24_bits(const uint8_t* m, int64_t bytes) {
-  uint64_t raw = 0;
-  memcpy(&raw, m, (size_t)bytes);
-  const __m128i lut = _mm_setr_epi8(1, 3, 5, 9, 3, 2, 6, 10, 5, 6, 4, 12, 9, 10, 12, 8);
-  const __m128i b = _mm_cvtsi64_si128((long long)raw), low = _mm_set1_epi8(15);
-  const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(b, low));
-  const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(b, 4), low));
-  return (uint64_t)_mm_cvtsi128_si64(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)));
-}
 static void nm24_q8_rows(const job_t* j, int64_t r0, int64_t r1) {
   Q8_SETUP;
   const int64_t mb = (in + 7) >> 3, half = in >> 1;
