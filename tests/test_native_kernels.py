@@ -184,3 +184,38 @@ def test_every_isa_level_matches_emulator_at_every_width(level, isa, dot, kernel
     )
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.slow  # a real build (the portable flags, into a cache of its own), in a subprocess
+def test_a_build_without_avx2_runs_scalar_with_one_logged_line(tmp_path):
+    # a compiler that cannot target the CPU (every -march / -mavx flag refused): the portable build loads and
+    # says so once; its products still match the definition
+    cc = tmp_path / "cc"
+    real = _native.c_compiler()
+    cc.write_text(
+        f'#!/bin/sh\nfor a in "$@"; do case "$a" in -march*|-mavx*) exit 1;; esac; done\nexec {real} "$@"\n'
+    )
+    cc.chmod(0o755)
+    env = {
+        **os.environ,
+        "CC": str(cc),
+        _native.ISA_ENV: "native",
+        "HF_SPARSITY_CACHE": str(tmp_path / "cache"),
+    }
+    code = (
+        "import logging, torch\n"
+        "logging.basicConfig(level=logging.WARNING, format='%(message)s')\n"
+        "from hf_sparsity.backends import _native, get_backend\n"
+        "print(_native.isa(), _native.int8_dot())\n"
+        "w = torch.randn(5, 40); m = (torch.rand(5, 40) < 0.5).to(torch.uint8); x = torch.randn(1, 40)\n"
+        "got = get_backend('bitmask').from_dense(w, m, kernel='native').linear(x)\n"
+        "torch.testing.assert_close(got.double(), x.double() @ (w * m).double().t(), rtol=1e-5, atol=1e-5)\n"
+        "_native.load(); _native.isa()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["scalar", "float"]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "scalar loops" in lines[0] and "HF_SPARSITY_NATIVE_ISA=native" in lines[0], (
+        lines
+    )
