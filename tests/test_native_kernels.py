@@ -219,3 +219,16 @@ def test_a_build_without_avx2_runs_scalar_with_one_logged_line(tmp_path):
     assert len(lines) == 1 and "scalar loops" in lines[0] and "HF_SPARSITY_NATIVE_ISA=native" in lines[0], (
         lines
     )
+
+
+@pytest.mark.slow  # the decoding tests again at another level, in a subprocess
+@pytest.mark.parametrize("level,isa,dot", LEVELS[:2])
+def test_decode_step_with_int8_activations_at_each_avx2_level(level, isa, dot):
+    # the C decoding step's fused products (q / k / v and gate / up quantize their input once, hfs_run_fused)
+    # on the 256-bit int8 kernels: the same tokens as the forward loop's one product per call
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    test = "tests/test_realistic_decode.py::test_native_step_matches_the_model_on_every_format"
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-k", "int8", test]
+    proc = subprocess.run(args, cwd=root, env={**os.environ, _native.ISA_ENV: level}, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0 and "4 passed" in proc.stdout, proc.stdout[-3000:]
