@@ -126,8 +126,8 @@ def main(argv=None) -> int:
                 y, ys[0], rtol=1e-4, atol=1e-4, msg=lambda m, n=name, lb=label: f"{lb} {n}: {m}"
             )
     times = {(lbl, n): [] for lbl, *_ in rows_spec for n in names}
-    # one thread: the calling thread's CPU time (the time it ran: a shared machine's other processes left out);
-    # more: wall time
+    # one thread: the calling thread's CPU time (the time it ran: a shared machine's other processes left
+    # out); more: wall time
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     for rnd in range(args.rounds):
         for label, op, r, c, copies, vt in rows_spec:
