@@ -12,8 +12,9 @@
    int32 accumulators over all its columns, and the scales apply once per row (one conversion, one multiply per
    accumulator) instead of once per block. The weight codes are made unsigned by flipping their sign bit
    (w + 128) and the accumulators start at minus 128 times each group's code sum, so the int32 sums are exactly
-   sum(w * q). Every other case (more rows, no VNNI) runs the value type 2 kernels on the dequantized
-   activations q * s: the same sum up to float32 rounding. */
+   sum(w * q). Without AVX-512 VNNI (or VBMI2, for bitmask and 2:4) the 256-bit kernels of packed_int8_avx2.c
+   take the same groups. Every other case (more rows, the scalar build) runs the value type 2 kernels on the
+   dequantized activations q * s: the same sum up to float32 rounding. */
 #define QB 64
 #define QA 2
 #define QG (16 * QA)
