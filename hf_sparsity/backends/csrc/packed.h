@@ -39,6 +39,17 @@ static inline float bf16f(uint16_t h) {
 static inline __attribute__((always_inline)) const void* vbase(const void* v, const int vt, int64_t rows) {
   return vt == 2 ? (const void*)((const char*)v + VSCALE_BYTES(rows)) : v;
 }
+/* name(job, r0, r1): name_ (an always-inline kernel taking the value type as a constant) compiled once per
+   value type, picked by the job's */
+#define VT_DISPATCH(name)                                                                               \
+  static void name(const job_t* j, int64_t r0, int64_t r1) {                                            \
+    if (j->vbf16 == 2)                                                                                  \
+      name##_(j, r0, r1, 2);                                                                            \
+    else if (j->vbf16)                                                                                  \
+      name##_(j, r0, r1, 1);                                                                            \
+    else                                                                                                \
+      name##_(j, r0, r1, 0);                                                                            \
+  }
 static inline __attribute__((always_inline)) float vscale(const void* v, const int vt, int64_t r) {
   return vt == 2 ? ((const float*)v)[r] : 1.f;
 }

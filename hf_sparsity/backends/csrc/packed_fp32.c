@@ -84,14 +84,7 @@ static inline __attribute__((always_inline)) void bm_rows_(const job_t* j, int64
     }
   }
 }
-static void bm_rows(const job_t* j, int64_t r0, int64_t r1) {
-  if (j->vbf16 == 2)
-    bm_rows_(j, r0, r1, 2);
-  else if (j->vbf16)
-    bm_rows_(j, r0, r1, 1);
-  else
-    bm_rows_(j, r0, r1, 0);
-}
+VT_DISPATCH(bm_rows)
 
 static inline __attribute__((always_inline)) void nm24_rows_(const job_t* j, int64_t r0, int64_t r1, const int BF) {
   const void* const V = vbase(j->v, BF, j->rows);
@@ -152,14 +145,7 @@ static inline __attribute__((always_inline)) void nm24_rows_(const job_t* j, int
     }
   }
 }
-static void nm24_rows(const job_t* j, int64_t r0, int64_t r1) {
-  if (j->vbf16 == 2)
-    nm24_rows_(j, r0, r1, 2);
-  else if (j->vbf16)
-    nm24_rows_(j, r0, r1, 1);
-  else
-    nm24_rows_(j, r0, r1, 0);
-}
+VT_DISPATCH(nm24_rows)
 
 /* Dense y = x W^T: W [rows, in] float32 (or bf16 bits). For the LM head: torch's fp32 GEMV may run on
    one thread; this one splits rows over the pool. */
@@ -190,11 +176,4 @@ static inline __attribute__((always_inline)) void gemv_rows_(const job_t* j, int
     }
   }
 }
-static void gemv_rows(const job_t* j, int64_t r0, int64_t r1) {
-  if (j->vbf16 == 2)
-    gemv_rows_(j, r0, r1, 2);
-  else if (j->vbf16)
-    gemv_rows_(j, r0, r1, 1);
-  else
-    gemv_rows_(j, r0, r1, 0);
-}
+VT_DISPATCH(gemv_rows)

@@ -41,14 +41,7 @@ static inline __attribute__((always_inline)) void bm_unpack_rows_(const job_t* j
     }
   }
 }
-static void bm_unpack_rows(const job_t* j, int64_t r0, int64_t r1) {
-  if (j->vbf16 == 2)
-    bm_unpack_rows_(j, r0, r1, 2);
-  else if (j->vbf16)
-    bm_unpack_rows_(j, r0, r1, 1);
-  else
-    bm_unpack_rows_(j, r0, r1, 0);
-}
+VT_DISPATCH(bm_unpack_rows)
 
 /* 2:4 -> dense float32 rows: per group of four columns, zeros and the two values at their positions.
    With AVX2, eight columns per step: the meta byte indexes a table giving, per output lane, which of
@@ -91,11 +84,4 @@ static inline __attribute__((always_inline)) void nm24_unpack_rows_(const job_t*
     }
   }
 }
-static void nm24_unpack_rows(const job_t* j, int64_t r0, int64_t r1) {
-  if (j->vbf16 == 2)
-    nm24_unpack_rows_(j, r0, r1, 2);
-  else if (j->vbf16)
-    nm24_unpack_rows_(j, r0, r1, 1);
-  else
-    nm24_unpack_rows_(j, r0, r1, 0);
-}
+VT_DISPATCH(nm24_unpack_rows)
