@@ -29,17 +29,6 @@ static inline __attribute__((always_inline)) __m256i q8v_dot(__m256i acc, __m256
 }
 #endif
 
-/* byte i of entry [p][b]: p + the rank of bit i among b's set bits, or 0x80 (vpshufb writes 0) where bit i is
-   clear; p (0..8) shifts a mask byte's indices past the values of the byte before it. 18 KB, built at load. */
-static uint64_t g_bm_shuf[9][256];
-__attribute__((constructor)) static void init_bm_shuf(void) {
-  for (int p = 0; p <= 8; p++)
-    for (int b = 0; b < 256; b++) {
-      uint64_t e = 0;
-      for (int i = 0, k = 0; i < 8; i++) e |= (uint64_t)((b >> i & 1) ? p + k++ : 0x80) << (8 * i);
-      g_bm_shuf[p][b] = e;
-    }
-}
 /* 16 columns of mask bits k (two bytes): the k-th set bit's byte gets v[k], the others 0: one vpshufb */
 static inline __attribute__((always_inline)) __m128i expand16(uint32_t k, const int8_t* v) {
   const uint64_t lo = g_bm_shuf[0][k & 255], hi = g_bm_shuf[__builtin_popcount(k & 255)][(k >> 8) & 255];

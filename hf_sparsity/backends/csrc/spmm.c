@@ -23,15 +23,6 @@
 #define SPMM_MIN_B 17
 
 #if HFS_SIMD
-/* per mask byte: the positions of its set bits, in order */
-static int32_t g_bm_pos[256][8] __attribute__((aligned(32)));
-__attribute__((constructor)) static void init_bm_pos(void) {
-  for (int b = 0; b < 256; b++)
-    for (int i = 0, k = 0; i < 8; i++) {
-      g_bm_pos[b][i] = 0;
-      if (b >> i & 1) g_bm_pos[b][k++] = i;
-    }
-}
 
 /* the 8x8 block at x (row stride ld) transposed into t (row stride ldt) */
 static inline void transpose8(const float* x, int64_t ld, float* t, int64_t ldt) {
