@@ -969,6 +969,20 @@ MUTATIONS = (
         ("tests/test_native_kernels.py::test_decode_step_with_int8_activations_at_each_avx2_level",),
     ),
     Mutation(
+        "avx2-quantize-code-order",
+        "the AVX2 activation quantization stores its codes in vpackssdw's lane order, not column order",
+        (
+            (
+                "hf_sparsity/backends/csrc/packed_int8_avx2.c",
+                "const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);",
+                "const __m256i order = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);",
+            ),
+        ),
+        (
+            "tests/test_native_kernels.py::test_every_isa_level_matches_emulator_at_every_width[int8-avx2-avx2-avx2]",
+        ),
+    ),
+    Mutation(
         "isa-avx2-with-vnni",
         "HF_SPARSITY_NATIVE_ISA=avx2 also targets AVX-VNNI (no longer a Zen 2 / Zen 3 build)",
         (

@@ -67,6 +67,8 @@ static void (*const Q8_FNS[3])(const job_t*, int64_t, int64_t) = Q8_FNS_;
 static void quantize_q8(const float* x, int64_t in, float* buf) {
 #if HFS_VNNI
   quantize_row_vnni(x, in, buf);
+#elif HFS_Q8V
+  quantize_row_avx2(x, in, buf);
 #else
   quantize_row(x, in, buf, NULL);
 #endif
