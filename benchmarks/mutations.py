@@ -1149,6 +1149,121 @@ MUTATIONS = (
         (("benchmarks/decode_user.py", 'head="float32" if len(opts) == 2 else None', "head=None"),),
         ("tests/test_decode_user_args.py",),
     ),
+    Mutation(
+        "avx2-q8-maddubs-saturates",
+        "AVX2 int8 products: vpmaddubsw gets 2|w| (sums halved): exact unless a 16-bit pair saturates",
+        (
+            (
+                "hf_sparsity/backends/csrc/packed_int8_avx2.c",
+                "_mm256_maddubs_epi16(_mm256_abs_epi8(w),",
+                "_mm256_maddubs_epi16(_mm256_add_epi8(_mm256_abs_epi8(w), _mm256_abs_epi8(w)),",
+            ),
+            (
+                "hf_sparsity/backends/csrc/packed_int8_avx2.c",
+                "return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));",
+                "return _mm256_add_epi32(acc, _mm256_srai_epi32(_mm256_madd_epi16(p, _mm256_set1_epi16(1)),"
+                " 1));",
+            ),
+        ),
+        (
+            "tests/test_native_kernels.py::test_every_isa_level_matches_emulator_at_every_width[int8-avx2-avx2-avx2]",
+        ),
+    ),
+    Mutation(
+        "avx2-q8-bitmask-second-byte",
+        "the AVX2 int8 bitmask expansion reads a 16-column step's second mask byte's codes from the first's",
+        (
+            (
+                "hf_sparsity/backends/csrc/packed_int8_avx2.c",
+                "g_bm_shuf[__builtin_popcount(k & 255)][(k >> 8) & 255]",
+                "g_bm_shuf[0][(k >> 8) & 255]",
+            ),
+        ),
+        (
+            "tests/test_native_kernels.py::test_every_isa_level_matches_emulator_at_every_width[int8-avx2-avx2-avx2]",
+        ),
+    ),
+    Mutation(
+        "avx2-q8-odd-block-groups",
+        "256-bit int8 products: an odd 64-column block into the even blocks' accumulators (wrong scales)",
+        (("hf_sparsity/backends/csrc/packed_int8_avx2.c", "    if ((b) & 1) {  ", "    if (0) {        "),),
+        (
+            "tests/test_native_kernels.py::test_every_isa_level_matches_emulator_at_every_width[int8-avx2-avx2-avx2]",
+        ),
+    ),
+    Mutation(
+        "avx2-q8-nm24-tail",
+        "the AVX2 int8 2:4 kernel copies half of the last block's codes",
+        (
+            (
+                "hf_sparsity/backends/csrc/packed_int8_avx2.c",
+                "memcpy(tail, vb, (size_t)(cols / 2));",
+                "memcpy(tail, vb, (size_t)(cols / 4));",
+            ),
+        ),
+        (
+            "tests/test_native_kernels.py::test_every_isa_level_matches_emulator_at_every_width[int8-avx2-avx2-avx2]",
+        ),
+    ),
+    Mutation(
+        "avx-vnni-q8-no-correction",
+        "AVX-VNNI int8 products start at 0, not at -128 times each group's code sum (unsigned weight codes)",
+        (("hf_sparsity/backends/csrc/packed_int8_avx2.c", "#define Q8V_CORR 1", "#define Q8V_CORR 0"),),
+        (
+            "tests/test_native_kernels.py::"
+            "test_every_isa_level_matches_emulator_at_every_width[int8-avx2-vnni-avx2-vnni-avx-vnni]",
+        ),
+    ),
+    Mutation(
+        "avx2-fused-not-quantized",
+        "the fused products (the decoding step's q / k / v) quantize their input only on AVX-512 VNNI",
+        (
+            (
+                "hf_sparsity/backends/csrc/api.c",
+                "if (ok) quantize_q8(x, ps[0]->in, xq);",
+                "if (ok && HFS_VNNI) quantize_q8(x, ps[0]->in, xq);",
+            ),
+        ),
+        ("tests/test_native_kernels.py::test_decode_step_with_int8_activations_at_each_avx2_level",),
+    ),
+    Mutation(
+        "avx2-quantize-code-order",
+        "the AVX2 activation quantization stores its codes in vpackssdw's lane order, not column order",
+        (
+            (
+                "hf_sparsity/backends/csrc/packed_int8_avx2.c",
+                "const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);",
+                "const __m256i order = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);",
+            ),
+        ),
+        (
+            "tests/test_native_kernels.py::test_every_isa_level_matches_emulator_at_every_width[int8-avx2-avx2-avx2]",
+        ),
+    ),
+    Mutation(
+        "isa-avx2-with-vnni",
+        "HF_SPARSITY_NATIVE_ISA=avx2 also targets AVX-VNNI (no longer a Zen 2 / Zen 3 build)",
+        (
+            (
+                "hf_sparsity/backends/_native.py",
+                '"avx2": (["-march=x86-64-v3", "-mtune=native"],',
+                '"avx2": (["-march=x86-64-v3", "-mavxvnni", "-mtune=native"],',
+            ),
+        ),
+        ("tests/test_native_sources.py",),
+    ),
+    Mutation(
+        "isa-no-cpu-check",
+        "a level the CPU lacks builds anyway (and its library would fault on the first product)",
+        (("hf_sparsity/backends/_native.py", "if flags and missing:", "if False:"),),
+        ("tests/test_native_sources.py",),
+    ),
+    Mutation(
+        "isa-scalar-silent",
+        "a build that falls back to the scalar loops says nothing",
+        (("hf_sparsity/backends/_native.py", 'if level != "scalar" and not lib.hfs_simd():', "if False:"),),
+        ("tests/test_native_kernels.py::test_a_build_without_avx2_runs_scalar_with_one_logged_line",),
+    ),
 )
 
 NEW_TEST_FILES = (

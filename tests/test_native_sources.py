@@ -60,8 +60,7 @@ def fake_build(tmp_path, monkeypatch):
     monkeypatch.setattr(_native, "SOURCE_DIR", str(src))
     monkeypatch.setattr(_native, "SOURCE_PATH", str(src / "hfs_kernels.c"))
     monkeypatch.setenv("HF_SPARSITY_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv("HF_SPARSITY_NATIVE_PORTABLE", raising=False)
-    monkeypatch.delenv("HF_SPARSITY_NATIVE_NO_AVX512", raising=False)
+    monkeypatch.delenv("HF_SPARSITY_NATIVE_ISA", raising=False)
     return (lambda: _native._build(str(cc))), src, log
 
 
@@ -96,3 +95,89 @@ def test_processes_building_at_once_compile_once(fake_build, tmp_path):
         built = list(pool.map(lambda _: build(), range(3)))
     assert len(set(built)) == 1 and os.path.isfile(built[0])
     assert runs.read_text().split() == ["run"]
+
+
+ALL_FLAGS = ["sse2", "avx2", "fma", "f16c", "bmi2", "avx_vnni", "avx512f"]
+
+
+@pytest.fixture
+def flag_log(fake_build, tmp_path, monkeypatch):
+    """(build, the compiler's arguments of each build): a stand-in compiler that logs them."""
+    build, _, _ = fake_build
+    args = tmp_path / "args.log"
+    (tmp_path / "cc").write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "--version" ]; then echo "stand-in cc 1.0"; exit 0; fi\n'
+        f'echo "$@" >> "{args}"\n'
+        'while [ $# -gt 0 ]; do case "$1" in -o) : > "$2"; shift;; esac; shift; done\n'
+    )
+    monkeypatch.setattr(_native, "_cpu_flags", lambda: ALL_FLAGS)
+    return build, args
+
+
+@pytest.mark.parametrize(
+    "level,has,lacks",
+    [
+        ("native", ["-march=native"], ["-mavxvnni", "x86-64-v3"]),
+        ("avx2", ["-march=x86-64-v3"], ["-march=native", "-mavxvnni"]),  # Zen 2 / 3: no AVX-VNNI
+        ("avx2-vnni", ["-march=x86-64-v3", "-mavxvnni"], ["-march=native"]),
+        ("scalar", [], ["-march", "-mavx"]),
+    ],
+)
+def test_each_isa_level_builds_with_its_target_flags(flag_log, monkeypatch, level, has, lacks):
+    build, args = flag_log
+    monkeypatch.setenv(_native.ISA_ENV, level)
+    build()
+    words = args.read_text().split()
+    assert "-fopenmp" in words and all(f in words for f in has)
+    assert not any(w.startswith(f) for w in words for f in lacks), words
+
+
+def test_isa_levels_are_cached_apart(flag_log, monkeypatch):
+    build, _ = flag_log
+    built = set()
+    for level in _native.ISA_LEVELS:
+        monkeypatch.setenv(_native.ISA_ENV, level)
+        built.add(build())
+    assert len(built) == len(_native.ISA_LEVELS)
+
+
+def test_an_unknown_isa_level_is_one_clear_error(flag_log, monkeypatch):
+    build, args = flag_log
+    monkeypatch.setenv(_native.ISA_ENV, "avx3")
+    with pytest.raises(
+        ValueError, match=r"HF_SPARSITY_NATIVE_ISA='avx3' is not a level: use one of native, avx2"
+    ):
+        build()
+    assert not args.exists()  # nothing compiled
+
+
+def test_a_level_the_cpu_lacks_is_one_clear_error(flag_log, monkeypatch):
+    build, args = flag_log
+    monkeypatch.setattr(_native, "_cpu_flags", lambda: ["sse2", "avx2", "fma", "f16c", "bmi2"])
+    monkeypatch.setenv(_native.ISA_ENV, "avx2")
+    build()  # has what avx2 needs
+    monkeypatch.setenv(_native.ISA_ENV, "avx2-vnni")
+    with pytest.raises(
+        ValueError, match="HF_SPARSITY_NATIVE_ISA=avx2-vnni: this CPU lacks avx_vnni; use native"
+    ):
+        build()
+    monkeypatch.setattr(_native, "_cpu_flags", lambda: ["sse2"])
+    monkeypatch.setenv(_native.ISA_ENV, "avx2")
+    with pytest.raises(ValueError, match="lacks avx2, fma, f16c, bmi2"):
+        build()
+
+
+def test_a_compiler_that_cannot_target_the_level_builds_portable(flag_log, tmp_path, monkeypatch):
+    build, args = flag_log
+    (tmp_path / "cc").write_text(  # rejects every target flag
+        "#!/bin/sh\n"
+        'if [ "$1" = "--version" ]; then echo "stand-in cc 1.0"; exit 0; fi\n'
+        f'echo "$@" >> "{args}"\n'
+        'for a in "$@"; do case "$a" in -march*|-mavx*|-mtune*) exit 1;; esac; done\n'
+        'while [ $# -gt 0 ]; do case "$1" in -o) : > "$2"; shift;; esac; shift; done\n'
+    )
+    monkeypatch.setenv(_native.ISA_ENV, "avx2")
+    assert os.path.isfile(build())
+    tried = args.read_text().splitlines()
+    assert "-march=x86-64-v3" in tried[0] and "-march" not in tried[-1] and "-fopenmp" in tried[-1]

@@ -12,14 +12,15 @@ last torch op) take the sparse layer's chunks instead of a second pool fighting 
 cores. A pool of the kernel's own is still built, for compilers without OpenMP or
 ``HF_SPARSITY_NATIVE_POOL=pthread``.
 
-The source (``csrc/``, package data: ``hfs_kernels.c``, one translation unit that includes the pieces
-beside it, one concern each) is plain C11 + pthreads + OpenMP (no torch headers),
-so it builds with the system C compiler in a few seconds (``cc -O3 -march=native -shared -fopenmp``)
-into ``$HF_SPARSITY_CACHE`` (default ``~/.cache/hf_sparsity``), keyed by a hash of
-every source file, the flags, compiler and CPU (one process compiles, others starting at once wait on
-a lock file beside it), then loaded with ``ctypes`` (which releases the
-GIL during calls; callers on other Python threads get OpenMP teams of their own, or, with the
-pthread pool, run serially rather than share it).
+The source (``csrc/``, package data: ``hfs_kernels.c``, one translation unit that includes the pieces beside
+it, one concern each) is plain C11 + pthreads + OpenMP (no torch headers), so it builds with the system C
+compiler in a few seconds (``cc -O3 -march=native -shared -fopenmp``; ``HF_SPARSITY_NATIVE_ISA`` =
+``native`` (default), ``avx2``, ``avx2-vnni`` or ``scalar`` picks the instruction set instead:
+:data:`ISA_LEVELS`, :func:`isa`) into ``$HF_SPARSITY_CACHE`` (default ``~/.cache/hf_sparsity``), keyed by a
+hash of every source file, the flags, compiler and CPU (one process compiles, others starting at once wait
+on a lock file beside it), then loaded with ``ctypes`` (which releases the GIL during calls; callers on
+other Python threads get OpenMP teams of their own, or, with the pthread pool, run serially rather than
+share it).
 Anything failing (no compiler, read-only cache, non-Linux platform) makes
 :func:`load` return ``None`` and callers fall back to torch;
 ``HF_SPARSITY_NO_NATIVE=1`` forces that fallback.
@@ -71,13 +72,50 @@ def source() -> str:
 
 
 _BASE_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread"]
-# Tried in order: -fopenmp first (the kernels then run on torch's own OpenMP pool: see the C source's
-# run_omp), then the pthread pool alone (a compiler without OpenMP); -march=native, then portable.
-_FLAG_SETS = tuple(
-    [*_BASE_FLAGS[:1], *arch, *_BASE_FLAGS[1:], *omp]
-    for arch in (["-march=native"], [])
-    for omp in (["-fopenmp"], [])
-)
+
+ISA_ENV = "HF_SPARSITY_NATIVE_ISA"
+# The instruction-set levels HF_SPARSITY_NATIVE_ISA picks: the compiler's target flags, and the CPU flags
+# (/proc/cpuinfo) a level needs. "avx2" is x86-64-v3 (AVX2, FMA, F16C, BMI1/2, no AVX-512, no AVX-VNNI: an
+# AMD Zen 2 / Zen 3 or Intel Haswell..Comet Lake); "avx2-vnni" adds AVX-VNNI's 256-bit int8 dot products
+# (Intel Alder Lake and later, AMD Zen 5); "scalar": no target flags (the portable loops); "native": the
+# build machine's own (-march=native: AVX-512 where it has it).
+ISA_LEVELS = {
+    "native": (["-march=native"], ()),
+    "avx2": (["-march=x86-64-v3", "-mtune=native"], ("avx2", "fma", "f16c", "bmi2")),
+    "avx2-vnni": (
+        ["-march=x86-64-v3", "-mavxvnni", "-mtune=native"],
+        ("avx2", "fma", "f16c", "bmi2", "avx_vnni"),
+    ),
+    "scalar": ([], ()),
+}
+# what the library was built for (the C source's hfs_isa)
+ISA_NAMES = ("scalar", "avx2", "avx2-vnni", "avx512", "avx512-vnni")
+
+
+def isa_level() -> str:
+    """The level ``HF_SPARSITY_NATIVE_ISA`` asks for (default ``"native"``); a ``ValueError`` for an unknown
+    level or one this CPU lacks."""
+    level = os.environ.get(ISA_ENV, "") or "native"
+    if level not in ISA_LEVELS:
+        raise ValueError(f"{ISA_ENV}={level!r} is not a level: use one of {', '.join(ISA_LEVELS)}")
+    needs = ISA_LEVELS[level][1]
+    flags = set(_cpu_flags())
+    missing = [f for f in needs if f not in flags]
+    if flags and missing:  # flags unknown (no /proc/cpuinfo): the build itself tells
+        raise ValueError(
+            f"{ISA_ENV}={level}: this CPU lacks {', '.join(missing)}; use native or scalar (or unset it)"
+        )
+    return level
+
+
+def _flag_sets(level: str, openmp: bool = True) -> tuple[list[str], ...]:
+    """The flag sets tried in order: -fopenmp first (the kernels then run on torch's own OpenMP pool: see
+    the C source's run_omp), then the pthread pool alone (a compiler without OpenMP); the level's target
+    flags, then none (a compiler that cannot target them: the scalar loops)."""
+    archs = [ISA_LEVELS[level][0]] + ([[]] if ISA_LEVELS[level][0] else [])
+    omps = (["-fopenmp"], []) if openmp else ([],)
+    return tuple([*_BASE_FLAGS[:1], *arch, *_BASE_FLAGS[1:], *omp] for arch in archs for omp in omps)
+
 
 MIN_WORK_PER_THREAD = 16384  # multiply-adds; below this, waking a helper costs more than it saves
 
@@ -119,6 +157,14 @@ def _cpu_id() -> str:
     return "".join(found.values()) or platform.processor() or platform.machine()
 
 
+def _cpu_flags() -> list[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (empty where it cannot be read)."""
+    for line in _cpu_id().splitlines():
+        if line.startswith("flags"):
+            return line.partition(":")[2].split()
+    return []
+
+
 @contextlib.contextmanager
 def _build_lock(out: str):
     """Held while ``out`` is compiled: processes starting at once (the ranks of a launcher, parallel test
@@ -140,12 +186,7 @@ def _build(cc: str, openmp: bool = True) -> str:
     code = "".join(f"{name}\0{text}\0" for name, text in files.items())
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     last = ""
-    # HF_SPARSITY_NATIVE_PORTABLE=1: skip -march=native (the scalar path; for machines that share a cache)
-    flag_sets = _FLAG_SETS if openmp else tuple(f for f in _FLAG_SETS if "-fopenmp" not in f)
-    if os.environ.get("HF_SPARSITY_NATIVE_PORTABLE") == "1":
-        flag_sets = tuple(f for f in flag_sets if "-march=native" not in f)
-    if os.environ.get("HF_SPARSITY_NATIVE_NO_AVX512") == "1":  # the AVX2 paths on an AVX-512 CPU (tests)
-        flag_sets = tuple([*f, "-mno-avx512f"] if "-march=native" in f else f for f in flag_sets)
+    flag_sets = _flag_sets(isa_level(), openmp)
     for flags in flag_sets:
         key = hashlib.sha256("|".join([code, " ".join(flags), version, _cpu_id()]).encode()).hexdigest()[:16]
         out = os.path.join(cache_dir(), f"hfs_spmv_{key}.so")
@@ -177,6 +218,7 @@ def load() -> ctypes.CDLL | None:
     with _lock:
         if _tried:
             return _lib
+        level = isa_level()  # a bad HF_SPARSITY_NATIVE_ISA is the caller's to fix: raised, not a fallback
         cc = c_compiler()
         try:
             if cc is None:
@@ -200,7 +242,7 @@ def load() -> ctypes.CDLL | None:
             lib.hfs_set_spin.argtypes, lib.hfs_set_spin.restype = [i64], None
             lib.hfs_simd.argtypes, lib.hfs_simd.restype = [], ci
             lib.hfs_isa.argtypes, lib.hfs_isa.restype = [], ci
-            lib.hfs_vnni.argtypes, lib.hfs_vnni.restype = [], ci
+            lib.hfs_int8_dot.argtypes, lib.hfs_int8_dot.restype = [], ci
             lib.hfs_set_openmp.argtypes, lib.hfs_set_openmp.restype = [ci], ci
             lib.hfs_decode_step.argtypes, lib.hfs_decode_step.restype = [vp, i64, i64], i64
             lib.hfs_decode_prompt.argtypes, lib.hfs_decode_prompt.restype = [vp, vp, i64, i64], i64
@@ -213,6 +255,11 @@ def load() -> ctypes.CDLL | None:
                 # runtime, whose threads would fight torch's; the kernel's own pool does better then
                 logger.info("hf_sparsity: torch's OpenMP runtime is not shared; using the pthread pool")
                 lib.hfs_set_openmp(0)
+            if level != "scalar" and not lib.hfs_simd():
+                logger.warning(
+                    "hf_sparsity: the native kernels run their scalar loops (%s=%s: the CPU or the compiler "
+                    "has no AVX2 + FMA)", ISA_ENV, level,
+                )  # fmt: skip
             _lib = lib
         except Exception as e:  # any failure means: fall back to torch.sparse
             _error = str(e)
@@ -239,18 +286,20 @@ def simd() -> bool:
 
 
 def isa() -> str | None:
-    """The kernels' instruction set: ``"avx512"``, ``"avx2"`` (with FMA), ``"scalar"``, or ``None``
-    (no kernel)."""
+    """The instruction set the kernels were built for: ``"avx512-vnni"``, ``"avx512"``, ``"avx2-vnni"`` (AVX2
+    with AVX-VNNI), ``"avx2"`` (with FMA), ``"scalar"``, or ``None`` (no kernel). ``HF_SPARSITY_NATIVE_ISA``
+    (:data:`ISA_LEVELS`) picks the level built."""
     lib = load()
-    return None if lib is None else ("scalar", "avx2", "avx512")[lib.hfs_isa()]
+    return None if lib is None else ISA_NAMES[lib.hfs_isa()]
 
 
 def int8_dot() -> str | None:
-    """How batch-1 products with int8 values and int8 activations multiply: ``"vnni"`` (int8 dot products,
-    AVX-512 VNNI, every format), ``"vnni-dense"`` (dense GEMV only: no byte expand, VBMI2), ``"float"`` (the
-    dequantized activations on the float kernels), or ``None`` (no kernel)."""
+    """How batch-1 products with int8 values and int8 activations multiply: ``"vnni"`` (AVX-512 VNNI, every
+    format), ``"vnni-dense"`` (AVX-512 VNNI for the dense GEMV, 256-bit vpdpbusd for bitmask / 2:4: no VBMI2
+    byte expand), ``"avx-vnni"`` (256-bit vpdpbusd), ``"avx2"`` (vpmaddubsw + vpmaddwd), ``"float"`` (the
+    scalar build: the dequantized activations on the float kernels), or ``None`` (no kernel)."""
     lib = load()
-    return None if lib is None else ("float", "vnni-dense", "vnni")[lib.hfs_vnni()]
+    return None if lib is None else ("float", "avx2", "avx-vnni", "vnni-dense", "vnni")[lib.hfs_int8_dot()]
 
 
 def pool() -> str | None:

@@ -50,33 +50,44 @@ void hfs_matmul(int kind, int64_t rows, int64_t in, int64_t chunk, int nthreads,
 /* the row kernels by op: 0 bitmask, 1 2:4, 2 dense GEMV, 3 bitmask unpack, 4 2:4 unpack */
 static void (*const ROW_FNS[5])(const job_t*, int64_t, int64_t) = {bm_rows, nm24_rows, gemv_rows, bm_unpack_rows,
                                                                    nm24_unpack_rows};
-#if HFS_VNNI
-/* the batch-1 int8 x int8 products by op (0 bitmask, 1 2:4, 2 dense GEMV); NULL: none on this CPU */
-static void (*const Q8_FNS[3])(const job_t*, int64_t, int64_t) = {
-#if HFS_VNNI_EXPAND
-    bm_q8_rows, nm24_q8_rows,
+/* the batch-1 int8 x int8 products by op (0 bitmask, 1 2:4, 2 dense GEMV): 512-bit where the CPU has AVX-512
+   VNNI (and VBMI2 for the byte expand), else 256-bit; none in the scalar build (NULL: the float kernels on the
+   dequantized activations) */
+#if HFS_VNNI && HFS_VNNI_EXPAND
+#define Q8_FNS_ {bm_q8_rows, nm24_q8_rows, gemv_q8_rows}
+#elif HFS_VNNI
+#define Q8_FNS_ {bm_q8v_rows, nm24_q8v_rows, gemv_q8_rows}
+#elif HFS_Q8V
+#define Q8_FNS_ {bm_q8v_rows, nm24_q8v_rows, gemv_q8v_rows}
 #else
-    NULL, NULL,
+#define Q8_FNS_ {NULL, NULL, NULL}
 #endif
-    gemv_q8_rows};
+static void (*const Q8_FNS[3])(const job_t*, int64_t, int64_t) = Q8_FNS_;
+/* x quantized into buf (xq_floats(in) floats) for Q8_FNS */
+static void quantize_q8(const float* x, int64_t in, float* buf) {
+#if HFS_VNNI
+  quantize_row_vnni(x, in, buf);
+#elif HFS_Q8V
+  quantize_row_avx2(x, in, buf);
+#else
+  quantize_row(x, in, buf, NULL);
 #endif
+}
 /* value type 3 (op 0-2): see quantize_row */
 static void run_q8(int op, int64_t rows, int64_t in, int64_t chunk, int nthreads, const int64_t* rowptr,
                    const void* meta, const void* v, const float* x, float* y, int64_t B, const float* bias) {
   const int64_t nf = xq_floats(in);
-#if HFS_VNNI
   if (B == 1 && Q8_FNS[op]) {
     int owned;
     float* buf = work_buf((size_t)nf, &owned);
     if (buf) {
-      quantize_row_vnni(x, in, buf);
+      quantize_q8(x, in, buf);
       job_t j = {0, 0, rows, chunk, 0, 1, rowptr, meta, (const float*)v, x, y, bias, Q8_FNS[op], in, 2, buf};
       run(&j, nthreads);
       if (owned) free(buf);
       return;
     }
   }
-#endif
   /* the dequantized activations, in memory of their own (the batched kernels use the work buffer) */
   float* xd = aligned_alloc(64, (((size_t)(B * in + nf) * sizeof(float)) + 63) & ~(size_t)63);
   if (!xd) return;
@@ -124,11 +135,7 @@ static int prepared_job(const prepared_t* p, const float* x, float* y, const flo
   if (p->op < 0 || p->op > 2) return 0;
   void (*fn)(const job_t*, int64_t, int64_t) = ROW_FNS[p->op];
   if (p->vbf16 == 3) { /* the int8 x int8 kernel; its `work` (the quantized x) is set by the caller */
-#if HFS_VNNI
     fn = Q8_FNS[p->op];
-#else
-    fn = NULL;
-#endif
     if (!fn) return 0;
   }
   const job_t jj = {0, 0, p->rows, p->chunk, 0, 1, p->rowptr, p->meta, (const float*)p->v, x, y, bias, fn,
@@ -146,15 +153,13 @@ void hfs_run_fused(const prepared_t* const* ps, int n, const float* x, float* co
     if (ps[k]->nthreads > nthreads) nthreads = (int)ps[k]->nthreads;
   }
   float* xq = NULL;
-#if HFS_VNNI
   if (ok && q8) { /* quantized once for every int8 x int8 product */
     xq = work_buf((size_t)xq_floats(ps[0]->in), &owned);
     ok = xq != NULL;
-    if (ok) quantize_row_vnni(x, ps[0]->in, xq);
+    if (ok) quantize_q8(x, ps[0]->in, xq);
     for (int k = 0; ok && k < n; k++)
       if (ps[k]->vbf16 == 3) js[k].work = xq;
   }
-#endif
   if (ok)
     run_jobs(js, n, nthreads);
   else
@@ -173,17 +178,29 @@ int hfs_set_openmp(int on) {
 }
 int hfs_version(void) { return 11; }
 int hfs_simd(void) { return HFS_SIMD; }
-/* 0 scalar, 1 AVX2 + FMA, 2 AVX-512 (the bitmask expand and CSR gather paths) */
+/* The instruction set the library was built for: 0 scalar, 1 AVX2 + FMA, 2 AVX2 + AVX-VNNI, 3 AVX-512,
+   4 AVX-512 with VNNI (_native.isa() names them) */
 int hfs_isa(void) {
-#if HFS_SIMD && defined(__AVX512F__)
+#if HFS_VNNI
+  return 4;
+#elif HFS_SIMD && defined(__AVX512F__)
+  return 3;
+#elif HFS_SIMD && defined(__AVXVNNI__)
   return 2;
 #else
   return HFS_SIMD;
 #endif
 }
-/* 1: batch-1 products with int8 activations multiply int8 codes (AVX-512 VNNI); 2: the bitmask and 2:4
-   ones too (VBMI2's byte expand); 0: they run on the dequantized activations */
-int hfs_vnni(void) { return HFS_VNNI + HFS_VNNI_EXPAND; }
+/* How batch-1 products with int8 activations multiply (_native.int8_dot() names them): 0 the float kernels on
+   the dequantized activations (scalar build), 1 vpmaddubsw (AVX2), 2 256-bit vpdpbusd, 3 AVX-512 VNNI for the
+   dense GEMV and 256-bit vpdpbusd for bitmask / 2:4 (no VBMI2), 4 AVX-512 VNNI for every format */
+int hfs_int8_dot(void) {
+#if HFS_VNNI
+  return 3 + HFS_VNNI_EXPAND;
+#else
+  return HFS_Q8V + HFS_DPBUSD256;
+#endif
+}
 
 /* ---- The layout of the structs Python mirrors with ctypes (tests/test_struct_mirrors.py compares) -----------
    prepared_t: _native.Prepared; hfs_layer_t, hfs_decoder_t: native_step.py's _Layer, _Decoder; hfs_sampler_t:

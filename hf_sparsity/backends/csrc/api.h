@@ -83,7 +83,7 @@ int hfs_set_openmp(int on);
 int hfs_version(void);
 int hfs_simd(void);
 int hfs_isa(void);
-int hfs_vnni(void);
+int hfs_int8_dot(void);
 int64_t hfs_decode_work_floats(const hfs_decoder_t* d);
 int64_t hfs_decode_step(const hfs_decoder_t* d, int64_t token, int64_t pos);
 int64_t hfs_decode_prompt(const hfs_decoder_t* d, const int64_t* tokens, int64_t n, int64_t pos);

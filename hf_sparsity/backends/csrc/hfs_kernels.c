@@ -19,9 +19,11 @@
 #include "api.h"         /* the exported functions and the structs Python mirrors */
 #include "pool.h"        /* job_t: a product run in chunks of rows */
 #include "csr.c"         /* CSR kernels */
-#include "packed.h"      /* packed formats: value types, lane tables */
+#include "tables.h"      /* the lookup tables by mask byte */
+#include "packed.h"      /* packed formats: value types, lane expansion */
 #include "packed_fp32.c" /* bitmask / 2:4 / dense rows on float32 activations */
-#include "packed_int8.c" /* int8 activations: quantization, VNNI kernels */
+#include "packed_int8.c" /* int8 activations: quantization, AVX-512 VNNI kernels */
+#include "packed_int8_avx2.c" /* int8 activations: the 256-bit kernels */
 #include "unpack.c"      /* bitmask / 2:4 -> dense rows */
 #include "spmm.c"        /* batched products: the blocked kernel */
 #include "pool.c"        /* the thread pool, OpenMP, work memory */

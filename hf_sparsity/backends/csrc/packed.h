@@ -1,5 +1,5 @@
-/* The packed formats' layout and what their kernels share: the 2:4 lane table, the value types (float32,
-   bfloat16, int8 with per-row scales) and their loads, the bitmask lane expansion. */
+/* The packed formats' layout and what their kernels share: the value types (float32, bfloat16, int8 with
+   per-row scales) and their loads, the bitmask lane expansion (the tables: tables.h). */
 /* Part of the native kernels' one translation unit, hfs_kernels.c (included there, not compiled alone). */
 #ifndef HFS_PACKED_H
 #define HFS_PACKED_H
@@ -15,13 +15,6 @@
    and their two 2-bit positions; one meta byte per eight columns (p0 | p1<<2 | p2<<4 | p3<<6).
    For sixteen columns: eight values, two meta bytes -> lane indices, x gathered with two
    in-register permutes and a blend, one FMA. Values [rows, in/2]. */
-static uint32_t g_nm_lane[256];   /* bytes: p0, p1, 4+p2, 4+p3 */
-__attribute__((constructor)) static void init_tables(void) {
-  for (int b = 0; b < 256; b++) {
-    g_nm_lane[b] = (uint32_t)(b & 3) | (uint32_t)((b >> 2) & 3) << 8 | (uint32_t)(4 + ((b >> 4) & 3)) << 16 |
-                   (uint32_t)(4 + ((b >> 6) & 3)) << 24;
-  }
-}
 
 static inline float bf16f(uint16_t h) {
   uint32_t u = (uint32_t)h << 16;
@@ -39,6 +32,17 @@ static inline float bf16f(uint16_t h) {
 static inline __attribute__((always_inline)) const void* vbase(const void* v, const int vt, int64_t rows) {
   return vt == 2 ? (const void*)((const char*)v + VSCALE_BYTES(rows)) : v;
 }
+/* name(job, r0, r1): name_ (an always-inline kernel taking the value type as a constant) compiled once per
+   value type, picked by the job's */
+#define VT_DISPATCH(name)                                                                               \
+  static void name(const job_t* j, int64_t r0, int64_t r1) {                                            \
+    if (j->vbf16 == 2)                                                                                  \
+      name##_(j, r0, r1, 2);                                                                            \
+    else if (j->vbf16)                                                                                  \
+      name##_(j, r0, r1, 1);                                                                            \
+    else                                                                                                \
+      name##_(j, r0, r1, 0);                                                                            \
+  }
 static inline __attribute__((always_inline)) float vscale(const void* v, const int vt, int64_t r) {
   return vt == 2 ? ((const float*)v)[r] : 1.f;
 }
@@ -62,19 +66,12 @@ static inline __attribute__((always_inline)) __m512 loadv16_(const void* v, int 
   return _mm512_loadu_ps((const float*)v + k);
 }
 #endif
-/* lane i of entry b: the rank of bit i among b's set bits, or -1 (sign bit: lane zeroed) when bit i
-   is clear. 8 KB, built at load. */
-static int32_t g_bm_lanes[256][8] __attribute__((aligned(32)));
 /* lane i of the result: vals[lanes[i]], or 0 where lanes[i] is -1 (the bitmask and 2:4 expansions) */
 static inline __m256 expand_lanes(const int32_t* lanes, __m256 vals) {
   __m256i t = _mm256_load_si256((const __m256i*)lanes);
   return _mm256_blendv_ps(_mm256_permutevar8x32_ps(vals, t), _mm256_setzero_ps(), _mm256_castsi256_ps(t));
 }
 static inline __m256 bm_expand(uint32_t b, __m256 vals) { return expand_lanes(g_bm_lanes[b], vals); }
-__attribute__((constructor)) static void init_lanes(void) {
-  for (int b = 0; b < 256; b++)
-    for (int i = 0, k = 0; i < 8; i++) g_bm_lanes[b][i] = (b >> i & 1) ? k++ : -1;
-}
 #endif
 
 #endif

@@ -1,6 +1,54 @@
 /* Bitmask, 2:4 and dense GEMV row kernels on float32 activations (fp32, bf16 or int8 values). */
 /* Part of the native kernels' one translation unit, hfs_kernels.c (included there, not compiled alone). */
 
+#if HFS_SIMD
+/* batch 1: the dot product of one bitmask row with x over its first ng groups of eight columns (g: the group
+   to start from, then the one after the last done; o: the row's value offset, advanced likewise) */
+static inline __attribute__((always_inline)) float bm_dot1_(const void* V, const uint8_t* m, const float* xb,
+                                                            const int64_t ng, int64_t* g_, int64_t* o_,
+                                                            const int BF) {
+  int64_t g = *g_, o = *o_;
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  float z = 0.f;
+#if defined(__AVX512F__)
+  /* AVX-512: sixteen columns per step; vexpandps (register form) puts the packed values in
+     the lanes of the set bits, zeroing the rest. */
+  {
+    __m512 z0 = _mm512_setzero_ps(), z1 = _mm512_setzero_ps();
+    for (; g + 4 <= ng; g += 4) {
+      uint16_t k0, k1;
+      memcpy(&k0, m + g, 2);
+      memcpy(&k1, m + g + 2, 2);
+      PREFETCH((const char*)V + ((o) << (BF == 2 ? 0 : BF ? 1 : 2)));
+      z0 = _mm512_fmadd_ps(_mm512_maskz_expand_ps(k0, loadv16_(V, BF, o)), _mm512_loadu_ps(xb + 8 * g), z0);
+      o += __builtin_popcount(k0);
+      z1 = _mm512_fmadd_ps(_mm512_maskz_expand_ps(k1, loadv16_(V, BF, o)), _mm512_loadu_ps(xb + 8 * g + 16), z1);
+      o += __builtin_popcount(k1);
+    }
+    z = _mm512_reduce_add_ps(_mm512_add_ps(z0, z1));
+  }
+#endif
+  for (; g + 2 <= ng; g += 2) {
+    uint32_t m0 = m[g], m1 = m[g + 1];
+    PREFETCH((const char*)V + ((o) << (BF == 2 ? 0 : BF ? 1 : 2)));
+    __m256 w0 = bm_expand(m0, loadv8_(V, BF, o));
+    o += __builtin_popcount(m0);
+    __m256 w1 = bm_expand(m1, loadv8_(V, BF, o));
+    o += __builtin_popcount(m1);
+    a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xb + 8 * g), a0);
+    a1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8 * g + 8), a1);
+  }
+  for (; g < ng; g++) {
+    uint32_t m0 = m[g];
+    a0 = _mm256_fmadd_ps(bm_expand(m0, loadv8_(V, BF, o)), _mm256_loadu_ps(xb + 8 * g), a0);
+    o += __builtin_popcount(m0);
+  }
+  *g_ = g;
+  *o_ = o;
+  return hsum8(_mm256_add_ps(a0, a1)) + z;
+}
+#endif
+
 static inline __attribute__((always_inline)) void bm_rows_(const job_t* j, int64_t r0, int64_t r1, const int BF) {
   const void* const V = vbase(j->v, BF, j->rows);
   const int64_t in = j->in, mb = (in + 7) >> 3, B = j->B, rows = j->rows;
@@ -15,43 +63,7 @@ static inline __attribute__((always_inline)) void bm_rows_(const job_t* j, int64
 #if HFS_SIMD
       const int64_t ng = in >> 3;
       if (nb == 1) {
-        const float* xb = x + b0 * in;
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        float z = 0.f;
-#if defined(__AVX512F__)
-        /* AVX-512: sixteen columns per step; vexpandps (register form) puts the packed values in
-           the lanes of the set bits, zeroing the rest. */
-        {
-          __m512 z0 = _mm512_setzero_ps(), z1 = _mm512_setzero_ps();
-          for (; g + 4 <= ng; g += 4) {
-            uint16_t k0, k1;
-            memcpy(&k0, m + g, 2);
-            memcpy(&k1, m + g + 2, 2);
-            PREFETCH((const char*)V + ((o) << (BF == 2 ? 0 : BF ? 1 : 2)));
-            z0 = _mm512_fmadd_ps(_mm512_maskz_expand_ps(k0, loadv16_(V, BF, o)), _mm512_loadu_ps(xb + 8 * g), z0);
-            o += __builtin_popcount(k0);
-            z1 = _mm512_fmadd_ps(_mm512_maskz_expand_ps(k1, loadv16_(V, BF, o)), _mm512_loadu_ps(xb + 8 * g + 16), z1);
-            o += __builtin_popcount(k1);
-          }
-          z = _mm512_reduce_add_ps(_mm512_add_ps(z0, z1));
-        }
-#endif
-        for (; g + 2 <= ng; g += 2) {
-          uint32_t m0 = m[g], m1 = m[g + 1];
-          PREFETCH((const char*)V + ((o) << (BF == 2 ? 0 : BF ? 1 : 2)));
-          __m256 w0 = bm_expand(m0, loadv8_(V, BF, o));
-          o += __builtin_popcount(m0);
-          __m256 w1 = bm_expand(m1, loadv8_(V, BF, o));
-          o += __builtin_popcount(m1);
-          a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xb + 8 * g), a0);
-          a1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8 * g + 8), a1);
-        }
-        for (; g < ng; g++) {
-          uint32_t m0 = m[g];
-          a0 = _mm256_fmadd_ps(bm_expand(m0, loadv8_(V, BF, o)), _mm256_loadu_ps(xb + 8 * g), a0);
-          o += __builtin_popcount(m0);
-        }
-        s[0] = hsum8(_mm256_add_ps(a0, a1)) + z;
+        s[0] = bm_dot1_(V, m, x + b0 * in, ng, &g, &o, BF);
       } else {
         __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
         for (; g < ng; g++) {
@@ -84,14 +96,7 @@ static inline __attribute__((always_inline)) void bm_rows_(const job_t* j, int64
     }
   }
 }
-static void bm_rows(const job_t* j, int64_t r0, int64_t r1) {
-  if (j->vbf16 == 2)
-    bm_rows_(j, r0, r1, 2);
-  else if (j->vbf16)
-    bm_rows_(j, r0, r1, 1);
-  else
-    bm_rows_(j, r0, r1, 0);
-}
+VT_DISPATCH(bm_rows)
 
 static inline __attribute__((always_inline)) void nm24_rows_(const job_t* j, int64_t r0, int64_t r1, const int BF) {
   const void* const V = vbase(j->v, BF, j->rows);
@@ -152,14 +157,7 @@ static inline __attribute__((always_inline)) void nm24_rows_(const job_t* j, int
     }
   }
 }
-static void nm24_rows(const job_t* j, int64_t r0, int64_t r1) {
-  if (j->vbf16 == 2)
-    nm24_rows_(j, r0, r1, 2);
-  else if (j->vbf16)
-    nm24_rows_(j, r0, r1, 1);
-  else
-    nm24_rows_(j, r0, r1, 0);
-}
+VT_DISPATCH(nm24_rows)
 
 /* Dense y = x W^T: W [rows, in] float32 (or bf16 bits). For the LM head: torch's fp32 GEMV may run on
    one thread; this one splits rows over the pool. */
@@ -190,11 +188,4 @@ static inline __attribute__((always_inline)) void gemv_rows_(const job_t* j, int
     }
   }
 }
-static void gemv_rows(const job_t* j, int64_t r0, int64_t r1) {
-  if (j->vbf16 == 2)
-    gemv_rows_(j, r0, r1, 2);
-  else if (j->vbf16)
-    gemv_rows_(j, r0, r1, 1);
-  else
-    gemv_rows_(j, r0, r1, 0);
-}
+VT_DISPATCH(gemv_rows)

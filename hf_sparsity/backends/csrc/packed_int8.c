@@ -12,8 +12,9 @@
    int32 accumulators over all its columns, and the scales apply once per row (one conversion, one multiply per
    accumulator) instead of once per block. The weight codes are made unsigned by flipping their sign bit
    (w + 128) and the accumulators start at minus 128 times each group's code sum, so the int32 sums are exactly
-   sum(w * q). Every other case (more rows, no VNNI) runs the value type 2 kernels on the dequantized
-   activations q * s: the same sum up to float32 rounding. */
+   sum(w * q). Without AVX-512 VNNI (or VBMI2, for bitmask and 2:4) the 256-bit kernels of packed_int8_avx2.c
+   take the same groups. Every other case (more rows, the scalar build) runs the value type 2 kernels on the
+   dequantized activations q * s: the same sum up to float32 rounding. */
 #define QB 64
 #define QA 2
 #define QG (16 * QA)
@@ -42,6 +43,20 @@ static void quantize_row(const float* x, int64_t in, float* buf, float* deq) {
     if (deq && c < in) deq[c] = t * xs[g];
   }
 }
+
+#if HFS_SIMD
+/* 2:4: `bytes` (<= 8) meta bytes -> their columns' kept bits, eight per byte: each nibble's positions
+   p0 < p1 of its group of four -> 1 << p0 | 1 << p1, one byte shuffle per nibble */
+static inline __attribute__((always_inline)) uint64_t nm24_bits(const uint8_t* m, int64_t bytes) {
+  uint64_t raw = 0;
+  memcpy(&raw, m, (size_t)bytes);
+  const __m128i lut = _mm_setr_epi8(1, 3, 5, 9, 3, 2, 6, 10, 5, 6, 4, 12, 9, 10, 12, 8);
+  const __m128i b = _mm_cvtsi64_si128((long long)raw), low = _mm_set1_epi8(15);
+  const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(b, low));
+  const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(b, 4), low));
+  return (uint64_t)_mm_cvtsi128_si64(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)));
+}
+#endif
 
 #if HFS_VNNI
 /* quantize_row without the dequantized copy, sixteen columns per instruction (the same codes: IEEE division
@@ -226,17 +241,6 @@ static void bm_q8_rows(const job_t* j, int64_t r0, int64_t r1) {
   }
 }
 
-/* 2:4: `bytes` (<= 8) meta bytes -> their columns' kept bits, eight per byte: each nibble's positions
-   p0 < p1 of its group of four -> 1 << p0 | 1 << p1, one byte shuffle per nibble */
-static inline __attribute__((always_inline)) uint64_t nm24_bits(const uint8_t* m, int64_t bytes) {
-  uint64_t raw = 0;
-  memcpy(&raw, m, (size_t)bytes);
-  const __m128i lut = _mm_setr_epi8(1, 3, 5, 9, 3, 2, 6, 10, 5, 6, 4, 12, 9, 10, 12, 8);
-  const __m128i b = _mm_cvtsi64_si128((long long)raw), low = _mm_set1_epi8(15);
-  const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(b, low));
-  const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(b, 4), low));
-  return (uint64_t)_mm_cvtsi128_si64(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)));
-}
 static void nm24_q8_rows(const job_t* j, int64_t r0, int64_t r1) {
   Q8_SETUP;
   const int64_t mb = (in + 7) >> 3, half = in >> 1;

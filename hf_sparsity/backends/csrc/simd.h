@@ -34,7 +34,7 @@ static inline float hsum8(__m256 a) {
 #define HFS_SIMD 0
 #endif
 
-/* HFS_VNNI: the int8 x int8 products with int8 activations (packed_int8.c) */
+/* HFS_VNNI: the int8 x int8 products with int8 activations on 512-bit vectors (packed_int8.c) */
 #if HFS_SIMD && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__BMI2__)
 #define HFS_VNNI 1
 #if defined(__AVX512VBMI2__)
@@ -45,6 +45,20 @@ static inline float hsum8(__m256 a) {
 #else
 #define HFS_VNNI 0
 #define HFS_VNNI_EXPAND 0
+#endif
+
+/* HFS_Q8V: the int8 x int8 products on 256-bit vectors (packed_int8_avx2.c): every AVX2 build, for the formats
+   the 512-bit kernels leave (all of them without AVX-512 VNNI). HFS_DPBUSD256: their byte products by vpdpbusd
+   (AVX-VNNI, or AVX-512 VNNI's 256-bit form), else vpmaddubsw + vpmaddwd (plain AVX2, e.g. Zen 2 / Zen 3). */
+#define HFS_Q8V HFS_SIMD
+#if HFS_SIMD && defined(__AVXVNNI__)
+#define HFS_DPBUSD256 1
+#define DPBUSD256(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#elif HFS_SIMD && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define HFS_DPBUSD256 1
+#define DPBUSD256(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#else
+#define HFS_DPBUSD256 0
 #endif
 
 /* The blocked products' vector (spmm.c): VW floats */

@@ -23,15 +23,6 @@
 #define SPMM_MIN_B 17
 
 #if HFS_SIMD
-/* per mask byte: the positions of its set bits, in order */
-static int32_t g_bm_pos[256][8] __attribute__((aligned(32)));
-__attribute__((constructor)) static void init_bm_pos(void) {
-  for (int b = 0; b < 256; b++)
-    for (int i = 0, k = 0; i < 8; i++) {
-      g_bm_pos[b][i] = 0;
-      if (b >> i & 1) g_bm_pos[b][k++] = i;
-    }
-}
 
 /* the 8x8 block at x (row stride ld) transposed into t (row stride ldt) */
 static inline void transpose8(const float* x, int64_t ld, float* t, int64_t ldt) {
@@ -85,16 +76,64 @@ static void spmm_pack_rows(const job_t* j, int64_t c0, int64_t c1) {
   }
 }
 
+/* row r's nonzeros in columns [c0, c1), from its p-th on: their columns - c0 into off; returns how many */
+static inline __attribute__((always_inline)) int64_t spmm_offsets_(const job_t* j, int64_t r, int64_t p, int64_t c0,
+                                                                   int64_t c1, int32_t* off, const int F) {
+  const int64_t mb = (j->in + 7) >> 3;
+  const uint8_t* M = (const uint8_t*)j->idx;
+  int64_t n = 0;
+  if (F == 0 || F == 1) { /* sorted column indices */
+    const int64_t pe = j->rowptr[r + 1];
+    if (F == 0) {
+      const uint16_t* ix = (const uint16_t*)j->idx + p;
+      while (p + n < pe && ix[n] < c1) { off[n] = (int32_t)(ix[n] - c0); n++; }
+    } else {
+      const int32_t* ix = (const int32_t*)j->idx + p;
+      while (p + n < pe && ix[n] < c1) { off[n] = (int32_t)(ix[n] - c0); n++; }
+    }
+  } else if (F == 2) { /* set bits; a loop per bit mispredicts about once per byte of a random mask */
+    const uint8_t* m = M + r * mb;
+    int64_t c = c0;
+#if HFS_SIMD
+#if defined(__AVX512F__)
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (; c + 16 <= c1; c += 16) {
+      uint16_t k;
+      memcpy(&k, m + (c >> 3), 2);
+      _mm512_storeu_si512((void*)(off + n),
+                          _mm512_maskz_compress_epi32(k, _mm512_add_epi32(iota, _mm512_set1_epi32((int)(c - c0)))));
+      n += __builtin_popcount(k);
+    }
+#endif
+    for (; c + 8 <= c1; c += 8) {
+      const uint32_t k = m[c >> 3];
+      _mm256_storeu_si256((__m256i*)(off + n), _mm256_add_epi32(_mm256_load_si256((const __m256i*)g_bm_pos[k]),
+                                                                _mm256_set1_epi32((int)(c - c0))));
+      n += __builtin_popcount(k);
+    }
+#endif
+    for (; c < c1; c += 8)
+      for (uint32_t k = m[c >> 3]; k; k &= k - 1) off[n++] = (int32_t)(c - c0 + __builtin_ctz(k));
+  } else { /* 2:4: two positions per group of four (a group keeping fewer pads with a zero value) */
+    const uint8_t* m = M + r * mb;
+    for (int64_t c = c0; c < c1; c += 8) {
+      const uint32_t ln = g_nm_lane[m[c >> 3]];
+      const int npos = c1 - c >= 8 ? 4 : 2; /* in % 8 == 4: the last byte holds one group */
+      for (int q = 0; q < npos; q++) off[n++] = (int32_t)(c - c0 + (ln >> (8 * q) & 0xff));
+    }
+  }
+  return n;
+}
+
 /* Rows [rb, re) of y for one x block (b0: its first row, xt: its copy) of NV vectors per row.
    F: 0 CSR with 16-bit indices, 1 CSR with 32-bit, 2 bitmask, 3 2:4 (values [rows, in/2]). */
 static inline __attribute__((always_inline)) void spmm_block_(const job_t* j, int64_t rb, int64_t re, int64_t b0,
                                                               const float* xt, float* acc, int32_t* off,
                                                               int64_t* pos, const int NV, const int F,
                                                               const int BF) {
-  const int64_t in = j->in, B = j->B, rows = j->rows, mb = (in + 7) >> 3, wp = NV * VW;
+  const int64_t in = j->in, B = j->B, rows = j->rows, wp = NV * VW;
   const int64_t CB = STILE / wp / 16 * 16 < SCBMAX ? STILE / wp / 16 * 16 : SCBMAX;
   const void* const V = vbase(j->v, BF, rows);
-  const uint8_t* M = (const uint8_t*)j->idx;
   for (int64_t r = rb; r < re; r++) {
     pos[r - rb] = F == 3 ? r * (in >> 1) : j->rowptr[r];
     memset(acc + (r - rb) * wp, 0, wp * sizeof(float));
@@ -104,47 +143,7 @@ static inline __attribute__((always_inline)) void spmm_block_(const job_t* j, in
     const float* xc = xt + c0 * wp;
     for (int64_t r = rb; r < re; r++) {
       const int64_t p = pos[r - rb];
-      int64_t n = 0;
-      if (F == 0 || F == 1) { /* sorted column indices */
-        const int64_t pe = j->rowptr[r + 1];
-        if (F == 0) {
-          const uint16_t* ix = (const uint16_t*)j->idx + p;
-          while (p + n < pe && ix[n] < c1) { off[n] = (int32_t)(ix[n] - c0); n++; }
-        } else {
-          const int32_t* ix = (const int32_t*)j->idx + p;
-          while (p + n < pe && ix[n] < c1) { off[n] = (int32_t)(ix[n] - c0); n++; }
-        }
-      } else if (F == 2) { /* set bits; a loop per bit mispredicts about once per byte of a random mask */
-        const uint8_t* m = M + r * mb;
-        int64_t c = c0;
-#if HFS_SIMD
-#if defined(__AVX512F__)
-        const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        for (; c + 16 <= c1; c += 16) {
-          uint16_t k;
-          memcpy(&k, m + (c >> 3), 2);
-          _mm512_storeu_si512((void*)(off + n),
-                              _mm512_maskz_compress_epi32(k, _mm512_add_epi32(iota, _mm512_set1_epi32((int)(c - c0)))));
-          n += __builtin_popcount(k);
-        }
-#endif
-        for (; c + 8 <= c1; c += 8) {
-          const uint32_t k = m[c >> 3];
-          _mm256_storeu_si256((__m256i*)(off + n), _mm256_add_epi32(_mm256_load_si256((const __m256i*)g_bm_pos[k]),
-                                                                    _mm256_set1_epi32((int)(c - c0))));
-          n += __builtin_popcount(k);
-        }
-#endif
-        for (; c < c1; c += 8)
-          for (uint32_t k = m[c >> 3]; k; k &= k - 1) off[n++] = (int32_t)(c - c0 + __builtin_ctz(k));
-      } else { /* 2:4: two positions per group of four (a group keeping fewer pads with a zero value) */
-        const uint8_t* m = M + r * mb;
-        for (int64_t c = c0; c < c1; c += 8) {
-          const uint32_t ln = g_nm_lane[m[c >> 3]];
-          const int npos = c1 - c >= 8 ? 4 : 2; /* in % 8 == 4: the last byte holds one group */
-          for (int q = 0; q < npos; q++) off[n++] = (int32_t)(c - c0 + (ln >> (8 * q) & 0xff));
-        }
-      }
+      const int64_t n = spmm_offsets_(j, r, p, c0, c1, off, F);
       float* a = acc + (r - rb) * wp;
 #if HFS_SIMD
       const int U = NV >= 8 ? 1 : 8 / NV; /* nonzeros in flight: U * NV accumulators */

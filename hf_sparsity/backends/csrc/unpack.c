@@ -41,29 +41,12 @@ static inline __attribute__((always_inline)) void bm_unpack_rows_(const job_t* j
     }
   }
 }
-static void bm_unpack_rows(const job_t* j, int64_t r0, int64_t r1) {
-  if (j->vbf16 == 2)
-    bm_unpack_rows_(j, r0, r1, 2);
-  else if (j->vbf16)
-    bm_unpack_rows_(j, r0, r1, 1);
-  else
-    bm_unpack_rows_(j, r0, r1, 0);
-}
+VT_DISPATCH(bm_unpack_rows)
 
 /* 2:4 -> dense float32 rows: per group of four columns, zeros and the two values at their positions.
    With AVX2, eight columns per step: the meta byte indexes a table giving, per output lane, which of
    the four values lands there (or -1: zero), one vpermps + blend as in the bitmask expansion (the
    scalar loop made 2:4 prefill 0.3-0.5x dense against the bitmask's 0.8x). */
-#if HFS_SIMD
-static int32_t g_nm_inv[256][8] __attribute__((aligned(32)));
-__attribute__((constructor)) static void init_nm_inv(void) {
-  for (int b = 0; b < 256; b++) {
-    int lanes[4] = {b & 3, (b >> 2) & 3, 4 + ((b >> 4) & 3), 4 + ((b >> 6) & 3)};
-    for (int i = 0; i < 8; i++) g_nm_inv[b][i] = -1;
-    for (int k = 0; k < 4; k++) g_nm_inv[b][lanes[k]] = k;
-  }
-}
-#endif
 static inline __attribute__((always_inline)) void nm24_unpack_rows_(const job_t* j, int64_t r0, int64_t r1,
                                                                     const int BF) {
   const int64_t in = j->in, half = in >> 1;
@@ -91,11 +74,4 @@ static inline __attribute__((always_inline)) void nm24_unpack_rows_(const job_t*
     }
   }
 }
-static void nm24_unpack_rows(const job_t* j, int64_t r0, int64_t r1) {
-  if (j->vbf16 == 2)
-    nm24_unpack_rows_(j, r0, r1, 2);
-  else if (j->vbf16)
-    nm24_unpack_rows_(j, r0, r1, 1);
-  else
-    nm24_unpack_rows_(j, r0, r1, 0);
-}
+VT_DISPATCH(nm24_unpack_rows)

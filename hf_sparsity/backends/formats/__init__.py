@@ -17,9 +17,10 @@ close to the bound:
 Values are fp32 or bf16 (the weight's dtype), or, for ``bitmask`` and ``nm24`` with
 ``values="int8"``, int8 with one symmetric float32 scale per output row (round to nearest, computed at
 conversion: ``scale = max|w_row| / 127``): 0.625 bytes per weight at 50% with a bitmask. Their products
-quantize the activations too (``activations="int8"``, the default; see :func:`quantize_activations`): with
-AVX-512 VNNI a batch-1 product multiplies int8 by int8, elsewhere the dequantized activations go through
-the float kernels. ``activations="float32"`` keeps float32 activations (``sum(q * x) * scale`` in fp32).
+quantize the activations too (``activations="int8"``, the default; see :func:`quantize_activations`): a
+batch-1 product multiplies int8 by int8 (AVX-512 VNNI, AVX-VNNI or AVX2; ``_native.int8_dot()``), larger
+batches and the scalar build put the dequantized activations through the float kernels.
+``activations="float32"`` keeps float32 activations (``sum(q * x) * scale`` in fp32).
 ``to_dense()`` returns the dequantized weight. The native
 AVX2/FMA kernels (:mod:`hf_sparsity.backends._native`, ``csrc/``) run batch 1
 and small batches; larger batches (prefill) go through a dense GEMM on the weight rebuilt
