@@ -243,6 +243,28 @@ def test_the_chosen_levels_are_exact_per_layer_and_keep_the_budget(arch):
     json.dumps(record)  # JSON-simple: config.json keeps it
 
 
+def test_a_reused_error_table_gives_the_same_masks_and_a_foreign_one_is_refused():
+    levels = (0.0, 0.3, 0.6)
+    model = tiny_model("llama")
+    targets = [d for d in plan_sparsity(model, _cfg()) if d.sparsify]
+    table = _synthetic_table(targets, levels, other=0.5)
+    first = prune_oneshot(model, _cfg(), _calib(), "wanda", speed=SpeedTarget(1.4, levels, table=table))
+    again = prune_oneshot(
+        tiny_model("llama"), _cfg(), _calib(), "wanda",
+        speed=SpeedTarget(1.4, levels, table=table, errors=first.spdy.errors),
+    )  # fmt: skip
+    assert again.spdy.levels == first.spdy.levels
+    assert all(torch.equal(again.masks[n], first.masks[n]) for n in first.masks)
+    short = {n: v[:2] for n, v in first.spdy.errors.items()}
+    missing = dict(list(first.spdy.errors.items())[1:])
+    for bad in (short, missing):
+        with pytest.raises(SparsityError, match="error table does not fit"):
+            prune_oneshot(
+                tiny_model("llama"), _cfg(), _calib(), "wanda",
+                speed=SpeedTarget(1.4, levels, table=table, errors=bad),
+            )  # fmt: skip
+
+
 def test_a_target_above_the_grid_is_refused_before_pruning():
     levels = (0.0, 0.5)
     model = tiny_model("llama")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ from .levels import OWLSettings
 from .oneshot import OneShotResult, check_speed_args, prune_oneshot
 from .reconstruct import DEFAULT_LR, check_steps
 from .save import write_sparsity_files, write_spdy_card
-from .spdy import DEFAULT_LEVELS, SpeedTarget, parse_levels, reachable, shape_key
+from .spdy import DEFAULT_LEVELS, SpeedTarget, TimeTable, parse_levels, reachable, shape_key
 from .speed import measure_decode_ms, measure_time_table, with_other_ms
 from .streaming import StreamingModel
 
@@ -149,6 +150,7 @@ def prune_folder(
     spdy_levels=None,
     threads: int | None = None,
     measure_rounds: int = 5,
+    spdy_errors: dict[str, list[float]] | None = None,
 ) -> OneShotResult:
     """Prune ``model_dir`` one-shot and write a sparse model folder to ``out_dir``.
 
@@ -160,9 +162,11 @@ def prune_folder(
     ``.bin`` weights, and ``streaming=False``, load the whole model.
     ``target_speedup``: levels from the grid ``spdy_levels`` for this decoding speed-up over the dense
     model with the same ``values`` with ``threads`` (:mod:`~hf_sparsity.pruning.spdy`); the speed-up
-    measured over ``measure_rounds`` rounds (0: not) goes in the folder's ``README.md`` with the levels.
+    measured over ``measure_rounds`` rounds (0: not) goes in the folder's ``README.md`` with the levels;
+    ``spdy_errors``: a plan's error table to reuse (the same model, calibration and grid).
     """
-    speed = _speed_target(target_speedup, values, spdy_levels, threads, sparsity, structure, measure_rounds)
+    speed = _speed_target(target_speedup, values, spdy_levels, threads, sparsity, structure, measure_rounds,
+                          spdy_errors)  # fmt: skip
     calibrated = _check_inputs(
         model_dir, out_dir, method, nsamples, seqlen, calib_data, overwrite, device=device,
         batch_size=batch_size, blocksize=blocksize, percdamp=percdamp, owl_lambda=owl_lambda, refit=refit,
@@ -170,9 +174,7 @@ def prune_folder(
     )  # fmt: skip
     config = build_config(sparsity, structure, config_path)
     owl = OWLSettings(lam=owl_lambda) if owl_lambda is not None else None
-    given = None
-    if masks is not None:
-        given, _ = load_masks(masks)
+    given = load_masks(masks)[0] if masks is not None else None
     has_tokenizer = any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir)) if has_tokenizer else None
     model_config = AutoConfig.from_pretrained(str(model_dir))
@@ -185,24 +187,20 @@ def prune_folder(
         if given is None:
             info.update(get_method(method).settings(blocksize, percdamp))
     if speed is not None:  # measured, and an unreachable target refused, before anything is written
-        speed.table = _time_table(model_dir, model_config, config, speed, progress)
-    if owl is not None:
-        info["owl"] = {"lambda": owl.lam, "M": owl.outlier_m}
-    if masks is not None:
-        info["masks"] = str(masks)
+        speed.table = _time_table(model_dir, config, speed, progress)
+    info.update({"owl": {"lambda": owl.lam, "M": owl.outlier_m}} if owl is not None else {})
+    info.update({"masks": str(masks)} if masks is not None else {})
     kwargs = dict(
         blocksize=blocksize, percdamp=percdamp, owl=owl, device=device, batch_size=batch_size,
         progress=progress, refit=refit, reconstruct_steps=reconstruct_steps or 0,
         reconstruct_lr=reconstruct_lr, masks=given, speed=speed,
     )  # fmt: skip
-    finish = None
-    if speed is not None:
-        finish = lambda folder, result: _measure_and_card(model_dir, folder, result, speed, measure_rounds)  # noqa: E731
+    finish = partial(_measure_and_card, model_dir, speed=speed, rounds=measure_rounds) if speed else None
     return _prune_and_write(model_dir, out_dir, config, calib, method, model_config, tokenizer, info, kwargs,
                             overwrite=overwrite, streaming=streaming, finish=finish)  # fmt: skip
 
 
-def _speed_target(target_speedup, values, levels, threads, sparsity, structure, measure_rounds):
+def _speed_target(target_speedup, values, levels, threads, sparsity, structure, measure_rounds, errors=None):
     """The :class:`SpeedTarget` of ``--target-speedup`` (checked), or ``None``; ``--values`` alone refused."""
     if target_speedup is None:
         if values not in (None, "float32") or levels is not None:
@@ -216,27 +214,36 @@ def _speed_target(target_speedup, values, levels, threads, sparsity, structure, 
         raise SparsityError(f"measure_rounds {measure_rounds}: use 0 (do not measure) or more.")
     if isinstance(levels, str):
         levels = parse_levels(levels)
-    return SpeedTarget(target_speedup, levels if levels is not None else DEFAULT_LEVELS, values, threads)
+    levels = levels if levels is not None else DEFAULT_LEVELS
+    return SpeedTarget(target_speedup, levels, values, threads, errors=errors)
 
 
-def _time_table(model_dir, model_config, config, speed: SpeedTarget, progress: bool):
-    """The time table for the targets of ``model_dir`` (from a model with empty weights), with the rest of
-    the dense model's step measured; an unreachable target refused."""
+def folder_time_table(
+    model_dir, values: str | None = None, levels=DEFAULT_LEVELS, threads: int | None = None, config=None,
+    progress: bool = False,
+) -> tuple[TimeTable, list[str]]:  # fmt: skip
+    """The speed target's time table for the targets of ``model_dir`` (``config``: default targets), with
+    the rest of the dense model's step measured, and the targets' shapes in order."""
     from accelerate import init_empty_weights
 
+    model_config = AutoConfig.from_pretrained(str(model_dir))
     with init_empty_weights(include_buffers=False):
         meta = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
-    targets = [d for d in plan_sparsity(meta, config) if d.sparsify]
-    del meta
+    targets = [d for d in plan_sparsity(meta, config or SparsityConfig()) if d.sparsify]
     shapes = [shape_key(d) for d in targets]
-    table = measure_time_table(shapes, speed.levels, speed.values, speed.threads, progress=progress)
-    step = measure_decode_ms({"dense": (model_dir, True)}, speed.values, speed.threads, rounds=3)["dense"]
-    table = with_other_ms(table, step, shapes)
+    table = measure_time_table(shapes, tuple(levels), values, threads, progress=progress)
+    step = measure_decode_ms({"dense": (model_dir, True)}, values, threads, rounds=3)["dense"]
+    return with_other_ms(table, step, shapes), shapes
+
+
+def _time_table(model_dir, config, speed: SpeedTarget, progress: bool) -> TimeTable:
+    """:func:`folder_time_table` for ``speed``; an unreachable target refused before anything is written."""
+    table, shapes = folder_time_table(model_dir, speed.values, speed.levels, speed.threads, config, progress)
     reachable(speed.speedup, table.dense_total(shapes), table.fastest_total(shapes), table.levels)
     return table
 
 
-def _measure_and_card(model_dir, folder, result: OneShotResult, speed: SpeedTarget, rounds: int) -> None:
+def _measure_and_card(model_dir, folder, result: OneShotResult, *, speed: SpeedTarget, rounds: int) -> None:
     """Decode the dense and the pruned model (interleaved) and write the model card with the plan."""
     plan = result.spdy
     if plan is not None and rounds:

@@ -98,6 +98,11 @@ class TimeTable:
     def fastest_total(self, shapes: list[str]) -> float:
         return self.other_ms + sum(min(self.ms[s]) for s in shapes)
 
+    def uniform_speedup(self, shapes: list[str], level: float) -> float:
+        """The predicted speed-up with every layer at ``level`` (a grid level)."""
+        k = self.levels.index(level)
+        return self.dense_total(shapes) / (self.other_ms + sum(self.ms[s][k] for s in shapes))
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "levels": list(self.levels), "values": self.values or "float32", "threads": self.threads,
@@ -119,6 +124,7 @@ class SpeedTarget:
     threads: int | None = None
     resolution: int = DEFAULT_RESOLUTION
     table: TimeTable | None = None
+    errors: dict[str, list[float]] | None = None  # a plan's error table, reused (same model, data, grid)
 
     def __post_init__(self) -> None:
         check_speedup(self.speedup)
@@ -381,9 +387,18 @@ def spdy_counts(model, blocks, prefix, targets, chunks, speed: SpeedTarget, meth
                 progress=False) -> tuple[dict[str, int], SpdyPlan]:  # fmt: skip
     """Zeros per targeted tensor at the levels the program chooses (targets outside the blocks keep the
     config's level: their time is part of ``other_ms``), and the plan."""
-    errors = error_table(
-        model, blocks, prefix, targets, chunks, method, ctx_factory, speed.levels, dev, stream, progress
-    )
+    if speed.errors is not None:
+        errors = speed.errors
+        inside = {d.name for i in range(len(blocks)) for d in block_targets(model, prefix, i, targets)}
+        if set(errors) != inside or any(len(v) != len(speed.levels) for v in errors.values()):
+            raise SparsityError(
+                "The given error table does not fit: it must have one error per grid level for every "
+                "targeted weight in the blocks (a plan's errors for the same model, targets and levels)."
+            )
+    else:
+        errors = error_table(
+            model, blocks, prefix, targets, chunks, method, ctx_factory, speed.levels, dev, stream, progress
+        )
     names = [d.name for d in targets if d.name in errors]
     shape_of = {d.name: shape_key(d) for d in targets}
     plan = plan_levels(names, shape_of, errors, speed.table, speed.speedup, speed.resolution)
