@@ -394,3 +394,20 @@ def test_cli_bad_speed_inputs_are_refused_in_one_line_and_write_nothing(
         assert message in err and len(err.strip().splitlines()) == 1, (extra, err)
         assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_int8_values_survive_a_whole_model_check_that_keeps_every_layer_dense(monkeypatch, tmp_path):
+    """The int8 LM head's choice has no measured ratios; a slower whole model (every layer back to dense)
+    must still convert (a speed target's dense int8 reference of a small model goes through it)."""
+    from hf_sparsity.backends.auto import backend
+    from hf_sparsity.inference import sparsify_for_inference
+    from hf_sparsity.inference.conversion import SparseLinear
+
+    monkeypatch.setenv("HF_SPARSITY_PLAN_CACHE", str(tmp_path / "plans.json"))
+    monkeypatch.setattr(backend, "_time_whole_model", lambda model, swaps, rounds, tokens: (0.5, 100.0))
+    model = tiny_model("llama").eval()
+    prune_oneshot(model, 0.5, method="magnitude")
+    sparsify_for_inference(model, "auto", masks="zeros", values="int8")
+    assert not any(isinstance(m, SparseLinear) for m in model.model.layers.modules())
+    with torch.inference_mode():
+        model(torch.tensor([[1, 2, 3]]))

@@ -229,7 +229,7 @@ def folder_time_table(
     model_config = AutoConfig.from_pretrained(str(model_dir))
     with init_empty_weights(include_buffers=False):
         meta = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
-    targets = [d for d in plan_sparsity(meta, config or SparsityConfig()) if d.sparsify]
+    targets = [d for d in plan_sparsity(meta, config or SparsityConfig(sparsity=0.5)) if d.sparsify]
     shapes = [shape_key(d) for d in targets]
     table = measure_time_table(shapes, tuple(levels), values, threads, progress=progress)
     step = measure_decode_ms({"dense": (model_dir, True)}, values, threads, rounds=3)["dense"]
