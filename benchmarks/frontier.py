@@ -80,11 +80,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--generate-arg", action="append", default=[], help="one more hf_sparsity generate option")
     p.add_argument("--reuse", action="store_true", help="keep model folders already in OUT/models")
     p.add_argument("--smoke", action="store_true", help="a tiny random Llama, few rows and windows (a check)")
+    if p.parse_known_args(argv)[0].smoke:  # the smoke defaults; options given still win
+        p.set_defaults(
+            levels="0.3,0.6", rounds=1, tokens=8, ppl_windows=2, nsamples=2, seqlen=32, no_gguf=True
+        )
     args = p.parse_args(argv)
-    if args.smoke:
-        args.levels, args.rounds, args.tokens = "0.3,0.6", 1, 8
-        args.ppl_windows, args.nsamples, args.seqlen, args.no_gguf = 2, 2, 32, True
-    elif not args.model:
+    if not args.smoke and not args.model:
         p.error("--model is required (or --smoke)")
     if not args.no_gguf and not args.gguf_f32:
         p.error("give --gguf-f32 FILE (llama.cpp's convert_hf_to_gguf.py --outtype f32) or --no-gguf")
@@ -318,8 +319,8 @@ def plot(rows: list[dict], path: Path) -> None:
             if not pts:
                 continue
             label = f"{kind}{' int8' if int8 else ''}" if kind != "gguf" else "llama.cpp"
-            ax.scatter([r["tok_s"] for r in pts], [r["ppl"] for r in pts], c=color, marker=marker,
-                       facecolors=color if not int8 else "none", label=label)  # fmt: skip
+            ax.scatter([r["tok_s"] for r in pts], [r["ppl"] for r in pts], marker=marker, edgecolors=color,
+                       facecolors="none" if int8 else color, label=label)  # fmt: skip
             for r in pts:
                 ax.annotate(r["name"], (r["tok_s"], r["ppl"]), fontsize=6, xytext=(3, 3),
                             textcoords="offset points")  # fmt: skip

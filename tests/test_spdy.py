@@ -350,7 +350,7 @@ def test_cli_target_speedup_writes_levels_and_both_speedups(llama_dir, tmp_path,
     rc = _cli(
         "prune", model_dir, out, "--method", "sparsegpt", "--target-speedup", 1, "--calib-data", calib,
         "--nsamples", 2, "--seqlen", 16, "--spdy-levels", "0,0.5", "--threads", 1, "--measure-rounds", 1,
-        "--no-progress",
+        "--refit", "--no-progress",
     )  # fmt: skip
     printed = capsys.readouterr().out
     assert rc == 0

@@ -42,7 +42,8 @@ def measure_time_table(
             layers[f"{s}@{lv}"] = (w, m.view(out_f, in_f))
     t0 = time.perf_counter()
     with torch_threads(threads or torch.get_num_threads()):
-        plan = plan_layers(layers, values=values, threads=threads, plan_cache=plan_cache)
+        # threads set for torch and the kernels, not passed: the cache key of a model converted later
+        plan = plan_layers(layers, values=values, plan_cache=plan_cache)
     ms, fmt = {}, {}
     for name, (_, _, _, choice) in plan.items():
         passes = max(1, int(choice.get("measured_on", 1)) * int(choice.get("timed_copies", 1)))
