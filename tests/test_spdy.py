@@ -255,6 +255,10 @@ def test_a_reused_error_table_gives_the_same_masks_and_a_foreign_one_is_refused(
     )  # fmt: skip
     assert again.spdy.levels == first.spdy.levels
     assert all(torch.equal(again.masks[n], first.masks[n]) for n in first.masks)
+    with pytest.raises(SparsityError, match="not the target's"):
+        prune_oneshot(
+            tiny_model("llama"), _cfg(), _calib(), "wanda", speed=SpeedTarget(1.4, (0.0, 0.3), table=table)
+        )
     short = {n: v[:2] for n, v in first.spdy.errors.items()}
     missing = dict(list(first.spdy.errors.items())[1:])
     for bad in (short, missing):

@@ -387,6 +387,11 @@ def spdy_counts(model, blocks, prefix, targets, chunks, speed: SpeedTarget, meth
                 progress=False) -> tuple[dict[str, int], SpdyPlan]:  # fmt: skip
     """Zeros per targeted tensor at the levels the program chooses (targets outside the blocks keep the
     config's level: their time is part of ``other_ms``), and the plan."""
+    if tuple(speed.table.levels) != tuple(speed.levels):
+        raise SparsityError(
+            f"The time table's levels {list(speed.table.levels)} are not the target's {list(speed.levels)}: "
+            "measure the table for the same grid."
+        )
     if speed.errors is not None:
         errors = speed.errors
         inside = {d.name for i in range(len(blocks)) for d in block_targets(model, prefix, i, targets)}
