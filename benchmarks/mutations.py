@@ -935,8 +935,8 @@ MUTATIONS = (
         (
             (
                 "hf_sparsity/pruning/spdy.py",
-                "contrib = W.detach().float() ** 2 * sq_norm",
-                "contrib = W.detach().float().abs() * sq_norm",
+                "contrib = (W.detach().double() ** 2) * sq_norm",
+                "contrib = W.detach().double().abs() * sq_norm",
             ),
         ),
         ("tests/test_spdy.py::test_the_error_table_equals_pruning_each_layer_at_each_level",),

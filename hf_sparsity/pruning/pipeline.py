@@ -232,7 +232,7 @@ def folder_time_table(
     targets = [d for d in plan_sparsity(meta, config or SparsityConfig(sparsity=0.5)) if d.sparsify]
     shapes = [shape_key(d) for d in targets]
     table = measure_time_table(shapes, tuple(levels), values, threads, progress=progress)
-    step = measure_decode_ms({"dense": (model_dir, True)}, values, threads, rounds=3)["dense"]
+    step = measure_decode_ms({"dense": (model_dir, True)}, values, threads, rounds=5, stat="min")["dense"]
     return with_other_ms(table, step, shapes), shapes
 
 

@@ -10,8 +10,9 @@ Three tables and one dynamic program:
   fastest round) and is kept in ``auto``'s plan cache: a second run measures nothing, and converting the
   pruned model reuses the same decisions.
 * **The rest of a decoding step** ``T_other`` (LM head, attention, norms, embeddings, the loop): the dense
-  model, converted with ``auto`` in the same value type, decodes for a few interleaved rounds
-  (:func:`measure_decode_ms`); ``T_other = max(0, T_dense_step − Σ_l t_l(0))``.
+  model, converted with ``auto`` in the same value type, decodes 32 tokens five times
+  (:func:`~.speed.measure_decode_ms`, the fastest round, as the table keeps each layer's fastest);
+  ``T_other = max(0, T_dense_step − Σ_l t_l(0))``.
   The end-to-end model is then ``T(levels) = T_other + Σ_l t_l(s_l)``, and the speed-up over the dense
   model ``T(0) / T(levels)``.
 * **Error** ``e_l(s)``: the relative output error of layer ``l`` pruned at ``s`` by the method,
@@ -267,10 +268,16 @@ def sparsegpt_level_errors(
 
 def wanda_level_errors(W: torch.Tensor, sq_norm: torch.Tensor, counts: list[int]) -> list[float]:
     """Wanda's relative error at each zero count: ``Σ_pruned w² ‖x_j‖² / Σ w² ‖x_j‖²`` with Wanda's mask
-    (the lowest ``|w|·‖x_j‖`` in each row)."""
-    contrib = W.detach().float() ** 2 * sq_norm.float().reshape(1, -1)
-    total = max(float(contrib.sum()), 1e-30)
-    return [float(contrib[M.wanda_prune(W, sq_norm, k)].sum()) / total for k in counts]
+    (the lowest ``|w|·‖x_j‖`` in each row, :func:`~.methods.prune_per_row`): one sort per row for every
+    count (the pruned entries of a row are a prefix of its order), running sums in float64."""
+    score = M.wanda_score(W, sq_norm)
+    order = torch.sort(score, dim=1, stable=True).indices
+    contrib = (W.detach().double() ** 2) * sq_norm.double().reshape(1, -1)
+    run = torch.cumsum(torch.gather(contrib, 1, order), dim=1)
+    run = torch.cat([torch.zeros(run.shape[0], 1, dtype=run.dtype), run], dim=1)
+    total = max(float(contrib.sum()), 1e-300)
+    rows = W.shape[0]
+    return [float(run.gather(1, M.row_counts(k, rows).unsqueeze(1)).sum()) / total for k in counts]
 
 
 def level_errors(method: str, W: torch.Tensor, stat: torch.Tensor, counts: list[int], ctx, name: str):
