@@ -1264,6 +1264,98 @@ MUTATIONS = (
         (("hf_sparsity/backends/_native.py", 'if level != "scalar" and not lib.hfs_simd():', "if False:"),),
         ("tests/test_native_kernels.py::test_a_build_without_avx2_runs_scalar_with_one_logged_line",),
     ),
+    Mutation(
+        "spdy-buckets-rounded-down",
+        "the speed-target program rounds each layer's time down to whole buckets (can overrun the budget)",
+        (
+            (
+                "hf_sparsity/pruning/spdy.py",
+                "cost = np.ceil(t / q).astype(np.int64)",
+                "cost = np.floor(t / q).astype(np.int64)",
+            ),
+        ),
+        (
+            "tests/test_spdy.py::test_the_program_on_real_valued_times_keeps_the_real_budget_and_loses_at_most_a_bucket_a_layer",
+        ),
+    ),
+    Mutation(
+        "spdy-dp-keeps-first-not-best",
+        "the program keeps the first level reaching a time instead of the one with the least error",
+        (
+            (
+                "hf_sparsity/pruning/spdy.py",
+                "            better = cand < new[c:]\n",
+                "            better = new[c:] == np.inf\n",
+            ),
+        ),
+        ("tests/test_spdy.py::test_the_program_finds_the_brute_force_optimum_on_integer_tables",),
+    ),
+    Mutation(
+        "spdy-sweep-one-count",
+        "the stacked SparseGPT sweep prunes every level with the first level's count",
+        (
+            (
+                "hf_sparsity/pruning/spdy.py",
+                "per_block[j][b]) for j in range(K)",
+                "per_block[0][b]) for j in range(K)",
+            ),
+        ),
+        ("tests/test_spdy.py::test_the_error_table_equals_pruning_each_layer_at_each_level",),
+    ),
+    Mutation(
+        "spdy-wanda-error-unsquared",
+        "Wanda's error at a level sums |w|·‖x‖² instead of w²·‖x‖²",
+        (
+            (
+                "hf_sparsity/pruning/spdy.py",
+                "contrib = (W.detach().double() ** 2) * sq_norm",
+                "contrib = W.detach().double().abs() * sq_norm",
+            ),
+        ),
+        ("tests/test_spdy.py::test_the_error_table_equals_pruning_each_layer_at_each_level",),
+    ),
+    Mutation(
+        "spdy-budget-ignores-the-rest",
+        "the time budget forgets the rest of the step (LM head, attention): the model misses the target",
+        (
+            (
+                "hf_sparsity/pruning/spdy.py",
+                "budget = dense / speedup - table.other_ms",
+                "budget = dense / speedup",
+            ),
+        ),
+        ("tests/test_spdy.py::test_the_chosen_levels_are_exact_per_layer_and_keep_the_budget",),
+    ),
+    Mutation(
+        "spdy-levels-not-applied",
+        "the chosen levels are planned but every layer is pruned at the config's level",
+        (
+            (
+                "hf_sparsity/pruning/spdy.py",
+                "num_zeros(plan.levels.get(d.name, float(d.sparsity)), d.numel)",
+                "num_zeros(float(d.sparsity), d.numel)",
+            ),
+        ),
+        ("tests/test_spdy.py::test_the_chosen_levels_are_exact_per_layer_and_keep_the_budget",),
+    ),
+    Mutation(
+        "spdy-unreachable-not-refused",
+        "a target above what the grid reaches is not refused up front",
+        (("hf_sparsity/pruning/spdy.py", "    if speedup > top * (1 + 1e-9):", "    if False:"),),
+        ("tests/test_spdy.py::test_a_target_above_the_grid_is_refused_before_pruning",),
+    ),
+    Mutation(
+        "auto-int8-head-planned-keys",
+        "the whole-model check's fallback reads measured ratios the int8 LM head's choice does not have",
+        (
+            (
+                "hf_sparsity/backends/auto/backend.py",
+                'c["planned"] = {k: c[k] for k in PLAN_KEYS if k in c}',
+                'c["planned"] = {k: c[k] for k in PLAN_KEYS}',
+            ),
+        ),
+        ("tests/test_spdy.py::test_int8_values_survive_a_whole_model_check_that_keeps_every_layer_dense",),
+    ),
 )
 
 NEW_TEST_FILES = (
@@ -1273,6 +1365,7 @@ NEW_TEST_FILES = (
     "tests/test_exact_internals.py",
     "tests/test_host_sync.py",
     "tests/test_native_sampling.py",
+    "tests/test_spdy.py",
 )
 """The test files written with the last mutations above (their entries name the test that catches each);
 ``--before`` leaves them out (what the suite caught without them)."""

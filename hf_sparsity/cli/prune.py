@@ -6,6 +6,8 @@ Examples::
         --calib-data DATA_DIR/corpus/openwebtext-1000.jsonl --nsamples 32 --seqlen 512
     hf_sparsity prune models/dense out/sgpt24 --method sparsegpt --structure 2:4 --calib-data c4.jsonl \\
         --refit --reconstruct
+    hf_sparsity prune models/dense out/fast2x --method sparsegpt --target-speedup 2 --values int8 \\
+        --calib-data c4.jsonl --threads 2
 
 Every input is checked by the library (``prune_folder``); this module only parses.
 """
@@ -64,6 +66,30 @@ def prune_command_parser(subparsers) -> argparse.ArgumentParser:
         help=f"Adam steps per block for --reconstruct (default {DEFAULT_STEPS})",
     )
     p.add_argument("--reconstruct-lr", type=float, default=DEFAULT_LR, help=f"default {DEFAULT_LR}")
+    p.add_argument(
+        "--target-speedup",
+        type=float,
+        metavar="S",
+        help="choose each layer's level for a decoding speed-up of S over the dense model on this machine "
+        "(SPDY: measured time table, per-layer errors, dynamic program); needs --method sparsegpt or wanda",
+    )
+    p.add_argument(
+        "--values",
+        choices=["float32", "int8"],
+        help="--target-speedup: the value type both models decode with (default float32)",
+    )
+    p.add_argument(
+        "--spdy-levels",
+        metavar="L1,L2,...",
+        help="--target-speedup: the candidate levels, each in [0, 1) (default 0,0.1,...,0.8)",
+    )
+    p.add_argument("--threads", type=int, help="--target-speedup: threads for the timings (default torch's)")
+    p.add_argument(
+        "--measure-rounds",
+        type=int,
+        default=5,
+        help="--target-speedup: interleaved decoding rounds for the measured speed-up (0: skip; default 5)",
+    )
     p.add_argument("--masks", help="use this mask file (or model folder's masks) instead of choosing masks")
     p.add_argument(
         "--no-streaming", action="store_true", help="load the whole model instead of one block at a time"
@@ -107,6 +133,11 @@ def prune_command(args: argparse.Namespace) -> int:
         reconstruct_lr=args.reconstruct_lr,
         masks=args.masks,
         streaming=not args.no_streaming,
+        target_speedup=args.target_speedup,
+        values=args.values,
+        spdy_levels=args.spdy_levels,
+        threads=args.threads,
+        measure_rounds=args.measure_rounds,
     )
     print(result.summary())
     print(f"wrote {args.out_dir} in {time.perf_counter() - t0:.1f} s (prune {result.seconds:.1f} s)")

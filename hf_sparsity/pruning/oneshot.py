@@ -42,6 +42,8 @@ from .blocks import (
 from .levels import OWLSettings, zero_counts
 from .reconstruct import DEFAULT_LR, check_steps, reconstruct_block
 from .refit import refit_weights
+from .spdy import SpeedTarget, spdy_counts
+from .speed import table_for_model
 from .statistics import StatsHooks
 
 logger = logging.getLogger(__name__)
@@ -57,6 +59,7 @@ class OneShotResult:
     zeros: dict[str, int] = field(default_factory=dict)
     block_seconds: list[float] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
+    spdy: Any = None  # the speed-target plan (:class:`~.spdy.SpdyPlan`) when levels were chosen for one
 
     def levels_by_projection(self) -> dict[str, float]:
         """Sparsity per projection type (``self_attn.q_proj``, ``mlp.down_proj``, ...) over all blocks."""
@@ -75,6 +78,8 @@ class OneShotResult:
             f"({zeros / max(total, 1):.4%}) in {self.seconds:.1f} s"
         ]
         lines += [f"  {k:<28} {v:.4%}" for k, v in self.levels_by_projection().items()]
+        if self.spdy is not None:
+            lines += self.spdy.lines()
         return "\n".join(lines)
 
 
@@ -125,6 +130,20 @@ def _check_args(method, calibration, targets, model, refit=False, reconstruct_st
                 f"{what} needs calibration token ids of shape (nsamples, seqlen) with nsamples >= 1; "
                 "build them with hf_sparsity.pruning.sample_calibration (--nsamples 128 is the reference)."
             )
+
+
+def check_speed_args(method: str, owl, masks, targets) -> None:
+    """A speed target chooses levels from a calibrated method's errors, for unstructured sparsity."""
+    if masks is not None or owl is not None:
+        what = "--masks gives the levels" if masks is not None else "OWL chooses levels too"
+        raise SparsityError(f"--target-speedup chooses the levels, {what}: use one or the other.")
+    if method not in ("sparsegpt", "wanda"):
+        raise SparsityError(
+            f"--target-speedup needs a layer error from calibration: use --method sparsegpt or wanda, not "
+            f"{method}."
+        )
+    if any(d.structure for d in targets):
+        raise SparsityError("--target-speedup chooses unstructured levels; drop `structure` (N:M).")
 
 
 def mask_targets(
@@ -192,6 +211,7 @@ def prune_oneshot(
     reconstruct_lr: float = DEFAULT_LR,
     masks: dict[str, torch.Tensor] | None = None,
     stream=None,
+    speed: SpeedTarget | None = None,
 ) -> OneShotResult:
     """Prune ``model`` in place, block by block, and return its masks.
 
@@ -216,6 +236,9 @@ def prune_oneshot(
             (``config`` and ``method`` are then ignored); refit / reconstruction apply to them.
         stream: where blocks come from and go to (default: the model in memory); see
             :func:`hf_sparsity.pruning.streaming.prune_streaming`.
+        speed: a decoding speed target (:class:`~.spdy.SpeedTarget`): each targeted weight inside the
+            blocks gets the grid level the SPDY program chooses (``config``'s levels are ignored for
+            them); the plan is in ``result.info["spdy"]``. Its time table is measured when not given.
 
     Every targeted tensor ends with exactly ``round(level · numel)`` zeros (or the OWL count),
     or exactly N of every M kept along its input dimension, or exactly the given masks.
@@ -240,10 +263,13 @@ def prune_oneshot(
     _check_nm(model, targets)
     if owl is not None and masks is not None:
         raise SparsityError("OWL chooses levels, --masks gives them: use one or the other.")
+    if speed is not None:  # checked, and the time table measured when not given, before any change
+        check_speed_args(method, owl, masks, targets)
+        speed.table = speed.table or table_for_model(model, targets, speed, progress)
     was_training = model.training
     model.eval()  # dropout off: statistics must be those of the deployed model
     opts = _Options(method, blocksize, percdamp, owl, device, batch_size, progress, refit, reconstruct_steps,
-                    reconstruct_lr, masks, stream or InMemoryBlocks())  # fmt: skip
+                    reconstruct_lr, masks, stream or InMemoryBlocks(), speed)  # fmt: skip
     try:
         return _prune(model, targets, calibration, opts)
     finally:
@@ -264,6 +290,7 @@ class _Options:
     lr: float
     masks: dict[str, torch.Tensor] | None
     stream: Any
+    speed: SpeedTarget | None = None
 
     @property
     def algorithm(self) -> str:
@@ -289,12 +316,9 @@ def _prune(model, targets, calibration, o: _Options):
     if calibrated:
         chunks = capture_block_inputs(model, blocks[0], calibration, o.batch_size)
         chunks = to_device(chunks, dev) if dev != chunks[0].hidden.device else chunks
-    if o.masks is not None:
-        counts = _given_counts(o.masks)
-    else:
-        counts = zero_counts(model, blocks, prefix, targets, chunks, o.owl, dev, o.stream)
+    counts, plan = _counts(model, blocks, prefix, targets, chunks, dev, o)
     in_blocks = set()
-    block_seconds, info = [], {"blocks": prefix}
+    block_seconds, info = [], {"blocks": prefix, **({"spdy": plan.to_dict()} if plan else {})}
     hidden = [c.hidden for c in chunks]
     for c in chunks:  # hold the activations once: as this block's inputs, then its outputs
         c.hidden = None
@@ -350,7 +374,20 @@ def _prune(model, targets, calibration, o: _Options):
             "steps": o.steps, "lr": o.lr,
             "block_error_before_after": [[round(a, 6), round(b, 6)] for a, b in recon],
         }  # fmt: skip
-    return OneShotResult(masks, o.method, time.perf_counter() - t0, counts, block_seconds, info)
+    return OneShotResult(masks, o.method, time.perf_counter() - t0, counts, block_seconds, info, plan)
+
+
+def _counts(model, blocks, prefix, targets, chunks, dev, o: _Options):
+    """Zeros per targeted tensor: the given masks', the speed target's (and its plan), or the config's
+    (OWL's) levels."""
+    if o.masks is not None:
+        return _given_counts(o.masks), None
+    if o.speed is not None:
+        return spdy_counts(
+            model, blocks, prefix, targets, chunks, o.speed, o.algorithm,
+            lambda groups: BlockContext(o.blocksize, o.percdamp, groups), dev, o.stream, o.progress,
+        )  # fmt: skip
+    return zero_counts(model, blocks, prefix, targets, chunks, o.owl, dev, o.stream), None
 
 
 def _block_error(outs: list[torch.Tensor], targets: list[torch.Tensor]) -> float:

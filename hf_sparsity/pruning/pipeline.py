@@ -9,22 +9,27 @@ from __future__ import annotations
 
 import logging
 import os
+from functools import partial
 from pathlib import Path
 
+import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ..constants import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from ..loading import TOKENIZER_FILES, check_context_fits, check_device, check_model_folder
 from ..mask_engine.config import SparsityConfig, check_level, check_structure
+from ..mask_engine.targeting import plan_sparsity
 from ..modeling import check_token_ids
 from ..storage.masks_file import load_masks
 from ..utils import SparsityError, atomic_dir, check_out_dir
 from .algorithms import get_method, needs_calibration
 from .calibration import read_documents, sample_calibration
 from .levels import OWLSettings
-from .oneshot import OneShotResult, prune_oneshot
+from .oneshot import OneShotResult, check_speed_args, prune_oneshot
 from .reconstruct import DEFAULT_LR, check_steps
-from .save import save_pruned, write_sparsity_files
+from .save import write_sparsity_files, write_spdy_card
+from .spdy import DEFAULT_LEVELS, SpeedTarget, TimeTable, parse_levels, reachable, shape_key
+from .speed import measure_decode_ms, measure_time_table, with_other_ms
 from .streaming import StreamingModel
 
 logger = logging.getLogger(__name__)
@@ -66,6 +71,7 @@ def _check_inputs(
     refit=False,
     reconstruct_steps=None,
     masks=None,
+    speed=None,
 ) -> bool:
     """Every argument of :func:`prune_folder`, checked once, before anything loads or is written.
 
@@ -81,6 +87,8 @@ def _check_inputs(
         if value is not None and value < 0:
             raise SparsityError(f"{flag} must not be negative, got {value}.")
     check_steps(reconstruct_steps)
+    if speed is not None:
+        check_speed_args(method, owl_lambda, masks, [])
     if masks is not None and not Path(masks).exists():
         raise SparsityError(
             f"--masks {str(masks)!r} does not exist. Give a mask file or the folder holding one."
@@ -137,6 +145,12 @@ def prune_folder(
     reconstruct_lr: float = DEFAULT_LR,
     masks: str | os.PathLike | None = None,
     streaming: bool = True,
+    target_speedup: float | None = None,
+    values: str | None = None,
+    spdy_levels=None,
+    threads: int | None = None,
+    measure_rounds: int = 5,
+    spdy_errors: dict[str, list[float]] | None = None,
 ) -> OneShotResult:
     """Prune ``model_dir`` one-shot and write a sparse model folder to ``out_dir``.
 
@@ -146,17 +160,21 @@ def prune_folder(
     ``streaming``: read and write a safetensors folder one decoder block at a time
     (:mod:`~hf_sparsity.pruning.streaming`), never holding the whole model; folders with
     ``.bin`` weights, and ``streaming=False``, load the whole model.
+    ``target_speedup``: levels from the grid ``spdy_levels`` for this decoding speed-up over the dense
+    model with the same ``values`` with ``threads`` (:mod:`~hf_sparsity.pruning.spdy`); the speed-up
+    measured over ``measure_rounds`` rounds (0: not) goes in the folder's ``README.md`` with the levels;
+    ``spdy_errors``: a plan's error table to reuse (the same model, calibration and grid).
     """
+    speed = _speed_target(target_speedup, values, spdy_levels, threads, sparsity, structure, measure_rounds,
+                          spdy_errors)  # fmt: skip
     calibrated = _check_inputs(
         model_dir, out_dir, method, nsamples, seqlen, calib_data, overwrite, device=device,
         batch_size=batch_size, blocksize=blocksize, percdamp=percdamp, owl_lambda=owl_lambda, refit=refit,
-        reconstruct_steps=reconstruct_steps, masks=masks,
+        reconstruct_steps=reconstruct_steps, masks=masks, speed=speed,
     )  # fmt: skip
     config = build_config(sparsity, structure, config_path)
     owl = OWLSettings(lam=owl_lambda) if owl_lambda is not None else None
-    given = None
-    if masks is not None:
-        given, _ = load_masks(masks)
+    given = load_masks(masks)[0] if masks is not None else None
     has_tokenizer = any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir)) if has_tokenizer else None
     model_config = AutoConfig.from_pretrained(str(model_dir))
@@ -168,21 +186,77 @@ def prune_folder(
         info = {"calib_data": str(calib_data), "text_column": text_column, "seed": seed}
         if given is None:
             info.update(get_method(method).settings(blocksize, percdamp))
-    if owl is not None:
-        info["owl"] = {"lambda": owl.lam, "M": owl.outlier_m}
-    if masks is not None:
-        info["masks"] = str(masks)
+    if speed is not None:  # measured, and an unreachable target refused, before anything is written
+        speed.table = _time_table(model_dir, config, speed, progress)
+    info.update({"owl": {"lambda": owl.lam, "M": owl.outlier_m}} if owl is not None else {})
+    info.update({"masks": str(masks)} if masks is not None else {})
     kwargs = dict(
         blocksize=blocksize, percdamp=percdamp, owl=owl, device=device, batch_size=batch_size,
         progress=progress, refit=refit, reconstruct_steps=reconstruct_steps or 0,
-        reconstruct_lr=reconstruct_lr, masks=given,
+        reconstruct_lr=reconstruct_lr, masks=given, speed=speed,
     )  # fmt: skip
+    finish = partial(_measure_and_card, model_dir, speed=speed, rounds=measure_rounds) if speed else None
     return _prune_and_write(model_dir, out_dir, config, calib, method, model_config, tokenizer, info, kwargs,
-                            overwrite=overwrite, streaming=streaming)  # fmt: skip
+                            overwrite=overwrite, streaming=streaming, finish=finish)  # fmt: skip
+
+
+def _speed_target(target_speedup, values, levels, threads, sparsity, structure, measure_rounds, errors=None):
+    """The :class:`SpeedTarget` of ``--target-speedup`` (checked), or ``None``; ``--values`` alone refused."""
+    if target_speedup is None:
+        if values not in (None, "float32") or levels is not None:
+            raise SparsityError("--values / --spdy-levels go with --target-speedup S; add it or drop them.")
+        return None
+    if sparsity is not None or structure is not None:
+        raise SparsityError(
+            "--target-speedup chooses each layer's level; drop --sparsity / --structure (or the target)."
+        )
+    if measure_rounds < 0:
+        raise SparsityError(f"measure_rounds {measure_rounds}: use 0 (do not measure) or more.")
+    if isinstance(levels, str):
+        levels = parse_levels(levels)
+    levels = levels if levels is not None else DEFAULT_LEVELS
+    return SpeedTarget(target_speedup, levels, values, threads, errors=errors)
+
+
+def folder_time_table(
+    model_dir, values: str | None = None, levels=DEFAULT_LEVELS, threads: int | None = None, config=None,
+    progress: bool = False,
+) -> tuple[TimeTable, list[str]]:  # fmt: skip
+    """The speed target's time table for the targets of ``model_dir`` (``config``: default targets), with
+    the rest of the dense model's step measured, and the targets' shapes in order."""
+    from accelerate import init_empty_weights
+
+    model_config = AutoConfig.from_pretrained(str(model_dir))
+    with init_empty_weights(include_buffers=False):
+        meta = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+    targets = [d for d in plan_sparsity(meta, config or SparsityConfig(sparsity=0.5)) if d.sparsify]
+    shapes = [shape_key(d) for d in targets]
+    table = measure_time_table(shapes, tuple(levels), values, threads, progress=progress)
+    step = measure_decode_ms({"dense": (model_dir, True)}, values, threads, rounds=5, stat="min")["dense"]
+    return with_other_ms(table, step, shapes), shapes
+
+
+def _time_table(model_dir, config, speed: SpeedTarget, progress: bool) -> TimeTable:
+    """:func:`folder_time_table` for ``speed``; an unreachable target refused before anything is written."""
+    table, shapes = folder_time_table(model_dir, speed.values, speed.levels, speed.threads, config, progress)
+    reachable(speed.speedup, table.dense_total(shapes), table.fastest_total(shapes), table.levels)
+    return table
+
+
+def _measure_and_card(model_dir, folder, result: OneShotResult, *, speed: SpeedTarget, rounds: int) -> None:
+    """Decode the dense and the pruned model (interleaved) and write the model card with the plan."""
+    plan = result.spdy
+    if plan is not None and rounds:
+        both = {"dense": (model_dir, True), "pruned": (folder, False)}
+        ms = measure_decode_ms(both, speed.values, speed.threads, rounds=rounds)
+        plan.measured_ms = ms
+        plan.measured_speedup = ms["dense"] / ms["pruned"]
+    if plan is not None:
+        write_spdy_card(folder, plan, result.method, rounds)
 
 
 def _prune_and_write(model_dir, out_dir, config, calib, method, model_config, tokenizer, info, kwargs, *,
-                     overwrite, streaming) -> OneShotResult:  # fmt: skip
+                     overwrite, streaming, finish=None) -> OneShotResult:  # fmt: skip
     """Prune and write ``out_dir``: block by block from a safetensors folder (``streaming``), else the
     whole model loaded."""
     if streaming and any(
@@ -194,10 +268,15 @@ def _prune_and_write(model_dir, out_dir, config, calib, method, model_config, to
             result = prune_oneshot(stream.model, config, calib, method, stream=stream, **kwargs)
             stream.finish()
             write_sparsity_files(tmp, model_config, result, config, tokenizer, info)
+            if finish is not None:
+                finish(tmp, result)
         return result
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto")
     model.eval()
     result = prune_oneshot(model, config, calib, method, **kwargs)
-    save_pruned(model, result, out_dir, config=config, tokenizer=tokenizer, info=info,
-                model_dir=model_dir, overwrite=overwrite)  # fmt: skip
+    with atomic_dir(out_dir, overwrite=overwrite, source=model_dir) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        write_sparsity_files(tmp, model.config, result, config, tokenizer, info)
+        if finish is not None:
+            finish(tmp, result)
     return result

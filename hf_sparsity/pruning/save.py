@@ -8,14 +8,18 @@ Stock transformers loads it; :class:`~hf_sparsity.SparsityCallback` picks up its
 
 from __future__ import annotations
 
+import datetime
 import os
+import platform
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from ..constants import SPARSITY_MASKS_NAME
 from ..mask_engine.config import SparsityConfig, set_sparsity_config
 from ..storage.masks_file import save_masks
-from ..utils import atomic_dir
+from ..utils import atomic_dir, atomic_write_text, library_version
 from .oneshot import OneShotResult
 
 
@@ -71,3 +75,42 @@ def _overall_level(result: OneShotResult) -> float:
     total = sum(m.numel() for m in result.masks.values())
     zeros = sum(int((m == 0).sum()) for m in result.masks.values())
     return round(zeros / max(total, 1), 6)
+
+
+def write_spdy_card(folder: str | os.PathLike, plan, method: str, rounds: int) -> Path:
+    """``README.md`` of a folder pruned for a speed target: the target, the predicted and the measured
+    decoding speed-up, the machine, and the level chosen for each layer (written atomically)."""
+    vt = plan.table.values or "float32"
+    threads = plan.table.threads or torch.get_num_threads()
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    measured = (
+        f"{plan.measured_speedup:.3f}x (dense {plan.measured_ms['dense']:.3f} ms/token, pruned "
+        f"{plan.measured_ms['pruned']:.3f} ms/token; greedy decoding, medians of {rounds} interleaved rounds)"
+        if plan.measured_speedup
+        else "not measured"
+    )
+    lines = [
+        "---", "library_name: transformers", "tags:", "- sparse", "- sparsity", "- hf_sparsity", "---", "",
+        "## Sparsity (hf_sparsity): levels chosen for a decoding speed target", "",
+        f"Pruned with `{method}` at per-layer levels chosen by SPDY's dynamic program (Frantar & "
+        f"Alistarh 2022) for a decoding speed-up of **{plan.speedup:g}x** over the dense model with {vt} "
+        "values.", "",
+        f"* predicted speed-up: {plan.predicted_speedup:.3f}x (step {plan.predicted_ms:.3f} ms of dense "
+        f"{plan.dense_ms:.3f} ms; {plan.table.other_ms:.3f} ms outside the pruned layers)",
+        f"* measured speed-up: {measured}",
+        f"* measured on {cpu}, {threads} threads, {datetime.date.today().isoformat()}, "
+        f"hf_sparsity {library_version()}, torch {torch.__version__}",
+        f"* candidate levels: {', '.join(f'{x:g}' for x in plan.table.levels)}", "",
+        "| layer | level | relative error at that level |", "|---|---|---|",
+    ]  # fmt: skip
+    for name, level in plan.levels.items():
+        k = plan.table.levels.index(level)
+        lines.append(f"| `{name}` | {level:.2f} | {plan.errors[name][k]:.4g} |")
+    path = Path(folder) / "README.md"
+    atomic_write_text(path, "\n".join(lines) + "\n")
+    return path

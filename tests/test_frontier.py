@@ -1,0 +1,50 @@
+"""benchmarks/frontier.py's smoke mode: a tiny random Llama through every kind of row but llama.cpp's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow  # a subprocess pruning, evaluating and timing a handful of tiny models
+def test_frontier_smoke_writes_a_table_json_and_plot_with_every_row(tmp_path):
+    from .conftest import shared_data_dir
+
+    data = shared_data_dir()
+    env = dict(os.environ, HF_SPARSITY_PLAN_CACHE=str(tmp_path / "plans.json"), PYTHONPATH=str(ROOT))
+    out = tmp_path / "frontier"
+    cmd = [
+        sys.executable, str(ROOT / "benchmarks" / "frontier.py"), "--smoke", "--data-dir", str(data),
+        "--out", str(out), "--levels", "0.5", "--values", "float32", "--ppl-windows", "1",
+    ]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    record = json.loads((out / "frontier.json").read_text())
+    names = [r["name"] for r in record["rows"]]
+    assert names == ["dense float32", "u0.5 float32", "spdy@u0.5 float32"]
+    for r in record["rows"]:
+        assert r["ppl"] > 1 and 0 < r["bytes_per_weight"] <= 4 and r["tok_s"] > 0, r
+    spdy = record["rows"][2]
+    assert spdy["target"] >= 1.0
+    card = (Path(spdy["folder"]) / "README.md").read_text()
+    assert "predicted speed-up" in card
+    table = (out / "frontier.md").read_text()
+    assert all(f"| {n} |" in table for n in names) and "command: python benchmarks/frontier.py" in table
+    assert (out / "frontier.png").stat().st_size > 10_000
+
+
+def test_frontier_help_names_the_drop_in_options():
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "frontier.py"), "--help"],
+        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 0
+    for opt in ("--target-speedup", "--head", "--isa", "--no-gguf", "--recover-steps", "--smoke"):
+        assert opt in res.stdout, opt
