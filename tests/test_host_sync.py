@@ -141,7 +141,13 @@ def _library_caller() -> str | None:
 
 
 # Where an event's host work may come from: building the new masks and placing them.
-EVENT_FILES = ("masks.py", "events.py", "engine.py", "enforcement.py", "mask_state.py")
+EVENT_FILES = (
+    "masks.py",
+    "mask_engine/events.py",
+    "mask_engine/engine.py",
+    "mask_engine/enforcement.py",
+    "mask_engine/mask_state.py",
+)
 
 
 def _batch(seed: int, batch: int = 3, width: int = 12, vocab: int = 101):
@@ -192,7 +198,7 @@ def test_the_recorder_sees_host_reads_of_the_library_inside_hooks_and_not_torchs
         rec.step = 2
         opt.step()
         hf_sparsity.masks.mask_level(torch.ones(4, dtype=torch.uint8))  # float(tensor) in masks.py
-    assert rec.at(1) and all(c.startswith("item at enforcement.py:") for c in rec.at(1)), rec.calls
+    assert rec.at(1) and all(c.startswith("item at mask_engine/enforcement.py:") for c in rec.at(1)), rec.calls
     assert len(rec.at(1)) == 1  # once per backward: one pass over every masked weight's gradient
     assert rec.at(2) == [rec.at(2)[0]] and rec.at(2)[0].startswith("__float__ at masks.py:"), rec.calls
 
