@@ -243,7 +243,7 @@ def speed(rows: list[dict], args) -> None:
     """``hf_sparsity generate`` (and llama.cpp) tok/s, every row once per round, rounds interleaved."""
     from transformers import AutoTokenizer
 
-    extra = list(args.generate_arg) + (["--head", args.head] if args.head else [])
+    extra = list(args.generate_arg)
     ids = None
     runs = {}
     for row in rows:
@@ -254,7 +254,8 @@ def speed(rows: list[dict], args) -> None:
             run = _llama_cpp_runner(row["gguf"], args.threads, ids, args.tokens)
             runs[row["name"]] = lambda run=run: run()[1]
         else:
-            runs[row["name"]] = lambda row=row: _cli(str(row["folder"]), row["values"], args, extra)[0]
+            spec = {"folder": str(row["folder"]), "values": row["values"], "head": args.head}
+            runs[row["name"]] = lambda spec=spec: _cli(spec, args, extra)[0]
     times = {n: [] for n in runs}
     for r in range(args.rounds):
         for name, fn in runs.items():
