@@ -42,7 +42,7 @@ from ..modeling import replace_module
 from ..storage.masks_file import load_masks_for
 from ..utils import SparsityError
 
-logger = logging.getLogger("hf_sparsity.inference")  # the name it logged under before the package
+logger = logging.getLogger(__name__)
 
 _AUTO_CHOICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """model -> what ``auto`` chose per layer (:func:`auto_choices`): kept here, not on the user's model."""
