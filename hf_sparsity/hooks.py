@@ -40,6 +40,9 @@ of the library moves what it relies on:
 
   - :func:`tensor_version`: the native step keeps a transposed copy of a ``Conv1D`` weight while the
     weight is unchanged; torch counts in-place changes of a tensor only in its private ``_version``.
+  - :func:`queue_after_backward`: the gradients are masked in one fused multiply when a backward pass
+    ends (after the callbacks it queued, DDP's copy-back included); torch offers a hook per tensor and
+    per module, but the end of a whole backward only through the autograd engine's ``queue_callback``.
 
   - :func:`closed_form_lr` and :func:`set_last_lr`: an LR rewind (IMP) restarts a scheduler at
     a given step; torch schedulers offer no public way to jump to a step or to set the LR that
@@ -338,6 +341,12 @@ def tensor_version(t: torch.Tensor) -> int:
     """torch's count of in-place changes of ``t`` (``t._version``): a cache built from a tensor is current
     while the tensor (the same storage) has the same version."""
     return int(t._version)
+
+
+def queue_after_backward(fn: Callable[[], None]) -> None:
+    """Run ``fn`` when the running backward pass ends (called from a hook inside it), after the callbacks
+    queued before it: the autograd engine's ``queue_callback``."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
 # ---------------------------------------------------------------------------- DeepSpeed ZeRO

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hf_sparsity.mask_engine.enforcement as enforcement
-from hf_sparsity import SparsityConfig
+from hf_sparsity import SparsityConfig, hooks
 from hf_sparsity.mask_engine.engine import SparsityEngine
 
 from .realistic import realistic_model
@@ -89,7 +89,7 @@ def test_masking_runs_after_callbacks_the_backward_queued_later():
         target.grad.copy_(unmasked)
 
     emb = model.get_input_embeddings().weight
-    emb.register_hook(lambda g: enforcement.queue_after_backward(copy_back))
+    emb.register_hook(lambda g: hooks.queue_after_backward(copy_back))
     x = _batch(model.config.vocab_size, 0)
     model(input_ids=x, labels=x).loss.backward()
     assert torch.equal(target.grad, unmasked * eng.masks[name])

@@ -217,6 +217,15 @@ def test_torch_still_counts_in_place_changes_in_the_tensor_version():
     assert hooks.tensor_version(w) > v
 
 
+def test_torch_still_runs_callbacks_queued_from_a_hook_when_the_backward_ends_in_order():
+    w = torch.nn.Parameter(torch.ones(3))
+    seen: list[str] = []
+    w.register_hook(lambda g: hooks.queue_after_backward(lambda: seen.append(f"first {w.grad}")))
+    w.register_hook(lambda g: hooks.queue_after_backward(lambda: seen.append("second")))
+    (w * 2).sum().backward()
+    assert seen == [f"first {torch.full((3,), 2.0)}", "second"]  # after .grad is written, in queue order
+
+
 def _row(seed: int = 0, n: int = 40) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(1, n, generator=g, dtype=torch.float64).float() * 3

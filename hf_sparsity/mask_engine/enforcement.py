@@ -50,7 +50,7 @@ from torch import nn
 
 from .. import masks as M
 from .. import zero
-from ..hooks import dtensor_local_shape_and_offset
+from ..hooks import dtensor_local_shape_and_offset, queue_after_backward
 from ..modeling import is_dtensor, local
 from ..utils import SparsityError
 
@@ -81,11 +81,6 @@ def _foreach_mask(grads: list[torch.Tensor], masks: list[torch.Tensor]) -> None:
     memory the masks are allowed): torch multiplies tensor by tensor inside the one call, with the
     promotion to the gradient's dtype done in the kernel."""
     torch._foreach_mul_(grads, masks)
-
-
-def queue_after_backward(fn: Callable[[], None]) -> None:
-    """Run ``fn`` when the running backward pass ends (called from a hook inside it)."""
-    torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
 class MaskEnforcer:
