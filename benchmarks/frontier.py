@@ -78,7 +78,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--head", choices=["int8", "float32"], help="passed to hf_sparsity generate as --head")
     p.add_argument("--isa", help="sets HF_SPARSITY_NATIVE_ISA for every measurement")
     p.add_argument("--generate-arg", action="append", default=[], help="one more hf_sparsity generate option")
-    p.add_argument("--reuse", action="store_true", help="keep model folders already in OUT/models")
+    p.add_argument(
+        "--reuse",
+        action="store_true",
+        help="keep the folders in OUT/models and the perplexities in OUT/quality.json",
+    )
+    p.add_argument(
+        "--no-speed",
+        action="store_true",
+        help="perplexity and bytes only (a later --reuse run measures speed on a quiet machine)",
+    )
     p.add_argument("--smoke", action="store_true", help="a tiny random Llama, few rows and windows (a check)")
     if p.parse_known_args(argv)[0].smoke:  # the smoke defaults; options given still win
         p.set_defaults(
@@ -207,19 +216,39 @@ def _bytes_per_weight(model) -> float:
     return (conv["sparse"] + 4 * left_dense) / max(left_dense + converted, 1)
 
 
+def _load_quality(path: Path, reuse: bool) -> dict:
+    if not (reuse and path.is_file()):
+        return {}
+    return json.loads(path.read_text())
+
+
+def _save_quality(path: Path, done: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(done, indent=2))
+    os.replace(tmp, path)
+
+
 def quality(rows: list[dict], args, windows_path: str) -> None:
-    """Perplexity and bytes per weight of every row (one model in memory at a time)."""
+    """Perplexity and bytes per weight of every row (one model in memory at a time).
+
+    Each row's figures go to ``OUT/quality.json`` as soon as they are measured; ``--reuse`` reads them back.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_sparsity.constants import SPARSITY_MASKS_NAME
     from hf_sparsity.evaluation.wikitext2 import wikitext2_perplexity, wikitext2_rows, wikitext2_windows
     from hf_sparsity.inference import sparsify_for_inference
 
+    cache = Path(args.out) / "quality.json"
+    done = _load_quality(cache, args.reuse)
     tok = None
     for row in rows:
         if row["kind"] == "gguf":
             continue
         tok = AutoTokenizer.from_pretrained(row["folder"])
+        if row["name"] in done:
+            row.update(done[row["name"]])
+            continue
         model = AutoModelForCausalLM.from_pretrained(row["folder"], dtype=torch.float32).eval()
         masks = None if (Path(row["folder"]) / SPARSITY_MASKS_NAME).is_file() else "zeros"
         with torch.inference_mode(False):  # auto measures; the first call may build kernels
@@ -231,12 +260,19 @@ def quality(rows: list[dict], args, windows_path: str) -> None:
         row["ppl"] = res["perplexity"]
         bpw = row["bytes_per_weight"]
         print(f"{row['name']}: ppl {row['ppl']:.2f}, {bpw:.3f} bytes/weight", file=sys.stderr)
+        done[row["name"]] = {"ppl": row["ppl"], "bytes_per_weight": bpw}
+        _save_quality(cache, done)
         del model
     for row in rows:
         if row["kind"] == "gguf":
-            row["bytes_per_weight"], _ = _gguf_sizes(row["gguf"])
-            windows = wikitext2_windows(tok, wikitext2_rows(windows_path), 512)[: args.ppl_windows]
-            row["ppl"] = _gguf_perplexity(row["gguf"], windows, args.threads)
+            if row["name"] not in done:
+                bpw, _ = _gguf_sizes(row["gguf"])
+                windows = wikitext2_windows(tok, wikitext2_rows(windows_path), 512)[: args.ppl_windows]
+                done[row["name"]] = {"ppl": _gguf_perplexity(row["gguf"], windows, args.threads),
+                                     "bytes_per_weight": bpw}  # fmt: skip
+                print(f"{row['name']}: ppl {done[row['name']]['ppl']:.2f}", file=sys.stderr)
+                _save_quality(cache, done)
+            row.update(done[row["name"]])
 
 
 def speed(rows: list[dict], args) -> None:
@@ -346,7 +382,11 @@ def main(argv=None) -> int:
     dense = _smoke_model(out, args.data_dir) if args.smoke else Path(args.model)
     rows = build_rows(args, dense, out) + _gguf_rows(args)
     quality(rows, args, os.path.join(args.data_dir, "text", "wikitext-2-raw", "wiki.test.raw"))
-    speed(rows, args)
+    if args.no_speed:
+        for row in rows:
+            row["tok_s"], row["tok_s_rounds"] = float("nan"), []
+    else:
+        speed(rows, args)
     report(rows, args, out, time.perf_counter() - t0)
     return 0
 
