@@ -9,13 +9,7 @@ of the library moves what it relies on:
   - :func:`carry_masks_in_save_pretrained`: ``Trainer.save_model()`` fires no callback event, so
     the masks and the config section ride on ``model.save_pretrained``.
   - :func:`resume_dir_from_trainer_frame`: Trainer passes the ``resume_from_checkpoint`` folder
-    to no callback event, so it is read from ``Trainer.train``'s frame; :func:`trainer_from_stack`
-    (the running trainer, for arranging console logging) reads ``self`` from the same frames.
-  - :func:`trainer_callbacks` and :func:`carry_callback_state`
-    (``tests/test_hooks.py``): putting the sparsity callback ahead of the reporters and
-    swapping the console printer for one that leaves per-layer values out needs the list
-    Trainer iterates (``trainer.callback_handler.callbacks``, changed in place) and the
-    printer's own state (its progress bars) carried over; Trainer offers only add / remove.
+    to no callback event, so it is read from ``Trainer.train``'s frame.
 
   - :func:`compile_generate_on_any_device` and :func:`forget_compiled_forward`: ``generate``
     compiles a model's forward only on accelerators unless its ``CompileConfig`` carries a private
@@ -94,13 +88,6 @@ def resume_dir_from_trainer_frame() -> str | None:
         "resume_from_checkpoint", lambda v: isinstance(v, (str, os.PathLike)) and os.path.isdir(v)
     )
     return None if value is None else str(value)
-
-
-def trainer_from_stack():
-    """The ``transformers.Trainer`` whose ``train()`` is running (its methods' ``self``), or ``None``."""
-    from transformers import Trainer
-
-    return _trainer_frame_local("self", lambda v: isinstance(v, Trainer))
 
 
 def _trainer_frame_local(key: str, accept: Callable[[Any], bool]) -> Any:
@@ -198,26 +185,6 @@ def set_lora_variant(layer: nn.Module, adapter: str, variant: Any) -> None:
 def drop_lora_variant(layer: nn.Module, adapter: str) -> None:
     """Undo :func:`set_lora_variant`: the adapter is plain LoRA again."""
     layer.lora_variant.pop(adapter, None)
-
-
-# ---------------------------------------------------------------------------- transformers callbacks
-def trainer_callbacks(trainer: Any) -> list:
-    """The list of callbacks ``trainer`` calls, in order: ``trainer.callback_handler.callbacks``.
-
-    Changed in place by :mod:`hf_sparsity.logging_utils` (also from inside a callback event:
-    the running loop over it then neither skips nor repeats a callback); ``Trainer`` itself
-    only offers ``add_callback`` / ``remove_callback``, which append at the end.
-    """
-    return trainer.callback_handler.callbacks
-
-
-def carry_callback_state(old: Any, new: Any, keep: tuple[str, ...] = ()) -> Any:
-    """``new`` with ``old``'s instance state (e.g. ``ProgressCallback``'s open progress bars) copied over.
-
-    ``keep``: attributes of ``new`` that stay as they are. Returns ``new``.
-    """
-    new.__dict__.update({k: v for k, v in old.__dict__.items() if k not in keep})
-    return new
 
 
 # ---------------------------------------------------------------------------- transformers generate
