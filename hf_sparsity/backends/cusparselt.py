@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ..utils import SparsityError
-from .base import BackendCapabilities, LayerTarget, ModelPlan, SparseBackend, Wrap, _new_counters
+from .base import BackendCapabilities, LayerTarget, ModelPlan, SparseBackend, Wrap, _new_counters, check_nm
 from .registry import register_backend
 
 logger = logging.getLogger(__name__)
@@ -234,7 +234,6 @@ def plan_cuda(
     ``prefill_tokens`` tokens; each regime keeps the faster (:func:`decide`). Layers whose masks are not 2:4
     or whose dtype cuSPARSELt does not take stay dense (left out of the plan). A group where dense wins both
     regimes is left as it was."""
-    from .base import check_nm
 
     groups: dict[tuple, list[LayerTarget]] = {}
     choices: dict[str, dict] = {}
