@@ -128,3 +128,21 @@ def test_code_shape_counts_old_import_paths_as_shims(tmp_path):
     assert not shim("# Lazy imports: x\ndef __getattr__(name):\n    return 1\n", "__init__.py")
     assert not shim("from .a import b\n", "__init__.py")  # a package face
     assert not shim("from .a import b\n\ndef f():\n    return b\n")
+
+
+def test_contributing_names_every_module_and_kernel_source():
+    """The layout in CONTRIBUTING.md lists every module of the package and every C / C++ source."""
+    import re
+
+    text = (ROOT / "CONTRIBUTING.md").read_text(encoding="utf-8")
+    layout = text.split("## Module layout", 1)[1].split("```")[1]
+    pkg = ROOT / "hf_sparsity"
+    sources = [p for ext in ("py", "c", "h", "cpp") for p in pkg.rglob(f"*.{ext}") if p.stem != "__init__"]
+    missing = sorted(
+        str(p.relative_to(pkg))
+        for p in sources
+        if not re.search(rf"(?<![\w]){re.escape(p.stem)}(?![\w])", layout)
+    )
+    assert missing == []
+    for d in sorted(q for q in pkg.iterdir() if q.is_dir() and (q / "__init__.py").is_file()):
+        assert f"{d.name}/" in layout, d.name
