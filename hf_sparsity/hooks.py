@@ -34,9 +34,15 @@ of the library moves what it relies on:
 
   - :func:`tensor_version`: the native step keeps a transposed copy of a ``Conv1D`` weight while the
     weight is unchanged; torch counts in-place changes of a tensor only in its private ``_version``.
-  - :func:`queue_after_backward`: the gradients are masked in one fused multiply when a backward pass
-    ends (after the callbacks it queued, DDP's copy-back included); torch offers a hook per tensor and
-    per module, but the end of a whole backward only through the autograd engine's ``queue_callback``.
+  - :func:`queue_after_backward` and :func:`backward_task_id`: the gradients are masked in one fused
+    multiply when a backward pass ends (after the callbacks it queued, DDP's copy-back included); torch
+    offers a hook per tensor and per module, but the end of a whole backward only through the autograd
+    engine's ``queue_callback``, and which backward a hook runs in only through
+    ``torch._C._current_graph_task_id``.
+  - :func:`cslt_compress`, :func:`cslt_search` and :func:`cslt_mm`: the ``cusparselt`` backend calls
+    cuSPARSELt through the ATen ops torch's own semi-structured tensor calls (``torch._cslt_compress``,
+    ``torch._cslt_sparse_mm_search``, ``torch._cslt_sparse_mm``), which have no public name; the
+    public tensor sets cuSPARSELt up again on every product.
 
   - :func:`closed_form_lr` and :func:`set_last_lr`: an LR rewind (IMP) restarts a scheduler at
     a given step; torch schedulers offer no public way to jump to a step or to set the LR that
@@ -314,6 +320,35 @@ def queue_after_backward(fn: Callable[[], None]) -> None:
     """Run ``fn`` when the running backward pass ends (called from a hook inside it), after the callbacks
     queued before it: the autograd engine's ``queue_callback``."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def backward_task_id() -> int:
+    """Which backward pass is running (an id the autograd engine gives each one; ``-1`` outside any)."""
+    return int(torch._C._current_graph_task_id())
+
+
+# ---------------------------------------------------------------------------- torch cuSPARSELt ops
+CSLT_OPS = ("_cslt_compress", "_cslt_sparse_mm_search", "_cslt_sparse_mm")
+
+
+def cslt_ops_missing() -> str | None:
+    """The first cuSPARSELt op this torch lacks (before 2.3: all of them), or ``None``."""
+    return next((name for name in CSLT_OPS if not hasattr(torch, name)), None)
+
+
+def cslt_compress(dense: torch.Tensor) -> torch.Tensor:
+    """The 2:4 weight ``[out, in]`` packed for cuSPARSELt (values and metadata): ``torch._cslt_compress``."""
+    return torch._cslt_compress(dense)
+
+
+def cslt_search(packed: torch.Tensor, xt: torch.Tensor) -> int:
+    """cuSPARSELt's fastest algorithm id for ``packed @ xt``, transposed: ``_cslt_sparse_mm_search``."""
+    return int(torch._cslt_sparse_mm_search(packed, xt, transpose_result=True))
+
+
+def cslt_mm(packed: torch.Tensor, xt: torch.Tensor, alg_id: int) -> torch.Tensor:
+    """``(W @ xt)^T``, row-major, with algorithm ``alg_id``: ``torch._cslt_sparse_mm``."""
+    return torch._cslt_sparse_mm(packed, xt, transpose_result=True, alg_id=alg_id)
 
 
 # ---------------------------------------------------------------------------- DeepSpeed ZeRO
