@@ -88,7 +88,7 @@ def _console_printer(old: Any, console_layers: bool) -> Any:
     """The filtered printer that stands for ``old`` (a new one: ``arrange_logging`` runs before train)."""
     kind = _CONSOLE[type(old)]
     if issubclass(kind, ProgressCallback):
-        return kind(show_layers=console_layers, max_str_len=old.max_str_len)
+        return kind(show_layers=console_layers, max_str_len=getattr(old, "max_str_len", 100))
     return kind(show_layers=console_layers)
 
 
