@@ -162,3 +162,13 @@ def test_arrange_logging_uses_the_public_list_and_refuses_a_stranger(tmp_path):
     with pytest.raises(SparsityError, match=r"not one of this Trainer's callbacks.*callbacks=\[") as e:
         arrange_logging(trainer, other)
     assert "arrange_logging(trainer, callback)" in str(e.value)
+
+
+@pytest.mark.parametrize("report_to", ["none", []])
+def test_no_reporter_no_warning(tmp_path, caplog, report_to):
+    cb = SparsityCallback(SparsityConfig(sparsity=0.5))
+    trainer = make_trainer(tiny_model("gpt2"), tmp_path, [cb], max_steps=1, report_to=report_to)
+    with caplog.at_level(logging.WARNING, logger="hf_sparsity"):
+        trainer.train()
+    assert cb.engine is not None  # it trained
+    assert not any("arrange_logging" in r.getMessage() for r in caplog.records)
