@@ -1,10 +1,15 @@
-"""Code shape: module sizes, long functions, import cycles and layering of the package and the recipes.
+"""Code shape: module sizes, long functions (Python and C), shims, import cycles and layering.
 
     python benchmarks/code_shape.py            # a table, then the offenders
     python benchmarks/code_shape.py --json     # the same figures as JSON
 
 Lines are physical lines (``wc -l``). A function's length runs from its ``def`` to its
-last line. Import edges are the package's own imports found anywhere in a module
+last line; a C function's (``hf_sparsity/backends/csrc``) from the line that names it to its
+closing brace. A *shim* is a module kept for an old import path: a module other than a package
+``__init__`` whose top level is only imports (and ``__all__``), a module-level ``__getattr__``
+outside the package root's lazy face, or code that issues a ``DeprecationWarning``.
+
+Import edges are the package's own imports found anywhere in a module
 (top level or inside functions), resolved to modules; a cycle is a strongly connected
 component of more than one module.
 
@@ -53,6 +58,98 @@ OPTIONAL |= {"tensorboard", "ninja"}
 # Heavy required dependencies that ``import hf_sparsity`` does not load (it imports torch and the
 # package's own modules only): a function that needs one imports it, so the import stays light.
 DEFERRED = {"transformers", "safetensors", "yaml", "tokenizers", "accelerate", "tqdm"}
+
+
+CSRC = ROOT / "hf_sparsity" / "backends" / "csrc"
+
+
+def _c_code(text: str) -> str:
+    """``text`` with comments, string / char literals and preprocessor lines blanked (newlines kept)."""
+    out, i, n = [], 0, len(text)
+    while i < n:
+        c = text[i]
+        if text.startswith("//", i):
+            j = text.find("\n", i)
+            j = n if j < 0 else j
+        elif text.startswith("/*", i):
+            j = text.find("*/", i + 2)
+            j = n if j < 0 else j + 2
+        elif c in "\"'":
+            j = i + 1
+            while j < n and text[j] != c:
+                j += 2 if text[j] == "\\" else 1
+            j += 1
+        elif c == "#" and (i == 0 or text[i - 1] == "\n" or not text[text.rfind("\n", 0, i) + 1 : i].strip()):
+            j = i
+            while j < n and (text[j] != "\n" or text[j - 1] == "\\"):
+                j += 1
+        else:
+            out.append(c)
+            i += 1
+            continue
+        out.append("".join(ch if ch == "\n" else " " for ch in text[i:j]))
+        i = j
+    return "".join(out)
+
+
+def c_functions(path: Path) -> list[tuple[str, int, bool]]:
+    """``(name, lines, says why)`` of every function defined in the C / C++ file ``path``."""
+    text = path.read_text(encoding="utf-8")
+    code, lines = _c_code(text), text.splitlines()
+    out, depth, head, sig_end = [], 0, 0, 0
+    for i, c in enumerate(code):
+        if c == "{":
+            if depth == 0:
+                sig_end = i
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                fn = _c_function_name(code, head, sig_end)
+                if fn is not None:
+                    name, at = fn
+                    first, last = code.count("\n", 0, at) + 1, code.count("\n", 0, i) + 1
+                    body = lines[first - 1 : min(first + 60, last)]
+                    out.append((name, last - first + 1, any(REASON.lstrip("# ") in ln for ln in body)))
+                head = i + 1
+        elif c == ";" and depth == 0:
+            head = i + 1
+    return out
+
+
+def _c_function_name(code: str, head: int, end: int) -> tuple[str, int] | None:
+    """``(name, offset)`` of the function whose signature is ``code[head:end]`` (its parameter list is the
+    last top-level parenthesis); ``None`` for a struct, enum, union or initializer."""
+    sig, level, opens = code[head:end], 0, []
+    for k, c in enumerate(sig):
+        if c == "(":
+            if level == 0:
+                opens.append(k)
+            level += 1
+        elif c == ")":
+            level -= 1
+    if not opens or "=" in sig[: opens[-1]]:
+        return None
+    words = sig[: opens[-1]].split()
+    if not words or any(w in ("struct", "typedef", "enum", "union") for w in words[:1]):
+        return None
+    name = words[-1].lstrip("*&")
+    return name, head + sig.rindex(name, 0, opens[-1])
+
+
+def _shim(path: Path, tree: ast.Module, text: str) -> bool:
+    if "DeprecationWarning" in text:
+        return True
+    top = [n for n in tree.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+    if any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in top):
+        return not any(LAZY_MODULE in line for line in text.splitlines()[:40])  # else: a lazy package face
+    only_imports = all(
+        isinstance(n, (ast.Import, ast.ImportFrom))
+        or isinstance(n, ast.Assign)
+        and [getattr(t, "id", "") for t in n.targets] == ["__all__"]
+        for n in top
+    )
+    return bool(top) and only_imports and path.name != "__init__.py"
 
 
 def _files() -> list[Path]:
@@ -174,7 +271,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def measure() -> dict:
     files = _files()
     known = {_modname(p) for p in files}
-    modules, functions, graph, explained, fn_imports = {}, [], {}, [], []
+    modules, functions, graph, explained, fn_imports, shims = {}, [], {}, [], [], []
     for p in files:
         text = p.read_text(encoding="utf-8")
         tree = ast.parse(text)
@@ -183,6 +280,8 @@ def measure() -> dict:
         modules[name] = len(lines)
         if name.startswith("hf_sparsity"):
             fn_imports += _function_imports(p, tree, lines)
+            if _shim(p, tree, text):
+                shims.append(name)
         # A package __init__ re-exporting its children is not a dependency of them.
         graph[name] = set() if p.name == "__init__.py" else _imports(p, tree, known)
         for node in ast.walk(tree):
@@ -192,6 +291,14 @@ def measure() -> dict:
                     explained.append(f"{name}:{node.name}")
                     continue
                 functions.append((f"{name}:{node.name}", node.end_lineno - node.lineno + 1))
+    c_long, c_explained, c_count = {}, [], 0
+    for p in sorted(CSRC.glob("*.[ch]")) + sorted(CSRC.glob("*.cpp")):
+        for fn, n, why in c_functions(p):
+            c_count += 1
+            if why:
+                c_explained.append(f"{p.name}:{fn}")
+            elif n > FUNCTION_LIMIT:
+                c_long[f"{p.name}:{fn}"] = n
     recipes = {k: v for k, v in modules.items() if k.startswith("recipes.")}
     shared = sum(v for k, v in recipes.items() if k.rpartition(".")[2].startswith("_"))
     pairs, against, unplaced = _layering(graph)
@@ -202,6 +309,10 @@ def measure() -> dict:
             sorted((f for f in functions if f[1] > FUNCTION_LIMIT), key=lambda f: -f[1])
         ),
         "long_functions_with_a_reason": sorted(explained),
+        "c_functions": c_count,
+        "c_functions_over_limit": dict(sorted(c_long.items(), key=lambda kv: -kv[1])),
+        "long_c_functions_with_a_reason": sorted(c_explained),
+        "shims": sorted(shims),
         "largest_modules": dict(sorted(modules.items(), key=lambda kv: -kv[1])[:8]),
         "recipes_lines": sum(recipes.values()) - shared,
         "recipes_shared_helper_lines": shared,
@@ -227,6 +338,13 @@ def main() -> None:
     print(
         f"long functions that say why (a '{REASON}' comment): {m['long_functions_with_a_reason'] or 'none'}"
     )
+    print(
+        f"C functions over {FUNCTION_LIMIT} lines, no reason given (of {m['c_functions']}): "
+        f"{m['c_functions_over_limit'] or 'none'}"
+    )
+    if m["long_c_functions_with_a_reason"]:
+        print(f"long C functions that say why: {m['long_c_functions_with_a_reason']}")
+    print(f"shims (old import paths): {len(m['shims'])} {m['shims'] or ''}")
     print(f"largest modules: {m['largest_modules']}")
     print(
         f"recipes: {m['recipes_lines']} lines; their shared helper: {m['recipes_shared_helper_lines']} lines"

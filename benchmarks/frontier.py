@@ -65,6 +65,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--levels", default=DEFAULT_LEVELS, help=f"uniform levels (default {DEFAULT_LEVELS})")
     p.add_argument("--values", default="float32,int8", help="value types of every pruned row")
     p.add_argument("--no-spdy", action="store_true", help="no --target-speedup rows")
+    grid = ",".join(f"{lv:g}" for lv in SPDY_GRID)
+    p.add_argument(
+        "--spdy-levels",
+        default=grid,
+        help=f"the SPDY rows' level grid, the uniform levels added (default {grid})",
+    )
     p.add_argument("--nsamples", type=int, default=64, help="calibration windows (default 64)")
     p.add_argument("--seqlen", type=int, default=512, help="calibration tokens per window (default 512)")
     p.add_argument("--recover-steps", type=int, default=0, help="u{L}+rec rows: recovery steps (0: none)")
@@ -91,7 +97,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="a tiny random Llama, few rows and windows (a check)")
     if p.parse_known_args(argv)[0].smoke:  # the smoke defaults; options given still win
         p.set_defaults(
-            levels="0.3,0.6", rounds=1, tokens=8, ppl_windows=2, nsamples=2, seqlen=32, no_gguf=True
+            levels="0.3,0.6",
+            rounds=1,
+            tokens=8,
+            ppl_windows=2,
+            nsamples=2,
+            seqlen=32,
+            no_gguf=True,
+            spdy_levels="0,0.8",
         )
     args = p.parse_args(argv)
     if not args.smoke and not args.model:
@@ -146,14 +159,14 @@ def build_rows(args, dense: Path, out: Path) -> list[dict]:
         rows += [dict(name=f"u{lv:g} {v}", folder=folder, values=_values(v), kind="uniform", level=lv)
                  for v in values]  # fmt: skip
     if not args.no_spdy:
-        errors = None
+        errors, grid = None, tuple(sorted({*(float(x) for x in args.spdy_levels.split(",")), *levels}))
         for v in values:
-            table, shapes = folder_time_table(dense, _values(v), SPDY_GRID, args.threads)
+            table, shapes = folder_time_table(dense, _values(v), grid, args.threads)
             for lv in levels:
                 target = max(1.0, table.uniform_speedup(shapes, lv))
                 folder = out / "models" / f"spdy{lv:g}-{v}"
-                res = prune(folder, target_speedup=target, values=v, spdy_levels=SPDY_GRID, measure_rounds=0,
-                            spdy_errors=errors)  # fmt: skip
+                res = prune(folder, target_speedup=target, values=v, spdy_levels=grid, measure_rounds=0,
+                            spdy_errors=errors, spdy_table=table)  # fmt: skip
                 if res is not None and res.spdy is not None:
                     errors = res.spdy.errors  # one error table for every target (same model, data, grid)
                 rows.append(dict(name=f"spdy@u{lv:g} {v}", folder=folder, values=_values(v), kind="spdy",

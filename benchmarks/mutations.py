@@ -1011,10 +1011,36 @@ MUTATIONS = (
         ("tests/test_native_sampling.py",),
     ),
     Mutation(
+        "per-layer-logs-without-arrangement",
+        "SparsityCallback logs its per-layer values without arrange_logging: they reach no reporter and "
+        "flood Trainer's console line",
+        (
+            (
+                "hf_sparsity/callback.py",
+                "if self.log_layers and logging_arranged(self):",
+                "if self.log_layers:",
+            ),
+        ),
+        ("tests/test_logging.py::test_without_arrange_logging_the_callbacks_stay_as_trainer_built_them",),
+    ),
+    Mutation(
+        "arrange-logging-keeps-plain-printer",
+        "arrange_logging lists the callback first but keeps Trainer's plain console printer, which prints "
+        "every per-layer value",
+        (
+            (
+                "hf_sparsity/logging_utils.py",
+                "        trainer.add_callback(_console_printer(cb, console_layers))",
+                "        trainer.add_callback(cb)",
+            ),
+        ),
+        ("tests/test_logging.py",),
+    ),
+    Mutation(
         "recipe-metrics-callback-after-reporters",
         "spdf.py leaves its metrics callback where Trainer lists it, after TensorBoard (the dense stage's "
         "FLOPs and the sparse model's config section never reach TensorBoard)",
-        (("recipes/spdf.py", "    move_to_front(trainer, metrics_cb)\n", ""),),
+        (("recipes/spdf.py", "    arrange_logging(trainer, metrics_cb)\n", ""),),
         ("tests/test_recipes.py::test_recipe_smoke[spdf]",),
     ),
     Mutation(

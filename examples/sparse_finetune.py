@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     from hf_sparsity.checks import check_positive
     from hf_sparsity.data import BlockDataset, pack_tokens
     from hf_sparsity.loading import check_model_folder, check_tokenizer_source
+    from hf_sparsity.logging_utils import arrange_logging
     from hf_sparsity.utils import SparsityError
 
     try:
@@ -139,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"stopped after step {state.global_step} (simulated interruption); rerun with --resume"
                 )
 
+    sparsity_cb = SparsityCallback(sparsity, seq_len=args.block_size, print_report=True)
     trainer = Trainer(
         model=model,
         args=TrainingArguments(
@@ -156,8 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         ),
         train_dataset=BlockDataset(blocks),
         processing_class=tokenizer,
-        callbacks=[SparsityCallback(sparsity, seq_len=args.block_size, print_report=True), StopAfter()],
+        callbacks=[sparsity_cb, StopAfter()],
     )
+    # sparsity_cb ahead of the reporters (they get every sparsity/ scalar); per-layer values off the console
+    arrange_logging(trainer, sparsity_cb)
     trainer.train(resume_from_checkpoint=resume_from)
     final = os.path.join(args.output_dir, "final")
     trainer.save_model(final)  # weights + sparsity_masks.safetensors + the config's sparsity section

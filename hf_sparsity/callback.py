@@ -27,7 +27,8 @@ anything is logged or saved. Every event is on :attr:`SparsityCallback.events` a
 goes to the callables given to :meth:`SparsityCallback.add_listener`.
 
 Logging (``on_log``, so TensorBoard and every other reporter get it when this
-callback runs before them; :func:`hf_sparsity.logging_utils.move_to_front` arranges that): per-layer and
+callback runs before them: :func:`hf_sparsity.logging_utils.arrange_logging`, called by the user,
+lists it first; nothing reorders Trainer's callbacks otherwise): per-layer (once arranged) and
 total measured sparsity of the weights, cumulative training FLOPs at the levels in
 force, for the tokens actually trained (padding excluded, see
 :class:`hf_sparsity.flops.callback.TokenCounter`), the dense-equivalent FLOPs and the effective
@@ -56,7 +57,7 @@ from .flops.callback import (
     save_flop_state,
 )
 from .hooks import resume_dir_from_trainer_frame
-from .logging_utils import arrange_for_callback
+from .logging_utils import LAYER_PREFIX, logging_arranged
 from .mask_engine.config import SparsityConfig
 from .mask_engine.engine import SparsityEngine
 from .mask_engine.targeting import unwrap_model
@@ -80,9 +81,10 @@ class SparsityCallback(TrainerCallback, ExportableState):
         seq_len: tokens per sample for FLOP accounting, when the Trainer does not count tokens
             (``include_num_input_tokens_seen``); default: the real (non-padding) tokens of the
             training batches (see :class:`~hf_sparsity.flops.callback.TokenCounter`).
-        log_layers: log each layer's sparsity (``sparsity/layer/<name>``) besides the total: to
-            TensorBoard and the other reporters, not to the console line
-            (:mod:`hf_sparsity.logging_utils` says how to change that).
+        log_layers: log each layer's sparsity (``sparsity/layer/<name>``) besides the total, once
+            :func:`hf_sparsity.logging_utils.arrange_logging` has listed this callback ahead of the
+            reporters (they get the values, the console line does not; without that call the values
+            would reach no reporter and are left out). ``False``: never.
     """
 
     def __init__(
@@ -184,8 +186,18 @@ class SparsityCallback(TrainerCallback, ExportableState):
             self.restored_from = source
             logger.info("Restored masks for %d tensors from %s", len(actions), source)
         self._init_flops(model, state, source)
-        arrange_for_callback(self)  # run before the reporters; per-layer values off the console line
+        self._warn_unarranged(args, state)
         return control
+
+    def _warn_unarranged(self, args, state) -> None:
+        reporters = [r for r in (args.report_to or []) if r != "none"]
+        if reporters and not logging_arranged(self) and state.is_world_process_zero:
+            logger.warning(
+                "SparsityCallback runs after the reporters Trainer lists first (report_to=%s): they get "
+                "none of its sparsity/ scalars. Call hf_sparsity.logging_utils.arrange_logging(trainer, "
+                "callback) after building the Trainer to list it first.",
+                reporters,
+            )
 
     def _init_flops(self, model, state, source: str | None) -> None:
         seq_len = self.seq_len or context_length(model.config)
@@ -223,8 +235,8 @@ class SparsityCallback(TrainerCallback, ExportableState):
         """Measured sparsity of the weights (per layer and total) and the FLOP counts, as log scalars."""
         out: dict[str, float] = {}
         rows = sparsity_table(self.engine.model, self.engine.targets, self.engine.masks)
-        if self.log_layers:
-            out.update({f"sparsity/layer/{r['name']}": r["sparsity"] for r in rows})
+        if self.log_layers and logging_arranged(self):
+            out.update({f"{LAYER_PREFIX}{r['name']}": r["sparsity"] for r in rows})
         out["sparsity/total"] = sum(r["zeros"] for r in rows) / max(sum(r["numel"] for r in rows), 1)
         if self.flops is not None:
             self._pending.flush(self.flops)  # host sync: only when metrics are asked for (logging)

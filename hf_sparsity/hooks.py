@@ -9,13 +9,7 @@ of the library moves what it relies on:
   - :func:`carry_masks_in_save_pretrained`: ``Trainer.save_model()`` fires no callback event, so
     the masks and the config section ride on ``model.save_pretrained``.
   - :func:`resume_dir_from_trainer_frame`: Trainer passes the ``resume_from_checkpoint`` folder
-    to no callback event, so it is read from ``Trainer.train``'s frame; :func:`trainer_from_stack`
-    (the running trainer, for arranging console logging) reads ``self`` from the same frames.
-  - :func:`trainer_callbacks` and :func:`carry_callback_state`
-    (``tests/test_hooks.py``): putting the sparsity callback ahead of the reporters and
-    swapping the console printer for one that leaves per-layer values out needs the list
-    Trainer iterates (``trainer.callback_handler.callbacks``, changed in place) and the
-    printer's own state (its progress bars) carried over; Trainer offers only add / remove.
+    to no callback event, so it is read from ``Trainer.train``'s frame.
 
   - :func:`compile_generate_on_any_device` and :func:`forget_compiled_forward`: ``generate``
     compiles a model's forward only on accelerators unless its ``CompileConfig`` carries a private
@@ -40,9 +34,15 @@ of the library moves what it relies on:
 
   - :func:`tensor_version`: the native step keeps a transposed copy of a ``Conv1D`` weight while the
     weight is unchanged; torch counts in-place changes of a tensor only in its private ``_version``.
-  - :func:`queue_after_backward`: the gradients are masked in one fused multiply when a backward pass
-    ends (after the callbacks it queued, DDP's copy-back included); torch offers a hook per tensor and
-    per module, but the end of a whole backward only through the autograd engine's ``queue_callback``.
+  - :func:`queue_after_backward` and :func:`backward_task_id`: the gradients are masked in one fused
+    multiply when a backward pass ends (after the callbacks it queued, DDP's copy-back included); torch
+    offers a hook per tensor and per module, but the end of a whole backward only through the autograd
+    engine's ``queue_callback``, and which backward a hook runs in only through
+    ``torch._C._current_graph_task_id``.
+  - :func:`cslt_compress`, :func:`cslt_search` and :func:`cslt_mm`: the ``cusparselt`` backend calls
+    cuSPARSELt through the ATen ops torch's own semi-structured tensor calls (``torch._cslt_compress``,
+    ``torch._cslt_sparse_mm_search``, ``torch._cslt_sparse_mm``), which have no public name; the
+    public tensor sets cuSPARSELt up again on every product.
 
   - :func:`closed_form_lr` and :func:`set_last_lr`: an LR rewind (IMP) restarts a scheduler at
     a given step; torch schedulers offer no public way to jump to a step or to set the LR that
@@ -94,13 +94,6 @@ def resume_dir_from_trainer_frame() -> str | None:
         "resume_from_checkpoint", lambda v: isinstance(v, (str, os.PathLike)) and os.path.isdir(v)
     )
     return None if value is None else str(value)
-
-
-def trainer_from_stack():
-    """The ``transformers.Trainer`` whose ``train()`` is running (its methods' ``self``), or ``None``."""
-    from transformers import Trainer
-
-    return _trainer_frame_local("self", lambda v: isinstance(v, Trainer))
 
 
 def _trainer_frame_local(key: str, accept: Callable[[Any], bool]) -> Any:
@@ -198,26 +191,6 @@ def set_lora_variant(layer: nn.Module, adapter: str, variant: Any) -> None:
 def drop_lora_variant(layer: nn.Module, adapter: str) -> None:
     """Undo :func:`set_lora_variant`: the adapter is plain LoRA again."""
     layer.lora_variant.pop(adapter, None)
-
-
-# ---------------------------------------------------------------------------- transformers callbacks
-def trainer_callbacks(trainer: Any) -> list:
-    """The list of callbacks ``trainer`` calls, in order: ``trainer.callback_handler.callbacks``.
-
-    Changed in place by :mod:`hf_sparsity.logging_utils` (also from inside a callback event:
-    the running loop over it then neither skips nor repeats a callback); ``Trainer`` itself
-    only offers ``add_callback`` / ``remove_callback``, which append at the end.
-    """
-    return trainer.callback_handler.callbacks
-
-
-def carry_callback_state(old: Any, new: Any, keep: tuple[str, ...] = ()) -> Any:
-    """``new`` with ``old``'s instance state (e.g. ``ProgressCallback``'s open progress bars) copied over.
-
-    ``keep``: attributes of ``new`` that stay as they are. Returns ``new``.
-    """
-    new.__dict__.update({k: v for k, v in old.__dict__.items() if k not in keep})
-    return new
 
 
 # ---------------------------------------------------------------------------- transformers generate
@@ -347,6 +320,35 @@ def queue_after_backward(fn: Callable[[], None]) -> None:
     """Run ``fn`` when the running backward pass ends (called from a hook inside it), after the callbacks
     queued before it: the autograd engine's ``queue_callback``."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def backward_task_id() -> int:
+    """Which backward pass is running (an id the autograd engine gives each one; ``-1`` outside any)."""
+    return int(torch._C._current_graph_task_id())
+
+
+# ---------------------------------------------------------------------------- torch cuSPARSELt ops
+CSLT_OPS = ("_cslt_compress", "_cslt_sparse_mm_search", "_cslt_sparse_mm")
+
+
+def cslt_ops_missing() -> str | None:
+    """The first cuSPARSELt op this torch lacks (before 2.3: all of them), or ``None``."""
+    return next((name for name in CSLT_OPS if not hasattr(torch, name)), None)
+
+
+def cslt_compress(dense: torch.Tensor) -> torch.Tensor:
+    """The 2:4 weight ``[out, in]`` packed for cuSPARSELt (values and metadata): ``torch._cslt_compress``."""
+    return torch._cslt_compress(dense)
+
+
+def cslt_search(packed: torch.Tensor, xt: torch.Tensor) -> int:
+    """cuSPARSELt's fastest algorithm id for ``packed @ xt``, transposed: ``_cslt_sparse_mm_search``."""
+    return int(torch._cslt_sparse_mm_search(packed, xt, transpose_result=True))
+
+
+def cslt_mm(packed: torch.Tensor, xt: torch.Tensor, alg_id: int) -> torch.Tensor:
+    """``(W @ xt)^T``, row-major, with algorithm ``alg_id``: ``torch._cslt_sparse_mm``."""
+    return torch._cslt_sparse_mm(packed, xt, transpose_result=True, alg_id=alg_id)
 
 
 # ---------------------------------------------------------------------------- DeepSpeed ZeRO

@@ -1,22 +1,31 @@
 """Where ``SparsityCallback``'s metrics go: totals to the console, per-layer values to the reporters.
 
-``SparsityCallback`` adds its scalars to the ``logs`` dict of ``Trainer.log``: the measured
-total sparsity (``sparsity/total``), the FLOP counts (``sparsity/train_flops``, ...) and,
-with ``log_layers=True``, one ``sparsity/layer/<name>`` entry per sparsified tensor (210 for
-SmolLM2-135M). Every callback's ``on_log`` sees that same dict, in the order of
-``trainer.callback_handler.callbacks``:
+``SparsityCallback`` (and ``FlopCallback``) add their scalars to the ``logs`` dict of
+``Trainer.log``: the measured total sparsity (``sparsity/total``), the FLOP counts
+(``sparsity/train_flops``, ...) and one ``sparsity/layer/<name>`` entry per sparsified tensor
+(210 for SmolLM2-135M). Every callback's ``on_log`` sees that same dict, in the order Trainer
+lists its callbacks: its own first (``DefaultFlowCallback``, then the reporters that
+``report_to`` names: ``TensorBoardCallback``, wandb, ...), then the ``callbacks=[...]`` given to
+``Trainer``, then the console printer (``ProgressCallback``, or ``PrinterCallback`` with
+``disable_tqdm=True``), which prints the whole dict. So, as Trainer builds the list:
 
-* reporters (``TensorBoardCallback``, wandb, ...) log every scalar they find, so they get
-  the per-layer curves only if the sparsity callback ran *before* them;
-* the console printer (``ProgressCallback``, or ``PrinterCallback`` with
-  ``disable_tqdm=True``), which Trainer always adds last, prints the whole dict.
+* the reporters run before the sparsity callback and get none of its scalars;
+* the console line gets the totals and FLOP counts; the per-layer values are left out
+  (they would reach no reporter, and 210 of them would flood the line).
 
-:func:`arrange_logging` puts the sparsity callback first and swaps the console printer for
-a subclass that leaves the per-layer entries out of the printed line (the dict itself is
-untouched, so later callbacks still see them). ``SparsityCallback`` calls it at train
-begin; call it yourself to change the defaults::
+Nothing here changes that list on its own. One explicit call, after building the Trainer
+and before ``trainer.train()``, does, through Trainer's public ``pop_callback`` /
+``add_callback``::
 
-    arrange_logging(trainer, sparsity_cb, console_layers=True)   # per-layer values on the console too
+    trainer = Trainer(..., callbacks=[sparsity_cb])
+    arrange_logging(trainer, sparsity_cb)                       # reporters get every scalar
+    arrange_logging(trainer, sparsity_cb, console_layers=True)  # ... and the console line too
+
+It lists ``sparsity_cb`` first (the other callbacks keep their order after it, the console
+printer last) and replaces a plain ``ProgressCallback`` / ``PrinterCallback`` by
+:class:`SparsityProgressCallback` / :class:`SparsityPrinterCallback`, which print the logs
+without the per-layer entries (the dict itself is untouched: every callback sees them). From
+then on ``sparsity_cb`` also logs the per-layer values.
 
 Switches: ``SparsityCallback(log_layers=False)`` logs no per-layer values anywhere (totals
 and FLOPs only); ``TrainingArguments(report_to="none")`` turns the reporters off;
@@ -27,13 +36,16 @@ and FLOPs only); ``TrainingArguments(report_to="none")`` turns the reporters off
 from __future__ import annotations
 
 from typing import Any
+from weakref import WeakKeyDictionary
 
 from transformers import PrinterCallback, ProgressCallback
 
-from .hooks import carry_callback_state, trainer_callbacks, trainer_from_stack
+from .utils import SparsityError
 
 LAYER_PREFIX = "sparsity/layer/"
 """Prefix of the per-layer sparsity scalars."""
+
+_ARRANGED: WeakKeyDictionary = WeakKeyDictionary()  # callback -> True once arrange_logging listed it first
 
 
 def split_metrics(logs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -64,39 +76,49 @@ class SparsityPrinterCallback(_ConsoleFilter, PrinterCallback):
     """``PrinterCallback`` (``disable_tqdm=True``) that prints no ``sparsity/layer/*`` entries."""
 
 
-_CONSOLE = ((ProgressCallback, SparsityProgressCallback), (PrinterCallback, SparsityPrinterCallback))
+_CONSOLE = {
+    ProgressCallback: SparsityProgressCallback,
+    PrinterCallback: SparsityPrinterCallback,
+    SparsityProgressCallback: SparsityProgressCallback,
+    SparsityPrinterCallback: SparsityPrinterCallback,
+}
 
 
-def move_to_front(trainer, callback) -> None:
-    """Run ``callback`` before Trainer's own callbacks (so reporters like TensorBoard log its metrics)."""
-    cbs = trainer_callbacks(trainer)
-    if callback in cbs:
-        cbs.remove(callback)
-    cbs.insert(0, callback)
+def _console_printer(old: Any, console_layers: bool) -> Any:
+    """The filtered printer that stands for ``old`` (a new one: ``arrange_logging`` runs before train)."""
+    kind = _CONSOLE[type(old)]
+    if issubclass(kind, ProgressCallback):
+        return kind(show_layers=console_layers, max_str_len=getattr(old, "max_str_len", 100))
+    return kind(show_layers=console_layers)
 
 
-def arrange_logging(trainer, callback, console_layers: bool = False) -> None:
-    """Run ``callback`` before the reporters and keep per-layer values off ``trainer``'s console line.
+def arrange_logging(trainer: Any, callback: Any, console_layers: bool = False) -> None:
+    """List ``callback`` first among ``trainer``'s callbacks and keep per-layer values off the console.
 
-    Safe to call from inside a callback event (the list is changed in place so that the
-    running loop over it neither skips nor repeats a callback).
+    Call it after building the Trainer and before ``trainer.train()``: the reporters then get
+    every scalar ``callback`` adds to a log, and Trainer's console printer (a plain
+    ``ProgressCallback`` / ``PrinterCallback``, replaced by its filtering subclass, still last)
+    prints the per-layer ``sparsity/layer/*`` entries only with ``console_layers=True``. A
+    printer of another class (a recipe's own) is left where it is. Only Trainer's public
+    ``pop_callback`` / ``add_callback`` are used; calling it again changes ``console_layers``.
     """
-    callback._logging_arranged = True
-    cbs = trainer_callbacks(trainer)
-    if callback in cbs:
-        move_to_front(trainer, callback)
-    for i, cb in enumerate(cbs):
-        for plain, filtered in _CONSOLE:
-            if type(cb) is plain:
-                cbs[i] = carry_callback_state(cb, filtered(show_layers=console_layers), keep=("show_layers",))
-            elif type(cb) is filtered:
-                cb.show_layers = console_layers
+    listed = list(trainer.callback_handler.callbacks)
+    if not any(cb is callback for cb in listed):
+        raise SparsityError(
+            f"arrange_logging: {type(callback).__name__} is not one of this Trainer's callbacks; "
+            "pass it in Trainer(..., callbacks=[...]) first, then call arrange_logging(trainer, callback)."
+        )
+    printers = [cb for cb in listed if type(cb) in _CONSOLE]
+    others = [cb for cb in listed if cb is not callback and type(cb) not in _CONSOLE]
+    for cb in listed:
+        trainer.pop_callback(cb)
+    for cb in (callback, *others):
+        trainer.add_callback(cb)
+    for cb in printers:
+        trainer.add_callback(_console_printer(cb, console_layers))
+    _ARRANGED[callback] = True
 
 
-def arrange_for_callback(callback) -> None:
-    """``arrange_logging`` on the running trainer, once, unless the user arranged it already."""
-    if getattr(callback, "_logging_arranged", False):
-        return
-    trainer = trainer_from_stack()
-    if trainer is not None and callback in trainer_callbacks(trainer):
-        arrange_logging(trainer, callback)
+def logging_arranged(callback: Any) -> bool:
+    """Whether :func:`arrange_logging` listed ``callback`` ahead of the reporters (it then logs per-layer)."""
+    return _ARRANGED.get(callback, False)

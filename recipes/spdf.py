@@ -31,7 +31,7 @@ from transformers import PrinterCallback, Trainer, TrainingArguments
 from hf_sparsity import SparsityCallback, SparsityConfig, last_complete_checkpoint
 from hf_sparsity.data import BlockDataset
 from hf_sparsity.flops.callback import FlopCallback
-from hf_sparsity.logging_utils import move_to_front
+from hf_sparsity.logging_utils import arrange_logging
 
 # ----------------------------------------------------------------------------- defaults
 DEFAULTS = C.recipe_defaults(
@@ -91,10 +91,10 @@ def train(args, name, model, tokenizer, data, eval_blocks, steps, metrics_cb, ca
         processing_class=tokenizer,
         callbacks=[metrics_cb, *callbacks, C.StagePrinter(name)],
     )
+    trainer.remove_callback(PrinterCallback)  # StagePrinter prints one short line per log instead
     # Trainer puts its reporters first; metrics_cb goes ahead of them, so TensorBoard logs the model's
     # config with its sparsity section and every sparsity/ scalar metrics_cb adds to a log.
-    move_to_front(trainer, metrics_cb)
-    trainer.remove_callback(PrinterCallback)  # StagePrinter prints one short line per log instead
+    arrange_logging(trainer, metrics_cb)
     # The newest complete checkpoint: a run killed while saving leaves a partial newer folder.
     checkpoint = last_complete_checkpoint(out) if args.resume else None
     if checkpoint:

@@ -103,9 +103,17 @@ if WORKER:
     os.environ["OMP_NUM_THREADS"] = "1"
 
 
-# Handed out first, in this order (the longest tests, so none starts last and leaves a worker idle at the
-# end); then the other slow tests, then the rest, each in file order. An ordering only: a file may go.
-FIRST = ("test_deepspeed.py", "test_gpu_check.py", "test_evaluation.py", "test_resume_after_crash.py")
+# Handed out first, in this order (the longest work first, so none starts last and leaves a worker idle at
+# the end: the two files that go to one worker whole, then the longest single tests); then the other slow
+# tests, then the rest, each in file order. An ordering only: a file may go.
+FIRST = (
+    "test_resume_after_crash.py",
+    "test_deepspeed_zero3_resume.py",
+    "test_frontier.py",
+    "test_deepspeed.py",
+    "test_gpu_check.py",
+    "test_evaluation.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -5,6 +5,7 @@ import torch
 from transformers import TrainerCallback
 
 from hf_sparsity import SparsityCallback, SparsityConfig, SparsityEngine, SparsityError
+from hf_sparsity.logging_utils import arrange_logging
 from hf_sparsity.mask_engine.events import rewind_lr
 
 from .conftest import tiny_model
@@ -233,6 +234,7 @@ def test_trainer_events_invariants_listeners_and_logs(tmp_path):
     trainer = make_trainer(
         model, tmp_path, [cb, checker, recorder], max_steps=8, gradient_accumulation_steps=2, logging_steps=1
     )
+    arrange_logging(trainer, cb)  # per-layer values are logged once the callback runs ahead of the reporters
     trainer.train()
     assert [e["kind"] for e in heard] == ["prune", "regrow", "densify"]
     assert cb.events == heard and checker.checked == 8

@@ -77,30 +77,6 @@ def test_peft_lora_linear_still_routes_forward_and_merge_through_lora_variant():
     assert "default" not in layer.lora_variant
 
 
-def test_trainer_still_calls_its_callbacks_from_the_list_hooks_change_in_place():
-    from transformers import ProgressCallback, TrainerCallback, TrainerControl, TrainerState
-    from transformers.trainer_callback import CallbackHandler
-
-    seen = []
-
-    class Probe(TrainerCallback):
-        def on_log(self, args, state, control, **kwargs):
-            seen.append("probe")
-
-    handler = CallbackHandler([ProgressCallback()], None, None, None, None)
-
-    class FakeTrainer:
-        callback_handler = handler
-
-    hooks.trainer_callbacks(FakeTrainer()).insert(0, Probe())  # in place, ahead of the printer
-    handler.on_log(None, TrainerState(), TrainerControl(), logs={})
-    assert seen == ["probe"]
-    old = handler.callbacks[1]
-    assert {"training_bar", "prediction_bar"} <= set(vars(old))  # the printer's state that must carry over
-    new = hooks.carry_callback_state(old, ProgressCallback())
-    assert vars(new) == vars(old)
-
-
 def test_transformers_generate_still_compiles_on_cpu_through_the_compile_config_switch():
     import transformers.generation.utils as generation
     from transformers import CompileConfig
@@ -308,3 +284,28 @@ def test_transformers_stopping_criteria_still_hold_what_the_native_loop_decides_
     assert sc.MaxLengthCriteria(4)(ids, None).tolist() == [True] and sc.MaxLengthCriteria(5)(
         ids, None
     ).tolist() == [False]
+
+
+def test_torch_still_numbers_each_backward_pass_where_hooks_read_it():
+    w = torch.nn.Parameter(torch.ones(3))
+    ids: list[int] = []
+    w.register_hook(lambda g: ids.append(hooks.backward_task_id()))
+    w.register_hook(lambda g: ids.append(hooks.backward_task_id()))
+    (w * 2).sum().backward()
+    (w * 3).sum().backward()
+    assert ids[0] == ids[1] and ids[2] == ids[3] and ids[0] != ids[2]  # one id per backward, two backwards
+    assert hooks.backward_task_id() == -1  # outside any backward
+
+
+def test_torch_still_has_the_cusparselt_ops_with_the_arguments_hooks_pass():
+    """The ATen ops behind torch's semi-structured tensor, with the keywords cslt_search / cslt_mm pass
+    (their results need a CUDA GPU: tests/test_cusparselt.py)."""
+    assert hooks.cslt_ops_missing() is None
+    schema = {name: str(getattr(torch.ops.aten, name).default._schema) for name in hooks.CSLT_OPS}
+    assert schema["_cslt_compress"].startswith("aten::_cslt_compress(Tensor input)")
+    assert "bool transpose_result=False" in schema["_cslt_sparse_mm_search"]
+    assert schema["_cslt_sparse_mm_search"].endswith("-> int")
+    assert (
+        "bool transpose_result=False" in schema["_cslt_sparse_mm"]
+        and "int alg_id=0" in schema["_cslt_sparse_mm"]
+    )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -128,6 +130,11 @@ def test_trainer_steps_then_merge_keep_masks_exact(tmp_path, arch, mode):
         assert torch.count_nonzero(plain_delta[masks[first] == 0]) > 0
     on_disk, _ = load_masks(tmp_path / "merged")
     assert set(on_disk) == set(masks) and all(torch.equal(on_disk[n], masks[n]) for n in masks)
+    # nothing of ours is stored on the merged model; a later save still writes the masks
+    assert not any(type(v).__module__.startswith("hf_sparsity") for v in vars(merged).values())
+    gc.collect()
+    merged.save_pretrained(str(tmp_path / "again"))
+    assert set(load_masks(tmp_path / "again")[0]) == set(masks)
     reloaded = load(str(tmp_path / "merged"))
     assert_masked_zero(reloaded, masks)
     assert reloaded.config.sparsity["lora"] == mode

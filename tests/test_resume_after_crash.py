@@ -37,12 +37,12 @@ def _start(out: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _run(out: Path, *args: str) -> int:
+def _run(out: Path, *args: str) -> tuple[int, str]:
     proc = _start(out, *args)
     log, _ = proc.communicate(timeout=300)
     if proc.returncode not in (0, -signal.SIGKILL):
         pytest.fail(f"training script failed ({proc.returncode}):\n{log[-3000:]}")
-    return proc.returncode
+    return proc.returncode, log
 
 
 def _assert_same_final(a: Path, b: Path) -> None:
@@ -60,26 +60,39 @@ def _steps(out: Path) -> list[int]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("resume") / "uninterrupted"
-    assert _run(out) == 0
+    assert _run(out)[0] == 0
     return out
 
 
-@pytest.mark.parametrize("moment", ["weights", "optimizer", "state"])
-def test_killed_mid_save_resumes_from_last_complete(moment, reference, tmp_path, caplog):
+def test_killed_mid_save_at_each_moment_resumes_from_last_complete(reference, tmp_path, caplog):
+    """Killed while writing a checkpoint at each moment of a save in turn (the weights, the optimizer, the
+    trainer state), each run resuming the one before: every partial folder is found, skipped and named, and
+    the run resumed three times ends bit for bit where the uninterrupted one does."""
     out = tmp_path / "run"
-    assert _run(out, "--die", f"5:{moment}") == -signal.SIGKILL
-    assert _steps(out) == [1, 2, 3, 4, 5]
-    assert checkpoint_problem(out / "checkpoint-5") is not None
-    with caplog.at_level(logging.WARNING, logger="hf_sparsity"):
-        assert last_complete_checkpoint(out) == str(out / "checkpoint-4")
-    assert "checkpoint-5" in caplog.text
-    with pytest.raises(SparsityError, match="checkpoint-4"):  # naming the partial one explicitly
-        resume_checkpoint(out, out / "checkpoint-5")
+    resumed, killed_at = None, None
+    for step, moment in [(3, "weights"), (5, "optimizer"), (7, "state")]:
+        rc, log = _run(out, *(["--resume"] if resumed else []), "--die", f"{step}:{moment}")
+        assert rc == -signal.SIGKILL
+        assert f"resuming from {resumed}" in log
+        assert _steps(out) == list(range(1, step + 1))
+        assert checkpoint_problem(out / f"checkpoint-{step}") is not None
+        if killed_at:  # the partial folder the kill before left was written again, whole this time
+            assert checkpoint_problem(out / f"checkpoint-{killed_at}") is None
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="hf_sparsity"):
+            assert last_complete_checkpoint(out) == str(out / f"checkpoint-{step - 1}")
+        assert f"checkpoint-{step}" in caplog.text
+        with pytest.raises(
+            SparsityError, match=f"checkpoint-{step - 1}"
+        ):  # naming the partial one explicitly
+            resume_checkpoint(out, out / f"checkpoint-{step}")
+        resumed, killed_at = str(out / f"checkpoint-{step - 1}"), step
 
-    assert _run(out, "--resume") == 0
+    rc, log = _run(out, "--resume")
+    assert rc == 0 and f"resuming from {resumed}" in log
     result = json.loads((out / "result.json").read_text())
-    assert result == {"resumed_from": str(out / "checkpoint-4"), "global_step": STEPS}
-    assert checkpoint_problem(out / "checkpoint-5") is None  # written again, whole this time
+    assert result == {"resumed_from": str(out / "checkpoint-6"), "global_step": STEPS}
+    assert all(checkpoint_problem(out / f"checkpoint-{s}") is None for s in range(1, STEPS + 1))
     _assert_same_final(reference, out)
 
 
@@ -100,7 +113,7 @@ def test_killed_at_staggered_moments_then_resumed(reference, tmp_path):
         newer = [s for s in _steps(out) if s > int(Path(last).name.split("-")[1])]
         assert all(checkpoint_problem(out / f"checkpoint-{s}") for s in newer)
     expected = last_complete_checkpoint(out)
-    assert _run(out, "--resume") == 0
+    assert _run(out, "--resume")[0] == 0
     assert json.loads((out / "result.json").read_text())["resumed_from"] == expected
     _assert_same_final(reference, out)
 

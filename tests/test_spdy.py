@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from hf_sparsity import SparsityError
+from hf_sparsity import SparsityConfig, SparsityError
 from hf_sparsity.mask_engine.targeting import plan_sparsity
 from hf_sparsity.pruning import methods as M
 from hf_sparsity.pruning import prune_oneshot
@@ -415,3 +415,39 @@ def test_int8_values_survive_a_whole_model_check_that_keeps_every_layer_dense(mo
     assert not any(isinstance(m, SparseLinear) for m in model.model.layers.modules())
     with torch.inference_mode():
         model(torch.tensor([[1, 2, 3]]))
+
+
+def test_a_given_time_table_is_used_as_is_and_one_that_does_not_fit_is_refused(
+    llama_dir, tmp_path, monkeypatch
+):
+    """prune_folder(spdy_table=...): nothing is measured again (the plan is the one the given table makes);
+    a table of other levels is refused before anything is written."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_sparsity.pruning import pipeline
+
+    model_dir, calib = llama_dir
+    meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    targets = [d for d in plan_sparsity(meta, SparsityConfig(sparsity=0.5)) if d.sparsify]
+    table = _synthetic_table(targets, (0.0, 0.5))
+
+    def measured(*a, **k):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(pipeline, "measure_time_table", measured)
+    monkeypatch.setattr(pipeline, "measure_decode_ms", measured)
+    common = dict(method="sparsegpt", calib_data=calib, nsamples=2, seqlen=16, spdy_levels=(0.0, 0.5))
+    common.update(measure_rounds=0, threads=1)
+    res = pipeline.prune_folder(model_dir, tmp_path / "out", target_speedup=1.2, spdy_table=table, **common)
+    assert res.spdy.table is table and res.spdy.predicted_speedup >= 1.2
+    with pytest.raises(
+        SparsityError, match=r"spdy_table: a table of levels \[0\.0, 0\.6\].*folder_time_table"
+    ):
+        pipeline.prune_folder(
+            model_dir,
+            tmp_path / "no",
+            target_speedup=1.2,
+            spdy_table=_synthetic_table(targets, (0.0, 0.6)),
+            **common,
+        )
+    assert not (tmp_path / "no").exists()

@@ -33,8 +33,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..hooks import cslt_compress, cslt_mm, cslt_ops_missing, cslt_search
 from ..utils import SparsityError
-from .base import BackendCapabilities, LayerTarget, ModelPlan, SparseBackend, Wrap, _new_counters
+from .base import BackendCapabilities, LayerTarget, ModelPlan, SparseBackend, Wrap, _new_counters, check_nm
 from .registry import register_backend
 
 logger = logging.getLogger(__name__)
@@ -49,11 +50,12 @@ SMALL_TOKENS = 16
 # ---------------------------------------------------------------------------- the CUDA-only calls
 def unavailable_reason() -> str | None:
     """Why cuSPARSELt cannot run here (no CUDA, an older GPU, a torch built without it), or ``None``."""
-    if not hasattr(torch, "_cslt_sparse_mm"):
-        return f"torch {torch.__version__} has no torch._cslt_sparse_mm (needs torch >= 2.3)."
+    missing = cslt_ops_missing()
+    if missing is not None:
+        return f"torch {torch.__version__} has no torch.{missing} (needs torch >= 2.3)."
     if not torch.cuda.is_available():
         return "cuSPARSELt needs a CUDA GPU; none is visible (CPU-only torch or no device)."
-    if not getattr(torch._C, "_has_cusparselt", False):
+    if not torch.backends.cusparselt.is_available():
         return "this torch build has no cuSPARSELt (torch.backends.cusparselt.is_available() is False)."
     major, minor = torch.cuda.get_device_capability()
     if major < 8:
@@ -63,17 +65,17 @@ def unavailable_reason() -> str | None:
 
 def compress(dense: torch.Tensor) -> torch.Tensor:
     """The 2:4 weight ``[out, in]`` (zeros where pruned) packed for cuSPARSELt (values and metadata)."""
-    return torch._cslt_compress(dense)
+    return cslt_compress(dense)
 
 
 def search(packed: torch.Tensor, xt: torch.Tensor) -> int:
     """cuSPARSELt's fastest algorithm id for ``packed @ xt`` (``xt``: ``[in, tokens]``), result transposed."""
-    return int(torch._cslt_sparse_mm_search(packed, xt, transpose_result=True))
+    return cslt_search(packed, xt)
 
 
 def sparse_mm(packed: torch.Tensor, xt: torch.Tensor, alg_id: int) -> torch.Tensor:
     """``(W @ xt)^T`` = ``x W^T``, ``[tokens, out]``, row-major (``transpose_result``)."""
-    return torch._cslt_sparse_mm(packed, xt, transpose_result=True, alg_id=alg_id)
+    return cslt_mm(packed, xt, alg_id)
 
 
 def runs_on_cuda(targets: list[LayerTarget]) -> bool:
@@ -234,7 +236,6 @@ def plan_cuda(
     ``prefill_tokens`` tokens; each regime keeps the faster (:func:`decide`). Layers whose masks are not 2:4
     or whose dtype cuSPARSELt does not take stay dense (left out of the plan). A group where dense wins both
     regimes is left as it was."""
-    from .base import check_nm
 
     groups: dict[tuple, list[LayerTarget]] = {}
     choices: dict[str, dict] = {}

@@ -99,7 +99,6 @@ def merge_sparse(
     engine.set_masks(mask_dict)
     engine.install_save_hook()
     engine.stamp_config()
-    merged.hf_sparsity_engine = engine
     logger.info("merge_sparse: merged with %d exact masks from %s.", len(mask_dict), source)
     if output_dir is not None:
         with atomic_dir(output_dir, overwrite=overwrite) as tmp:

@@ -295,6 +295,7 @@ def sparsify_for_inference(
     ``model.generate(**inputs, custom_generate=hf_sparsity.inference.decoding.native_generate)`` (the
     same argument for a text-generation ``pipeline``; :mod:`hf_sparsity.inference.decoding`).
     """
+    # Long by design: the docstring documents every option; the body (56 lines) is the one conversion.
     model_u = unwrap_model(model)
     klass = get_backend(backend)
     if keep_dense is None:

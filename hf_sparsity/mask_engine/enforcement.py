@@ -50,7 +50,7 @@ from torch import nn
 
 from .. import masks as M
 from .. import zero
-from ..hooks import dtensor_local_shape_and_offset, queue_after_backward
+from ..hooks import backward_task_id, dtensor_local_shape_and_offset, queue_after_backward
 from ..modeling import is_dtensor, local
 from ..utils import SparsityError
 
@@ -283,7 +283,7 @@ class MaskEnforcer:
         gradient itself goes on unchanged (RigL's capture keeps the dense one first)."""
         if self.capture_grads:
             return self._on_grad(name, g)
-        task = torch._C._current_graph_task_id()  # a backward that failed never ran its pass: no flag sticks
+        task = backward_task_id()  # a backward that failed never ran its pass: no flag sticks
         if task != self._queued_in:
             self._queued_in = task
             queue_after_backward(self._after_backward)

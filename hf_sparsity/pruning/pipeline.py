@@ -151,6 +151,7 @@ def prune_folder(
     threads: int | None = None,
     measure_rounds: int = 5,
     spdy_errors: dict[str, list[float]] | None = None,
+    spdy_table: TimeTable | None = None,
 ) -> OneShotResult:
     """Prune ``model_dir`` one-shot and write a sparse model folder to ``out_dir``.
 
@@ -163,10 +164,11 @@ def prune_folder(
     ``target_speedup``: levels from the grid ``spdy_levels`` for this decoding speed-up over the dense
     model with the same ``values`` with ``threads`` (:mod:`~hf_sparsity.pruning.spdy`); the speed-up
     measured over ``measure_rounds`` rounds (0: not) goes in the folder's ``README.md`` with the levels;
-    ``spdy_errors``: a plan's error table to reuse (the same model, calibration and grid).
+    ``spdy_errors``: a plan's error table to reuse (the same model, calibration and grid); ``spdy_table``:
+    a time table to reuse (:func:`folder_time_table` of the same model, values, grid and threads).
     """
     speed = _speed_target(target_speedup, values, spdy_levels, threads, sparsity, structure, measure_rounds,
-                          spdy_errors)  # fmt: skip
+                          spdy_errors, spdy_table)  # fmt: skip
     calibrated = _check_inputs(
         model_dir, out_dir, method, nsamples, seqlen, calib_data, overwrite, device=device,
         batch_size=batch_size, blocksize=blocksize, percdamp=percdamp, owl_lambda=owl_lambda, refit=refit,
@@ -187,7 +189,7 @@ def prune_folder(
         if given is None:
             info.update(get_method(method).settings(blocksize, percdamp))
     if speed is not None:  # measured, and an unreachable target refused, before anything is written
-        speed.table = _time_table(model_dir, config, speed, progress)
+        speed.table = _time_table(model_dir, config, speed, progress, speed.table)
     info.update({"owl": {"lambda": owl.lam, "M": owl.outlier_m}} if owl is not None else {})
     info.update({"masks": str(masks)} if masks is not None else {})
     kwargs = dict(
@@ -200,7 +202,9 @@ def prune_folder(
                             overwrite=overwrite, streaming=streaming, finish=finish)  # fmt: skip
 
 
-def _speed_target(target_speedup, values, levels, threads, sparsity, structure, measure_rounds, errors=None):
+def _speed_target(
+    target_speedup, values, levels, threads, sparsity, structure, measure_rounds, errors=None, table=None
+):
     """The :class:`SpeedTarget` of ``--target-speedup`` (checked), or ``None``; ``--values`` alone refused."""
     if target_speedup is None:
         if values not in (None, "float32") or levels is not None:
@@ -215,7 +219,7 @@ def _speed_target(target_speedup, values, levels, threads, sparsity, structure, 
     if isinstance(levels, str):
         levels = parse_levels(levels)
     levels = levels if levels is not None else DEFAULT_LEVELS
-    return SpeedTarget(target_speedup, levels, values, threads, errors=errors)
+    return SpeedTarget(target_speedup, levels, values, threads, errors=errors, table=table)
 
 
 def folder_time_table(
@@ -224,21 +228,36 @@ def folder_time_table(
 ) -> tuple[TimeTable, list[str]]:  # fmt: skip
     """The speed target's time table for the targets of ``model_dir`` (``config``: default targets), with
     the rest of the dense model's step measured, and the targets' shapes in order."""
-    from accelerate import init_empty_weights
-
-    model_config = AutoConfig.from_pretrained(str(model_dir))
-    with init_empty_weights(include_buffers=False):
-        meta = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
-    targets = [d for d in plan_sparsity(meta, config or SparsityConfig(sparsity=0.5)) if d.sparsify]
-    shapes = [shape_key(d) for d in targets]
+    shapes = _target_shapes(model_dir, config)
     table = measure_time_table(shapes, tuple(levels), values, threads, progress=progress)
     step = measure_decode_ms({"dense": (model_dir, True)}, values, threads, rounds=5, stat="min")["dense"]
     return with_other_ms(table, step, shapes), shapes
 
 
-def _time_table(model_dir, config, speed: SpeedTarget, progress: bool) -> TimeTable:
-    """:func:`folder_time_table` for ``speed``; an unreachable target refused before anything is written."""
-    table, shapes = folder_time_table(model_dir, speed.values, speed.levels, speed.threads, config, progress)
+def _target_shapes(model_dir, config=None) -> list[str]:
+    """The shapes of ``model_dir``'s targets (``config``: default targets), in order, from a meta model."""
+    from accelerate import init_empty_weights
+
+    model_config = AutoConfig.from_pretrained(str(model_dir))
+    with init_empty_weights(include_buffers=False):
+        meta = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+    return [shape_key(d) for d in plan_sparsity(meta, config or SparsityConfig(sparsity=0.5)) if d.sparsify]
+
+
+def _time_table(model_dir, config, speed: SpeedTarget, progress: bool, given: TimeTable | None) -> TimeTable:
+    """:func:`folder_time_table` for ``speed`` (``given``: measured already); an unreachable target refused
+    before anything is written."""
+    if given is not None:
+        table, shapes = given, _target_shapes(model_dir, config)
+        if tuple(table.levels) != tuple(speed.levels) or not set(shapes) <= set(table.ms):
+            raise SparsityError(
+                f"spdy_table: a table of levels {list(table.levels)} and shapes {sorted(table.ms)} does not "
+                f"fit this model and --spdy-levels {list(speed.levels)}; measure it with folder_time_table."
+            )
+    else:
+        table, shapes = folder_time_table(
+            model_dir, speed.values, speed.levels, speed.threads, config, progress
+        )
     reachable(speed.speedup, table.dense_total(shapes), table.fastest_total(shapes), table.levels)
     return table
 

@@ -75,6 +75,7 @@ def main(out: str, max_steps: int, resume: bool, die_at: str | None) -> None:
     model.config.resid_pdrop = model.config.embd_pdrop = model.config.attn_pdrop = 0.0
     cb = SparsityCallback(SparsityConfig(sparsity=0.5, init_method="random", seed=7))
     start = last_complete_checkpoint(out) if resume else None
+    print(f"resuming from {start}", flush=True)
     trainer = make_trainer(model, out, [cb], max_steps=max_steps, save_strategy="steps", save_steps=1)
     trainer.train(resume_from_checkpoint=start)
     trainer.save_model(os.path.join(out, "final"))

@@ -1,7 +1,7 @@
-/* The decoding step (hf_sparsity/decoding.py, NativeDecoder): one call per token, apart from the kernels. */
+/* The decoding step (hf_sparsity/inference/native_step.py, NativeDecoder): one call per token, apart from the kernels. */
 /* Part of the native kernels' one translation unit, hfs_kernels.c (included there, not compiled alone). */
 
-/* ---- One decoded token of a Llama-family or GPT-2 model in one call (hf_sparsity/decoding.py, NativeDecoder) --
+/* ---- One decoded token of a Llama-family or GPT-2 model in one call (hf_sparsity/inference/native_step.py, NativeDecoder) --
    Each projection is a prepared batch-1 call of any native format (bitmask, 2:4, CSR, dense GEMV; fp32,
    bf16 or int8 values); everything between them runs here: RMSNorm, the rotary embedding (rotate-half
    convention, cos / sin tables computed by the model's own rotary module), the attention of one query over
