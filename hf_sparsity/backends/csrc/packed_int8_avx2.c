@@ -29,11 +29,11 @@ static inline __attribute__((always_inline)) __m256i q8v_dot(__m256i acc, __m256
 }
 #endif
 
-/* 16 columns of mask bits k (two bytes): the k-th set bit's byte gets v[k], the others 0: one vpshufb, its control
-   the byte sum of two 16-byte table rows (g_bm_c0 / g_bm_c1, tables.h: two loads and an add, no popcount). Every
-   other control measured no faster on a Zen 4 core: one 8-byte row per byte with the second indexed by the first's
-   popcount (the step before: 0.87-0.9x this one's speed, the extra index arithmetic), a 1 MiB table of all 65536
-   two-byte controls (1.05-1.37x this one's time: L2 misses), the two 16-column halves as one 256-bit vpshufb (1.02x). */
+/* 16 columns of mask bits k (two bytes): the k-th set bit's byte gets v[k], the others 0: one vpshufb, its
+   control the byte sum of two 16-byte table rows (g_bm_c0 / g_bm_c1, tables.h: two loads and an add). Measured
+   on an AVX2 build (times over this one's): one 8-byte row per byte, the second indexed by the first byte's
+   popcount (the index arithmetic: 1.09-1.16x); a 1 MiB table of all 65536 two-byte controls (L2 misses:
+   1.13-1.5x at 50%); the two 16-column halves as one 256-bit vpshufb (1.01-1.03x). */
 static inline __attribute__((always_inline)) __m128i expand16(uint32_t k, const int8_t* v) {
   const __m128i c = _mm_add_epi8(_mm_load_si128((const __m128i*)g_bm_c0[k & 255]),
                                  _mm_load_si128((const __m128i*)g_bm_c1[(k >> 8) & 255]));
