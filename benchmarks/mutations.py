@@ -1200,13 +1200,72 @@ MUTATIONS = (
         "the AVX2 int8 bitmask expansion reads a 16-column step's second mask byte's codes from the first's",
         (
             (
-                "hf_sparsity/backends/csrc/packed_int8_avx2.c",
-                "g_bm_shuf[__builtin_popcount(k & 255)][(k >> 8) & 255]",
-                "g_bm_shuf[0][(k >> 8) & 255]",
+                "hf_sparsity/backends/csrc/tables.h",
+                "g_bm_c0[b][8 + i] = (uint8_t)__builtin_popcount((unsigned)b);",
+                "g_bm_c0[b][8 + i] = 0;",
             ),
         ),
         (
             "tests/test_native_kernels.py::test_every_isa_level_matches_emulator_at_every_width[int8-avx2-avx2-avx2]",
+        ),
+    ),
+    Mutation(
+        "avx2-q8-bitmask-clear-lanes",
+        "the AVX2 int8 bitmask expansion's second mask byte gives its clear columns a code instead of 0",
+        (
+            (
+                "hf_sparsity/backends/csrc/tables.h",
+                "g_bm_c1[b][8 + i] = rank;",
+                "g_bm_c1[b][8 + i] = rank & 0x7f;",
+            ),
+        ),
+        (
+            "tests/test_native_kernels.py::test_every_isa_level_matches_emulator_at_every_width[int8-avx2-avx2-avx2]",
+        ),
+    ),
+    Mutation(
+        "avx2-q8-bitmask-pair-parity",
+        "the AVX2 int8 bitmask kernel's two-block step adds its odd block into the even blocks' accumulators",
+        (
+            (
+                "hf_sparsity/backends/csrc/packed_int8_avx2.c",
+                "BM_Q8V_BLOCK(1, b + 1, k1);",
+                "BM_Q8V_BLOCK(0, b + 1, k1);",
+            ),
+        ),
+        (
+            "tests/test_native_kernels.py::test_every_isa_level_matches_emulator_at_every_width[int8-avx2-avx2-avx2]",
+        ),
+    ),
+    Mutation(
+        "avx2-q8-bitmask-odd-block-twice",
+        "the AVX2 int8 bitmask kernel: after an odd count of whole blocks, the last whole one is read "
+        "again as the short last block",
+        (
+            (
+                "hf_sparsity/backends/csrc/packed_int8_avx2.c",
+                "      BM_Q8V_BLOCK(b, b, k);\n      b++;\n",
+                "      BM_Q8V_BLOCK(b, b, k);\n",
+            ),
+        ),
+        (
+            "tests/test_native_kernels.py::test_every_isa_level_matches_emulator_at_every_width[int8-avx2-avx2-avx2]",
+        ),
+    ),
+    Mutation(
+        "avx2-fp32-bitmask-k64-byte",
+        "the AVX2 float32-activation bitmask kernel's 64-column step reads a pair's second mask byte as "
+        "its first",
+        (
+            (
+                "hf_sparsity/backends/csrc/packed_fp32.c",
+                "m1 = (uint32_t)(k >> (8 * i + 8)) & 255;",
+                "m1 = (uint32_t)(k >> (8 * i)) & 255;",
+            ),
+        ),
+        (
+            "tests/test_native_kernels.py::"
+            "test_every_isa_level_matches_emulator_at_every_width[csr-bitmask-avx2-avx2-avx2]",
         ),
     ),
     Mutation(

@@ -14,9 +14,13 @@ static int32_t g_bm_lanes[256][8] __attribute__((aligned(32)));
 static int32_t g_nm_inv[256][8] __attribute__((aligned(32)));
 /* bitmask byte -> the positions of its set bits, in order (the blocked products, spmm.c) */
 static int32_t g_bm_pos[256][8] __attribute__((aligned(32)));
-/* [p][b]: per byte i, p + the rank of bit i among b's set bits, or 0x80 (vpshufb writes 0) where bit i is
-   clear; p (0..8) shifts a mask byte's indices past the values of the byte before it (packed_int8_avx2.c) */
-static uint64_t g_bm_shuf[9][256];
+/* the vpshufb control of 16 columns (mask bytes b0, b1) as the byte sum g_bm_c0[b0] + g_bm_c1[b1]
+   (packed_int8_avx2.c): c0: per byte i < 8 the rank of bit i among b0's set bits, or 0x80 (vpshufb writes 0)
+   where bit i is clear, and popcount(b0) in bytes 8-15; c1: 0 in bytes 0-7, in byte 8 + i the rank of bit i
+   among b1's set bits, or 0x80. In the sum byte 8 + i points past b0's values; 0x80 + popcount (at most 0x88)
+   keeps the sign bit: still 0. */
+static uint8_t g_bm_c0[256][16] __attribute__((aligned(16)));
+static uint8_t g_bm_c1[256][16] __attribute__((aligned(16)));
 #endif
 
 __attribute__((constructor)) static void init_tables(void) {
@@ -33,10 +37,12 @@ __attribute__((constructor)) static void init_tables(void) {
     }
     for (int i = 0, k = 0; i < 8; i++)
       if (b >> i & 1) g_bm_pos[b][k++] = i;
-    for (int p = 0; p <= 8; p++) {
-      uint64_t e = 0;
-      for (int i = 0, k = 0; i < 8; i++) e |= (uint64_t)((b >> i & 1) ? p + k++ : 0x80) << (8 * i);
-      g_bm_shuf[p][b] = e;
+    for (int i = 0, k = 0; i < 8; i++) {
+      const uint8_t rank = (uint8_t)((b >> i & 1) ? k++ : 0x80);
+      g_bm_c0[b][i] = rank;
+      g_bm_c0[b][8 + i] = (uint8_t)__builtin_popcount((unsigned)b);
+      g_bm_c1[b][i] = 0;
+      g_bm_c1[b][8 + i] = rank;
     }
 #endif
   }
