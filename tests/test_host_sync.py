@@ -350,26 +350,62 @@ def test_masks_follow_their_weights_to_another_device():
     """Masks placed on another device than their weights (as after ``model.to(device)``, which keeps
     the parameter objects) are placed again on the weights' device by the next step: the gradient
     hooks, ``before_step`` and ``after_step`` all use masks on the weights' device, and the step's
-    gradients, weights and moments are masked."""
+    gradients, weights and moments are masked. A move after the backward (``Module.to`` moves the
+    gradients too) reaches no gradient hook, so the step itself must notice it; and ``apply`` after a
+    move zeroes the masked positions of dense weights loaded into the moved model.
+
+    The other device is ``meta``: a CPU weight multiplied in place by a meta mask keeps its values, so
+    a mask left behind shows as a masked weight that is not 0, not only as a device that differs."""
     model = realistic_model("llama").train()
+    dense = {k: v.detach().clone() for k, v in model.state_dict().items()}
     engine = SparsityEngine(model, SparsityConfig(sparsity=0.6, init_method="random", seed=5))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     engine.start(opt)
     enf = engine.enforcer
-    # As if placed before the model moved: every device copy of a mask on the meta device.
-    for name in engine.masks:
-        enf._dev_masks[name] = enf._dev_masks[name].to("meta")
-        enf._grad_masks[name] = enf._grad_masks[name].to("meta")
+    params = {name: model.get_parameter(name) for name in engine.masks}
+
+    def leave_masks_behind():  # as if placed before the weights moved: every device copy on meta
+        for name, p in params.items():
+            enf._dev_masks[name] = enf._dev_masks[name].to("meta")
+            enf._grad_masks[name] = enf._grad_masks[name].to("meta")
+            enf._mask_by_param[id(p)] = enf._mask_by_param[id(p)].to("meta")
+
+    def assert_masks_beside_their_weights():
+        for name, w in params.items():
+            assert model.get_parameter(name) is w, name  # the same objects: only the device moved
+            assert enf._dev_masks[name].device == w.device, name
+            assert enf._grad_masks[name].device == w.device, name
+            assert enf._mask_by_param[id(w)].device == w.device, name
+
+    # Moved before the backward: the gradient hooks see it first.
+    leave_masks_behind()
     model(**_batch(0)).loss.backward()
     for name, mask in engine.masks.items():  # the gradient hooks masked on the weights' device
         g = model.get_parameter(name).grad
         assert g.device.type == "cpu" and torch.count_nonzero(g[mask == 0]) == 0, name
     opt.step()
-    for name in engine.masks:
-        w = model.get_parameter(name)
-        assert enf._dev_masks[name].device == w.device, name
-        assert enf._grad_masks[name].device == w.device, name
-        assert enf._mask_by_param[id(w)].device == w.device, name
+    assert_masks_beside_their_weights()
+    assert _check_invariants(engine, opt) >= 2 * len(engine.masks)
+    opt.zero_grad()
+
+    # Moved after the backward: no hook runs after the move; the step places the masks again.
+    model(**_batch(1)).loss.backward()
+    leave_masks_behind()
+    opt.step()
+    assert_masks_beside_their_weights()
+    assert _check_invariants(engine, opt) >= 2 * len(engine.masks)
+    opt.zero_grad()
+
+    # Moved with no step at all, then dense weights loaded in place: ``apply`` zeroes the masked ones.
+    leave_masks_behind()
+    model.load_state_dict(dense)
+    assert all(torch.count_nonzero(w.detach()[engine.masks[n] == 0]) > 0 for n, w in params.items())
+    engine.apply()
+    assert_masks_beside_their_weights()
+    for name, w in params.items():  # kept weights untouched, masked ones exactly 0
+        keep = engine.masks[name].bool()
+        assert torch.equal(w.detach()[keep], dense[name][keep]), name
+        assert torch.count_nonzero(w.detach()[~keep]) == 0, name
     assert _check_invariants(engine, opt) >= 2 * len(engine.masks)
 
 
