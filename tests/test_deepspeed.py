@@ -38,12 +38,24 @@ def _in_process(out, *args):
     return [json.loads((out / "rank0.json").read_text())]
 
 
+def _aborted_after_results(proc, out, procs) -> bool:
+    """A launch whose every rank wrote its results and one rank then died of SIGABRT (at exit)."""
+    done = all((out / f"rank{r}.json").is_file() for r in range(procs))
+    return proc.returncode != 0 and done and "SIGABRT" in proc.stderr
+
+
 def _run(out, *args, procs=2, torchrun=False):
     if procs == 1 and not torchrun and args[:2] == ("--stage", "0"):
         return _in_process(out, *args)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs)]
     cmd = (launcher if procs > 1 or torchrun else [sys.executable]) + [str(SCRIPT), str(out), *args]
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=400)
+    if _aborted_after_results(proc, out, procs):
+        # gloo can abort one rank at interpreter exit on a loaded machine, after every rank has written its
+        # results and torn its process group down: launch once more, from scratch, rather than read them
+        for r in range(procs):
+            (out / f"rank{r}.json").unlink()
+        proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(procs)]
     return ranks
@@ -161,3 +173,15 @@ def test_deepspeed_still_offers_what_enforcement_reads():
     fields = {f.name for f in dataclasses.fields(tensor_fragment)}
     assert {"lp_fragment_address", "hp_fragment"} <= fields
     assert hasattr(tensor_fragment, "set_optim_state_fragment")
+
+
+def test_only_an_abort_after_every_rank_wrote_is_launched_again(tmp_path):
+    """The relaunch covers one case: every rank's results written, then SIGABRT; any other failure fails."""
+    aborted = subprocess.CompletedProcess([], 1, "", "traceback : Signal 6 (SIGABRT) received by PID 7")
+    (tmp_path / "rank0.json").write_text("{}")
+    assert not _aborted_after_results(aborted, tmp_path, 2)  # rank 1 wrote nothing: a real failure
+    (tmp_path / "rank1.json").write_text("{}")
+    assert _aborted_after_results(aborted, tmp_path, 2)
+    other = subprocess.CompletedProcess([], 1, "", "RuntimeError: masks differ")
+    assert not _aborted_after_results(other, tmp_path, 2)
+    assert not _aborted_after_results(subprocess.CompletedProcess([], 0, "", ""), tmp_path, 2)
