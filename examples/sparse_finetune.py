@@ -3,7 +3,7 @@
 The model folder is anything ``save_pretrained`` wrote (with its tokenizer). Masks come from
 
 * the folder's ``sparsity_masks.safetensors`` when it has one (``hf_sparsity prune`` output, an
-  earlier run's ``final/``): they are kept as they are, and without ``--config`` the folder's own
+  another training run's ``final/``): they are kept as they are, and without ``--config`` the folder's own
   sparsity section (``config.json``) or the levels in the mask file say which tensors stay sparse;
   with a ``--config`` whose level differs, they are pruned further or regrown to it;
 * else the sparsity config (``--config``, default 50% ``topk``), built at train begin.

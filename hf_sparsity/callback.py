@@ -144,7 +144,7 @@ class SparsityCallback(TrainerCallback, ExportableState):
         ``SparsityCallback(resume_from=...)``; the ``resume_from_checkpoint`` given to ``Trainer.train``
         (:func:`hf_sparsity.hooks.resume_dir_from_trainer_frame`); ``args.resume_from_checkpoint``;
         ``output_dir/checkpoint-<step>``. None of them: an error naming where it looked. Starting
-        fresh (step 0): ``resume_from``, then the folder the model was loaded from (an earlier run's
+        fresh (step 0): ``resume_from``, then the folder the model was loaded from (another training run's
         sparse output carries its masks); none: masks are built from the config.
         """
         candidates = []
@@ -156,7 +156,7 @@ class SparsityCallback(TrainerCallback, ExportableState):
                 os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"),
             ]
         else:
-            # A model loaded from a sparse folder (an earlier run's output) carries its masks.
+            # A model loaded from a sparse folder (another training run's output) carries its masks.
             candidates += [self.resume_from, getattr(model.config, "name_or_path", None)]
         for c in candidates:
             if c and os.path.isdir(str(c)) and has_masks(c):
