@@ -1388,6 +1388,59 @@ MUTATIONS = (
         ("tests/test_spdy.py::test_the_error_table_equals_pruning_each_layer_at_each_level",),
     ),
     Mutation(
+        "spdy-search-keeps-the-last",
+        "SPDY's search keeps the last candidate it scored, not the one of least calibration loss",
+        (
+            (
+                "hf_sparsity/pruning/spdy_search.py",
+                "= loss_of(pick)\n        if loss < best_loss:",
+                "= loss_of(pick)\n        if True:",
+            ),
+        ),
+        (
+            "tests/test_spdy_search.py::test_the_search_keeps_the_least_loss_scores_each_assignment_once_and_keeps_the_budget",
+        ),
+    ),
+    Mutation(
+        "spdy-search-leaves-database-weights",
+        "scoring a candidate leaves the database's weights in the model (not restored)",
+        (
+            (
+                "hf_sparsity/pruning/spdy_search.py",
+                "            for n, w in saved.items():\n"
+                "                self.model.get_parameter(n).copy_(w)\n",
+                "",
+            ),
+        ),
+        ("tests/test_spdy_search.py::test_every_scored_loss_is_the_models_own_loss_at_those_levels",),
+    ),
+    Mutation(
+        "spdy-search-uniform-start-inverted",
+        "the uniform start multiplies each layer's errors by e_l(s_u) instead of dividing",
+        (
+            (
+                "hf_sparsity/pruning/spdy_search.py",
+                "1.0 / np.maximum(e[:, seed_levels], 1e-12)",
+                "np.maximum(e[:, seed_levels], 1e-12)",
+            ),
+        ),
+        (
+            "tests/test_spdy_search.py::test_the_uniform_start_picks_that_level_where_every_layer_has_the_same_curve",
+        ),
+    ),
+    Mutation(
+        "spdy-search-loss-unshifted",
+        "the calibration loss scores each token's own logits instead of the next token's",
+        (
+            (
+                "hf_sparsity/pruning/spdy_search.py",
+                "logits = x[0, :-1].double()",
+                "logits = x[0, 1:].double()",
+            ),
+        ),
+        ("tests/test_spdy_search.py::test_every_scored_loss_is_the_models_own_loss_at_those_levels",),
+    ),
+    Mutation(
         "spdy-wanda-error-unsquared",
         "Wanda's error at a level sums |w|·‖x‖² instead of w²·‖x‖²",
         (
@@ -1451,6 +1504,7 @@ NEW_TEST_FILES = (
     "tests/test_host_sync.py",
     "tests/test_native_sampling.py",
     "tests/test_spdy.py",
+    "tests/test_spdy_search.py",
 )
 """The test files written with the last mutations above (their entries name the test that catches each);
 ``--before`` leaves them out (what the suite caught without them)."""
