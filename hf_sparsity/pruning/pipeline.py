@@ -165,10 +165,9 @@ def prune_folder(
     holding the whole model; folders with ``.bin`` weights, and ``streaming=False``, load the whole model.
     ``target_speedup``: levels from the grid ``spdy_levels`` for this decoding speed-up over the dense model
     with the same ``values`` with ``threads`` (:mod:`~.spdy`); the speed-up measured over ``measure_rounds``
-    rounds (0: not) goes in the folder's ``README.md`` with the levels;
-    ``spdy_errors``: a plan's error table to reuse (the same model, calibration and grid); ``spdy_table``:
-    a time table to reuse (:func:`folder_time_table` of the same model, values, grid and threads);
-    ``spdy_search_*``: SPDY's search (:mod:`~.spdy_search`; 0 steps: the plain program).
+    rounds (0: not) goes in the folder's ``README.md`` with the levels; ``spdy_errors``: a plan's error
+    table to reuse (the same model, calibration and grid); ``spdy_table``: a time table to reuse
+    (:func:`folder_time_table`: same model, values, grid, threads); ``spdy_search_*``: :mod:`~.spdy_search`.
     """
     speed = _speed_target(target_speedup, values, spdy_levels, threads, sparsity, structure, measure_rounds,
                           spdy_errors, spdy_table, (spdy_search_steps, spdy_search_windows))  # fmt: skip
