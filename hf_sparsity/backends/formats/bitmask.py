@@ -67,7 +67,8 @@ class BitmaskBackend(_PackedBackend):
     @property
     def storage_bytes(self) -> int:
         """Bytes of the stored tensors, and of the gathered layout where the batch-1 product uses one."""
-        extra = 0 if self.gather is None else self.gather.numel() * self.gather.element_size()
+        gather = getattr(self, "gather", None)
+        extra = 0 if gather is None else gather.numel() * gather.element_size()
         return super().storage_bytes + extra
 
     def _batch1_operands(self):
