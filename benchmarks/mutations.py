@@ -1269,6 +1269,65 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "gather-tail-unmasked",
+        "the gathered kernel multiplies all eight values of a chunk (the next chunk's past its count)",
+        (
+            (
+                "hf_sparsity/backends/csrc/packed_fp32.c",
+                "_mm256_and_ps(loadv8_(V, BF, o), _mm256_load_ps((const float*)g_bmg_tail[BMG_N(c)]))",
+                "loadv8_(V, BF, o)",
+            ),
+        ),
+        (
+            "tests/test_native_kernels.py::test_native_kernel_matches_emulator_at_every_width[bitmask-gather-fp32]",
+        ),
+    ),
+    Mutation(
+        "gather-window-not-clamped",
+        "a gathered chunk near a row's end starts at its first kept column, its window past the row",
+        (
+            (
+                "hf_sparsity/backends/csrc/packed_fp32.c",
+                "const int64_t base = c < in - 16 ? c : in - 16;",
+                "const int64_t base = c;",
+            ),
+        ),
+        ("tests/test_native_kernels.py::test_gathered_layout_is_the_greedy_chunking_of_the_mask",),
+    ),
+    Mutation(
+        "gather-scalar-offset",
+        "the scalar build's gathered kernel reads each chunk's columns from column 0, not from its base",
+        (
+            (
+                "hf_sparsity/backends/csrc/packed_fp32.c",
+                "s += VALB(V, BF, o + i) * xb[BMG_BASE(c) + (int64_t)((c >> (4 * i)) & 15)];",
+                "s += VALB(V, BF, o + i) * xb[(int64_t)((c >> (4 * i)) & 15)];",
+            ),
+        ),
+        (
+            "tests/test_native_kernels.py::"
+            "test_every_isa_level_matches_emulator_at_every_width[csr-bitmask-scalar-scalar-float]",
+        ),
+    ),
+    Mutation(
+        "gather-chosen-where-it-costs",
+        "layout='auto' takes the gathered layout where it has more chunks than pays (50% sparse on AVX2)",
+        (
+            (
+                "hf_sparsity/backends/_native.py",
+                "n * GATHER_CHUNK_GROUPS < rows * ((in_features + 7) // 8)",
+                "n < rows * ((in_features + 7) // 8)",
+            ),
+        ),
+        ("tests/test_native_kernels.py::test_gathered_layout_is_chosen_on_avx2_builds_where_it_pays",),
+    ),
+    Mutation(
+        "gather-op-runs-the-mask-kernel",
+        "op 5 (the gathered layout, the decoding step's fused calls included) runs the bitmask kernel on it",
+        (("hf_sparsity/backends/csrc/api.c", "nm24_unpack_rows, bmg_rows};", "nm24_unpack_rows, bm_rows};"),),
+        ("tests/test_native_kernels.py::test_gathered_layout_survives_copies_and_runs_in_fused_calls",),
+    ),
+    Mutation(
         "avx2-q8-odd-block-groups",
         "256-bit int8 products: an odd 64-column block into the even blocks' accumulators (wrong scales)",
         (("hf_sparsity/backends/csrc/packed_int8_avx2.c", "    if ((b) & 1) {  ", "    if (0) {        "),),
