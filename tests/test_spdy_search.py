@@ -108,10 +108,10 @@ def test_every_scored_loss_is_the_models_own_loss_at_those_levels(arch, method, 
         return out
 
     monkeypatch.setattr(spdy_search.CalibrationLoss, "__call__", checked)
-    speed = SpeedTarget(1.6, LEVELS, table=table, search_steps=12, search_windows=4)
+    speed = SpeedTarget(1.6, LEVELS, table=table, search_steps=6, search_windows=4)
     res = prune_oneshot(model, SparsityConfig(sparsity=0.5), calib, method, speed=speed, batch_size=2)
     rec = res.spdy.search
-    assert rec["windows"] == 4 and rec["steps"] == 12
+    assert rec["windows"] == 4 and rec["steps"] == 6
     assert unchanged and all(unchanged)
     ids = calib[:4]
     assert rec["loss_dense"] == pytest.approx(_hf_loss(dense, ids), rel=1e-5)
@@ -231,7 +231,7 @@ def test_every_branch_that_turns_the_search_off_runs_the_plain_program_and_says_
     assert plain.search is None
     monkeypatch.setattr(spdy_search, "available_bytes", lambda: 1000)  # the database needs more than half
     with caplog.at_level(logging.WARNING, logger="hf_sparsity.pruning.spdy_search"):
-        low = _plain_levels(tiny_model("llama"), calib, table, steps=8)
+        low = _plain_levels(tiny_model("llama"), calib, table, steps=2)
     assert low.search is None and low.levels == plain.levels
     assert "more than half the free memory" in caplog.text
     monkeypatch.setattr(spdy_search, "available_bytes", lambda: None)  # no /proc/meminfo: the search runs
@@ -239,7 +239,7 @@ def test_every_branch_that_turns_the_search_off_runs_the_plain_program_and_says_
     monkeypatch.setattr(spdy_search, "final_layers", lambda model, prefix: None)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="hf_sparsity.pruning.spdy_search"):
-        nohead = _plain_levels(tiny_model("llama"), calib, table, steps=8)
+        nohead = _plain_levels(tiny_model("llama"), calib, table, steps=2)
     assert nohead.search is None and nohead.levels == plain.levels
     assert "no final norm" in caplog.text
 
