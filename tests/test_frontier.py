@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import subprocess
@@ -14,25 +13,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _small_data_dir(shared: Path, folder: Path) -> Path:
-    """DATA_DIR as frontier.py reads it (its tokenizer, calibration corpus and WikiText-2 test file), with
-    only the head of the WikiText-2 file: the one window of 512 tokens the run evaluates, and more,
-    without tokenizing the whole test split once per row."""
-    wiki = Path("text", "wikitext-2-raw", "wiki.test.raw")
-    (folder / wiki).parent.mkdir(parents=True)
-    for part in ("tokenizer", "corpus"):
-        (folder / part).symlink_to(shared / part, target_is_directory=True)
-    with open(shared / wiki, encoding="utf-8", newline="") as f:
-        head = "".join(itertools.islice(f, 40))  # 1,746 GPT-2 tokens: 3 windows of 512
-    (folder / wiki).write_text(head, encoding="utf-8", newline="")
-    return folder
-
-
 @pytest.mark.slow  # a subprocess pruning, evaluating and timing a handful of tiny models
 def test_frontier_smoke_writes_a_table_json_and_plot_with_every_row(tmp_path):
-    from .conftest import shared_data_dir
+    from .conftest import wikitext2_head_data_dir
 
-    data = _small_data_dir(shared_data_dir(), tmp_path / "data")
+    data = wikitext2_head_data_dir(tmp_path / "data")  # the run evaluates one window of 512 tokens
     env = dict(os.environ, HF_SPARSITY_PLAN_CACHE=str(tmp_path / "plans.json"), PYTHONPATH=str(ROOT))
     out = tmp_path / "frontier"
     cmd = [
