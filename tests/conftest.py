@@ -120,15 +120,19 @@ if WORKER:
 
 
 # Handed out first, in this order (the longest work first, so none starts last and leaves a worker idle at
-# the end: the two files that go to one worker whole, then the longest single tests); then the other slow
-# tests, then the rest, each in file order. An ordering only: a file may go.
+# the end: the files that go to one worker whole and the longest single tests, longest first); then the
+# other slow tests, then the rest, each in file order. An ordering only: a file may go.
 FIRST = (
-    "test_resume_after_crash.py",
     "test_deepspeed_zero3_resume.py",
     "test_frontier.py",
     "test_deepspeed.py",
-    "test_gpu_check.py",
     "test_evaluation.py",
+    "test_resume_after_crash.py",
+    "test_recipes_ddp.py",
+    "test_fsdp2.py",
+    "test_ddp.py",
+    "test_native_kernels.py",
+    "test_gpu_check.py",
 )
 
 
