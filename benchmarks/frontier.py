@@ -11,7 +11,8 @@ Rows (every one WikiText-2 perplexity, bytes per weight, ``hf_sparsity generate`
   0.1 ... 0.7), each decoded with float32 and with int8 values;
 * ``spdy{L}``: ``hf_sparsity prune --method sparsegpt --target-speedup S`` with S the speed-up the time
   table predicts for ``u{L}`` in the same value type (so each profile sits at the speed of the uniform row
-  it is compared with), float32 and int8 (the error table is computed once and reused);
+  it is compared with), float32 and int8 (the error table is computed once and reused); ``spdy {S}x``
+  (``--spdy-targets S1,S2``): profiles at given speed-ups;
 * ``u{L}+rec`` (``--recover-steps N``): ``recipes/prune_recover.py`` on the dense model at level L,
   ``N`` steps of distilled sparse fine-tuning (the token budget, ``N x batch 8 x block 256``, is printed);
 * llama.cpp (``--gguf-f32 FILE``, unless ``--no-gguf``): the F32 file and its Q8_0, Q6_K, Q4_K_M and
@@ -71,6 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=grid,
         help=f"the SPDY rows' level grid, the uniform levels added (default {grid})",
     )
+    p.add_argument("--spdy-targets", default="", help="SPDY rows at these speed-ups too (e.g. 1.2,1.3)")
     p.add_argument("--nsamples", type=int, default=64, help="calibration windows (default 64)")
     p.add_argument("--seqlen", type=int, default=512, help="calibration tokens per window (default 512)")
     p.add_argument("--recover-steps", type=int, default=0, help="u{L}+rec rows: recovery steps (0: none)")
@@ -171,6 +173,12 @@ def build_rows(args, dense: Path, out: Path) -> list[dict]:
                     errors = res.spdy.errors  # one error table for every target (same model, data, grid)
                 rows.append(dict(name=f"spdy@u{lv:g} {v}", folder=folder, values=_values(v), kind="spdy",
                                  level=lv, target=round(target, 4)))  # fmt: skip
+            for target in [float(x) for x in args.spdy_targets.split(",") if x.strip()]:
+                folder = out / "models" / f"spdy{target:g}x-{v}"
+                prune(folder, target_speedup=target, values=v, spdy_levels=grid, measure_rounds=0,
+                      spdy_table=table)  # fmt: skip
+                rows.append(dict(name=f"spdy {target:g}x {v}", folder=folder, values=_values(v), kind="spdy",
+                                 level=None, target=target))  # fmt: skip
     if args.recover_steps:
         for lv in levels:
             folder = _recover(args, dense, calib, lv, out)

@@ -7,9 +7,11 @@ instruction-set levels (``HF_SPARSITY_NATIVE_ISA``) side by side in one process.
 
 Shapes (OUTxIN): q / o 576x576, k / v 192x576, gate / up 1536x576, down 576x1536, the LM head 49152x576;
 each as bitmask at 50% and 70% (random masks) and dense (``native_dense``), with fp32 values and with int8
-values and int8 activations (value type 3: the int8 x int8 products). Each library's ``hfs_run`` is called
-on the same packed tensors (one packing serves every level); the weights are cycled through copies filling
-64 MB, so every call reads them from memory (past a 32 MB last-level cache), as a decoding step does. Rounds
+values and int8 activations (value type 3: the int8 x int8 products); with ``--gather``, the bitmask rows
+with fp32 values again on the gathered layout (``layout="gather"``, op ``bitmask_gather``). Each library's
+``hfs_run`` is called on the same packed tensors (one packing serves every level); the weights are cycled
+through copies filling 64 MB, so every call reads them from memory (past a 32 MB last-level cache), as a
+decoding step does. Rounds
 are interleaved (every row on every library in eight short turns per round, libraries alternating); the
 table gives the median microseconds per product, the GB/s of weight bytes that reads, and each library's
 time over the first one's. Every library's output is checked against the first's before timing. Timings on a
@@ -36,7 +38,7 @@ SHAPES = {
     "down": (576, 1536),
     "head": (49152, 576),
 }
-OPS = {"bitmask": 0, "dense": 2}
+OPS = {"bitmask": 0, "dense": 2, "gather": 5}
 COPY_BYTES = 64 << 20
 BURSTS = 8  # turns per library per row per round
 
@@ -70,9 +72,12 @@ def packed(fmt: str, rows: int, in_f: int, density: float, values: str, g: torch
     opts = {"kernel": "native"}
     if values == "int8":
         opts.update(values="int8", activations="int8")
+    if fmt == "gather":
+        opts.update(layout="gather")
     w = torch.randn(rows, in_f, generator=g) / in_f**0.5
-    b = get_backend("bitmask" if fmt == "bitmask" else "native_dense").from_dense(w, mask, **opts)
-    one = {"values": b.values, "meta": getattr(b, "bits", None), "rowptr": getattr(b, "rowptr", None)}
+    b = get_backend("native_dense" if fmt == "dense" else "bitmask").from_dense(w, mask, **opts)
+    meta = b.gather if fmt == "gather" else getattr(b, "bits", None)
+    one = {"values": b.values, "meta": meta, "rowptr": getattr(b, "rowptr", None)}
     n = max(1, -(-COPY_BYTES // b.storage_bytes))
     out = [{k: None if t is None else t.clone() for k, t in one.items()} for _ in range(n)]
     for a in out:
@@ -99,6 +104,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--levels", default="0.5,0.7,dense", help="bitmask densities' sparsities, and dense")
     p.add_argument("--values", default="fp32,int8")
+    p.add_argument("--gather", action="store_true", help="the fp32 bitmask rows on the gathered layout too")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     libs = {lv: open_lib(build(lv)) for lv in args.isa.split(",") if lv}
@@ -111,11 +117,13 @@ def main(argv=None) -> int:
     for shape in args.shapes.split(","):
         r, c = SHAPES[shape]
         for level in args.levels.split(","):
-            fmt = "dense" if level == "dense" else "bitmask"
+            fmts = ["dense"] if level == "dense" else ["bitmask"] + (["gather"] if args.gather else [])
             for values in args.values.split(","):
-                copies = packed(fmt, r, c, 1.0 if fmt == "dense" else 1 - float(level), values, g)
-                label = f"{shape} {r}x{c} {'dense' if fmt == 'dense' else f'{float(level):.0%}'} {values}"
-                rows_spec.append((label, OPS[fmt], r, c, copies, 3 if values == "int8" else 0))
+                for fmt in fmts if values == "fp32" else fmts[:1]:
+                    copies = packed(fmt, r, c, 1.0 if fmt == "dense" else 1 - float(level), values, g)
+                    label = f"{shape} {r}x{c} {'dense' if fmt == 'dense' else f'{float(level):.0%}'} {values}"
+                    label += " gather" if fmt == "gather" else ""
+                    rows_spec.append((label, OPS[fmt], r, c, copies, 3 if values == "int8" else 0))
     x = torch.randn(1, max(c for _, c in SHAPES.values()), generator=g)
     for label, op, r, c, copies, vt in rows_spec:  # every library gives the first one's result
         xs, ys = x[:, :c].contiguous(), [torch.empty(1, r) for _ in names]

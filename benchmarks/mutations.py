@@ -1269,6 +1269,65 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "gather-tail-unmasked",
+        "the gathered kernel multiplies all eight values of a chunk (the next chunk's past its count)",
+        (
+            (
+                "hf_sparsity/backends/csrc/packed_fp32.c",
+                "_mm256_and_ps(loadv8_(V, BF, o), _mm256_load_ps((const float*)g_bmg_tail[BMG_N(c)]))",
+                "loadv8_(V, BF, o)",
+            ),
+        ),
+        (
+            "tests/test_native_kernels.py::test_native_kernel_matches_emulator_at_every_width[bitmask-gather-fp32]",
+        ),
+    ),
+    Mutation(
+        "gather-window-not-clamped",
+        "a gathered chunk near a row's end starts at its first kept column, its window past the row",
+        (
+            (
+                "hf_sparsity/backends/csrc/packed_fp32.c",
+                "const int64_t base = c < in - 16 ? c : in - 16;",
+                "const int64_t base = c;",
+            ),
+        ),
+        ("tests/test_native_kernels.py::test_gathered_layout_is_the_greedy_chunking_of_the_mask",),
+    ),
+    Mutation(
+        "gather-scalar-offset",
+        "the scalar build's gathered kernel reads each chunk's columns from column 0, not from its base",
+        (
+            (
+                "hf_sparsity/backends/csrc/packed_fp32.c",
+                "s += VALB(V, BF, o + i) * xb[BMG_BASE(c) + (int64_t)((c >> (4 * i)) & 15)];",
+                "s += VALB(V, BF, o + i) * xb[(int64_t)((c >> (4 * i)) & 15)];",
+            ),
+        ),
+        (
+            "tests/test_native_kernels.py::"
+            "test_every_isa_level_matches_emulator_at_every_width[csr-bitmask-scalar-scalar-float]",
+        ),
+    ),
+    Mutation(
+        "gather-chosen-where-it-costs",
+        "layout='auto' takes the gathered layout where it has more chunks than pays (50% sparse on AVX2)",
+        (
+            (
+                "hf_sparsity/backends/_native.py",
+                "n * GATHER_CHUNK_GROUPS < rows * ((in_features + 7) // 8)",
+                "n < rows * ((in_features + 7) // 8)",
+            ),
+        ),
+        ("tests/test_native_kernels.py::test_gathered_layout_is_chosen_on_avx2_builds_where_it_pays",),
+    ),
+    Mutation(
+        "gather-op-runs-the-mask-kernel",
+        "op 5 (the gathered layout, the decoding step's fused calls included) runs the bitmask kernel on it",
+        (("hf_sparsity/backends/csrc/api.c", "nm24_unpack_rows, bmg_rows};", "nm24_unpack_rows, bm_rows};"),),
+        ("tests/test_native_kernels.py::test_gathered_layout_survives_copies_and_runs_in_fused_calls",),
+    ),
+    Mutation(
         "avx2-q8-odd-block-groups",
         "256-bit int8 products: an odd 64-column block into the even blocks' accumulators (wrong scales)",
         (("hf_sparsity/backends/csrc/packed_int8_avx2.c", "    if ((b) & 1) {  ", "    if (0) {        "),),
@@ -1388,6 +1447,59 @@ MUTATIONS = (
         ("tests/test_spdy.py::test_the_error_table_equals_pruning_each_layer_at_each_level",),
     ),
     Mutation(
+        "spdy-search-keeps-the-last",
+        "SPDY's search keeps the last candidate it scored, not the one of least calibration loss",
+        (
+            (
+                "hf_sparsity/pruning/spdy_search.py",
+                "= loss_of(pick)\n        if loss < best_loss:",
+                "= loss_of(pick)\n        if True:",
+            ),
+        ),
+        (
+            "tests/test_spdy_search.py::test_the_search_keeps_the_least_loss_scores_each_assignment_once_and_keeps_the_budget",
+        ),
+    ),
+    Mutation(
+        "spdy-search-leaves-database-weights",
+        "scoring a candidate leaves the database's weights in the model (not restored)",
+        (
+            (
+                "hf_sparsity/pruning/spdy_search.py",
+                "            for n, w in saved.items():\n"
+                "                self.model.get_parameter(n).copy_(w)\n",
+                "",
+            ),
+        ),
+        ("tests/test_spdy_search.py::test_every_scored_loss_is_the_models_own_loss_at_those_levels",),
+    ),
+    Mutation(
+        "spdy-search-uniform-start-inverted",
+        "the uniform start multiplies each layer's errors by e_l(s_u) instead of dividing",
+        (
+            (
+                "hf_sparsity/pruning/spdy_search.py",
+                "1.0 / np.maximum(e[:, seed_levels], 1e-12)",
+                "np.maximum(e[:, seed_levels], 1e-12)",
+            ),
+        ),
+        (
+            "tests/test_spdy_search.py::test_the_uniform_start_picks_that_level_where_every_layer_has_the_same_curve",
+        ),
+    ),
+    Mutation(
+        "spdy-search-loss-unshifted",
+        "the calibration loss scores each token's own logits instead of the next token's",
+        (
+            (
+                "hf_sparsity/pruning/spdy_search.py",
+                "logits = x[0, :-1].double()",
+                "logits = x[0, 1:].double()",
+            ),
+        ),
+        ("tests/test_spdy_search.py::test_every_scored_loss_is_the_models_own_loss_at_those_levels",),
+    ),
+    Mutation(
         "spdy-wanda-error-unsquared",
         "Wanda's error at a level sums |w|·‖x‖² instead of w²·‖x‖²",
         (
@@ -1451,6 +1563,7 @@ NEW_TEST_FILES = (
     "tests/test_host_sync.py",
     "tests/test_native_sampling.py",
     "tests/test_spdy.py",
+    "tests/test_spdy_search.py",
 )
 """The test files written with the last mutations above (their entries name the test that catches each);
 ``--before`` leaves them out (what the suite caught without them)."""

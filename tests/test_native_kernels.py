@@ -9,7 +9,8 @@ subprocess), so every vector path is covered. int8 values with int8 activations 
 their dequantized weight and their dequantized activations (``quantize_activations``): the batch-1 path
 multiplies the int8 codes (AVX-512 VNNI, AVX-VNNI or AVX2's vpmaddubsw), the others the dequantized
 activations, and both must give that sum; :func:`extreme_codes` checks the int8 products where 16-bit pair
-sums would saturate.
+sums would saturate. ``bitmask-gather`` is the bitmask format with its batch-1 product on the gathered layout
+(``layout="gather"``, forced at every level), on masks of mixed density (empty rows, full runs, sparse rows).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from hf_sparsity.backends import _native, get_backend
 from hf_sparsity.backends.formats import quantize_activations
+from hf_sparsity.utils import SparsityError
 
 NATIVE = _native.load() is not None
 pytestmark = pytest.mark.skipif(not NATIVE, reason="native kernel did not build (no C compiler)")
@@ -39,6 +41,9 @@ KERNELS = [
     ("bitmask", "bf16"),
     ("bitmask", "int8"),
     ("bitmask", "int8-float-act"),
+    ("bitmask-gather", "fp32"),
+    ("bitmask-gather", "bf16"),
+    ("bitmask-gather", "int8-float-act"),
     ("nm24", "fp32"),
     ("nm24", "bf16"),
     ("nm24", "int8"),
@@ -57,6 +62,9 @@ def _mask(name: str, out_f: int, in_f: int, g: torch.Generator) -> torch.Tensor:
         return (keep & ~drop).reshape(out_f, in_f).to(torch.uint8)
     if name == "native_dense":
         return torch.ones(out_f, in_f, dtype=torch.uint8)
+    if name == "bitmask-gather":  # rows of density 0 .. 1: chunks of every count, full windows, empty rows
+        density = torch.tensor([0.0, 0.1, 0.3, 0.5, 0.8, 1.0, 0.2])[torch.arange(out_f) % 7]
+        return (torch.rand(out_f, in_f, generator=g) < density[:, None]).to(torch.uint8)
     return (torch.rand(out_f, in_f, generator=g) < 0.5).to(torch.uint8)
 
 
@@ -71,6 +79,8 @@ def sweep(name: str, vtype: str) -> int:
         opts["activations"] = "float32" if vtype == "int8-float-act" else "int8"
     if name != "csr":
         opts["prefill"] = "native"  # batches above 16 rows on the blocked kernel, not a dense GEMM
+    if name == "bitmask-gather":
+        opts["layout"] = "gather"
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=3e-2)
     splits = [BATCHES[p] for p in BATCHES]
     checked = 0
@@ -80,7 +90,9 @@ def sweep(name: str, vtype: str) -> int:
         for out_f in OUT_WIDTHS:
             w = (torch.randn(out_f, in_f, generator=g) / math.sqrt(in_f)).to(dtype)
             mask = _mask(name, out_f, in_f, g)
-            b = get_backend(name).from_dense(w, mask, **opts)
+            b = get_backend(name.partition("-")[0]).from_dense(w, mask, **opts)
+            if name == "bitmask-gather":  # the batch-1 path runs on the gathered layout wherever it applies
+                assert (b.gather is not None) == (in_f >= 16 and vtype != "int8")
             # the weight (and activations) it computes with
             wd = b._unpack().float() if vtype.startswith("int8") else (w.float() * mask)
             emu = get_backend("emulator").from_dense(wd, mask, float64_accumulator=True)
@@ -171,7 +183,7 @@ def test_every_isa_level_matches_emulator_at_every_width(level, isa, dot, kernel
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     which = [k for k in KERNELS if k[1].startswith("int8") == (kernels == "int8")]
     if kernels != "int8":
-        which = [k for k in which if (k[0] in ("csr", "bitmask")) == (kernels == "csr-bitmask")]
+        which = [k for k in which if k[0].startswith(("csr", "bitmask")) == (kernels == "csr-bitmask")]
     code = (
         f"import sys; sys.path.insert(0, {root!r})\n"
         "from tests.test_native_kernels import extreme_codes, sweep\n"
@@ -232,3 +244,131 @@ def test_decode_step_with_int8_activations_at_each_avx2_level(level, isa, dot):
     proc = subprocess.run(args, cwd=root, env={**os.environ, _native.ISA_ENV: level}, capture_output=True,
                           text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0 and "4 passed" in proc.stdout, proc.stdout[-3000:]
+
+
+# ------------------------------------------------------------------ the gathered bitmask layout (op 5)
+def _greedy_chunks(mask: torch.Tensor) -> list[list[tuple[int, list[int]]]]:
+    """Per row, the definition of the gathered layout's chunks: from the next kept column c, the kept columns
+    of the sixteen from base = min(c, in - 16), at most eight; as (base, columns)."""
+    in_f = mask.shape[1]
+    rows = []
+    for row in mask.tolist():
+        kept, chunks, i = [c for c, k in enumerate(row) if k], [], 0
+        while i < len(kept):
+            base = min(kept[i], in_f - 16)
+            cols = [c for c in kept[i:] if c < base + 16][:8]
+            chunks.append((base, cols))
+            i += len(cols)
+        rows.append(chunks)
+    return rows
+
+
+def _decode_chunks(gather: torch.Tensor, rows: int) -> list[list[tuple[int, list[int]]]]:
+    cp = gather[: rows + 1].tolist()
+    words = [c & (2**64 - 1) for c in gather[rows + 1 :].tolist()]  # the uint64 bit patterns
+    out = []
+    for r in range(rows):
+        row = []
+        for c in words[cp[r] : cp[r + 1]]:
+            base, n = (c >> 32) & 0xFFFFFF, c >> 56
+            row.append((base, [base + ((c >> (4 * i)) & 15) for i in range(n)]))
+        out.append(row)
+    return out
+
+
+def test_gathered_layout_is_the_greedy_chunking_of_the_mask():
+    g = torch.Generator().manual_seed(5)
+    for in_f in (16, 17, 40, 129):
+        mask = _mask("bitmask-gather", 14, in_f, g)
+        mask[2, -3:] = 1  # kept columns in the last window: its base clamped to in - 16
+        b = get_backend("bitmask").from_dense(torch.randn(14, in_f, generator=g), mask, layout="gather")
+        assert _decode_chunks(b.gather, 14) == _greedy_chunks(mask)
+        assert b.storage_bytes == sum(t.numel() * t.element_size() for t in b.storage_tensors()) + 8 * (
+            b.gather.numel()
+        )  # the layout's memory is counted, its tensor is not saved
+    narrow = get_backend("bitmask").from_dense(torch.randn(3, 15), torch.ones(3, 15), layout="gather")
+    assert narrow.gather is None  # fewer than 16 columns: the bitmask kernel
+
+
+def test_gathered_layout_is_chosen_on_avx2_builds_where_it_pays(monkeypatch):
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(64, 576, generator=g)
+    sparse = (torch.rand(64, 576, generator=g) < 0.3).to(
+        torch.uint8
+    )  # 70% sparse: ~0.45 chunks per mask byte
+    half = (torch.rand(64, 576, generator=g) < 0.5).to(torch.uint8)  # 50%: ~0.53, no faster than the mask
+
+    def make(mask, **opts):
+        return get_backend("bitmask").from_dense(w, mask, kernel="native", **opts)
+
+    for isa in ("avx512-vnni", "avx512", "scalar"):  # other builds keep the bitmask kernel
+        monkeypatch.setattr(_native, "isa", lambda isa=isa: isa)
+        assert make(sparse).gather is None
+    for isa in ("avx2", "avx2-vnni"):
+        monkeypatch.setattr(_native, "isa", lambda isa=isa: isa)
+        b = make(sparse)
+        assert b.gather is not None and b._batch1_call()[0].op == _native.OPS["bitmask_gather"]
+        assert make(half).gather is None and make(half)._batch1_call()[0].op == _native.OPS["bitmask"]
+        assert make(sparse, layout="mask").gather is None
+        assert make(sparse, values="int8").gather is None  # int8 activations: the int8 x int8 kernels
+        assert make(sparse, values="int8", activations="float32").gather is not None
+        assert make(half, layout="gather").gather is not None  # forced
+        assert get_backend("bitmask").from_dense(w, sparse, kernel="torch").gather is None
+    with pytest.raises(SparsityError, match="layout must be one of auto, mask, gather"):
+        make(sparse, layout="chunks")
+
+
+def test_gathered_layout_survives_copies_and_runs_in_fused_calls():
+    import copy
+    import ctypes
+    import pickle
+
+    g = torch.Generator().manual_seed(7)
+    w1, w2 = torch.randn(40, 96, generator=g), torch.randn(24, 96, generator=g)
+    m1 = (torch.rand(40, 96, generator=g) < 0.3).to(torch.uint8)
+    m2 = (torch.rand(24, 96, generator=g) < 0.3).to(torch.uint8)
+    b1 = get_backend("bitmask").from_dense(w1, m1, kernel="native", layout="gather")
+    b2 = get_backend("bitmask").from_dense(w2, m2, kernel="native", layout="mask")
+    x, bias = torch.randn(1, 96, generator=g), torch.randn(40, generator=g)
+    want = (x.double() @ (w1 * m1).double().t() + bias.double()).float()
+    torch.testing.assert_close(b1.linear(x, bias), want, rtol=1e-5, atol=1e-5)
+    for c in (copy.deepcopy(b1), pickle.loads(pickle.dumps(b1))):
+        assert torch.equal(c.gather, b1.gather) and c.gather.data_ptr() != b1.gather.data_ptr()
+        torch.testing.assert_close(c.linear(x, bias), want, rtol=1e-5, atol=1e-5)
+    # the decoding step's fused call (hfs_run_fused: one hand-off for products of one input) takes op 5
+    lib, vp = _native.load(), ctypes.c_void_p
+    lib.hfs_run_fused.argtypes, lib.hfs_run_fused.restype = [vp, ctypes.c_int, vp, vp, vp], None
+    preps = [b._batch1_call()[1] for b in (b1, b2)]
+    assert [b._batch1_call()[0].op for b in (b1, b2)] == [5, 0]
+    y1, y2 = torch.full((1, 40), float("nan")), torch.full((1, 24), float("nan"))
+    lib.hfs_run_fused(
+        (vp * 2)(*preps),
+        2,
+        x.data_ptr(),
+        (vp * 2)(y1.data_ptr(), y2.data_ptr()),
+        (vp * 2)(bias.data_ptr(), None),
+    )
+    torch.testing.assert_close(y1, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y2, (x.double() @ (w2 * m2).double().t()).float(), rtol=1e-5, atol=1e-5)
+
+
+def test_native_decode_step_on_the_gathered_layout():
+    from hf_sparsity.inference import sparsify_for_inference
+    from hf_sparsity.inference.decoding import greedy_decode, native_step_reason
+
+    from .realistic import generate_greedy, prompt, realistic_model
+
+    model = realistic_model("llama", heads=4, kv_heads=2, attention_bias=True, mlp_bias=True)
+    g = torch.Generator().manual_seed(8)
+    masks = {
+        f"{n}.weight": (torch.rand(mod.weight.shape, generator=g) < 0.3).to(torch.uint8)
+        for n, mod in model.named_modules()
+        if isinstance(mod, torch.nn.Linear) and n != "lm_head"
+    }
+    sparsify_for_inference(model, "bitmask", masks=masks, layout="gather")
+    layers = [m.backend for m in model.modules() if hasattr(m, "backend")]
+    assert layers and all(b.gather is not None for b in layers)
+    assert native_step_reason(model) is None
+    ids = prompt(6, model.config.vocab_size, seed=3)
+    want = generate_greedy(model, ids, 12)
+    assert torch.equal(greedy_decode(model, ids, 12, eos_token_id=[], step="native"), want)

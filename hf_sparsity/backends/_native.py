@@ -240,6 +240,7 @@ def load() -> ctypes.CDLL | None:
             lib.hfs_spmm.restype = ci
             lib.hfs_run_prepared.argtypes, lib.hfs_run_prepared.restype = [vp, vp, vp, vp], None
             lib.hfs_set_spin.argtypes, lib.hfs_set_spin.restype = [i64], None
+            lib.hfs_bm_gather.argtypes, lib.hfs_bm_gather.restype = [i64, i64, vp, vp, vp], i64
             lib.hfs_simd.argtypes, lib.hfs_simd.restype = [], ci
             lib.hfs_isa.argtypes, lib.hfs_isa.restype = [], ci
             lib.hfs_int8_dot.argtypes, lib.hfs_int8_dot.restype = [], ci
@@ -428,7 +429,7 @@ def scale_bytes(rows: int) -> int:
     return (rows * 4 + 63) & ~63
 
 
-OPS = {"bitmask": 0, "nm24": 1, "gemv": 2, "bitmask_unpack": 3, "nm24_unpack": 4}
+OPS = {"bitmask": 0, "nm24": 1, "gemv": 2, "bitmask_unpack": 3, "nm24_unpack": 4, "bitmask_gather": 5}
 UNPACK_OPS = ("bitmask_unpack", "nm24_unpack")
 
 
@@ -488,6 +489,35 @@ def run_op(
         None if bias is None else bias.data_ptr(),
     )  # fmt: skip
     return y
+
+
+GATHER_CHUNK_GROUPS = 2.0
+"""What one chunk of the gathered bitmask layout (:func:`bitmask_gather`) costs, in mask bytes (groups of
+eight columns) of the bitmask kernel: the layout pays where a weight has fewer chunks than mask bytes / this.
+Measured with ``benchmarks/isa_layers.py --gather --threads 1`` (AVX2 build, AMD EPYC Zen 5 VM, random masks,
+out of cache; gathered time / bitmask time): 50% sparse 1.03x (~0.53 chunks per mask byte), 60% 0.91x, 70%
+0.79x."""
+
+
+def bitmask_gather(
+    bits: torch.Tensor, rows: int, in_features: int, force: bool = False
+) -> torch.Tensor | None:
+    """The batch-1 gathered layout of a bitmask weight (op ``bitmask_gather``, the C source's ``bm_gather``):
+    an int64 tensor of ``rows + 1`` chunk offsets then the chunks (up to eight kept columns within sixteen,
+    their 4-bit offsets, first column and count in one uint64 each), or ``None`` where the layout does not
+    apply (fewer than 16 or 2^24 and more columns, no kernel) or, unless ``force``, would not be faster than
+    the bitmask kernel (:data:`GATHER_CHUNK_GROUPS`)."""
+    lib = load()
+    if lib is None or rows == 0 or not 16 <= in_features < 1 << 24:
+        return None
+    bits = bits.contiguous()
+    cp = torch.empty(rows + 1, dtype=torch.int64)
+    n = lib.hfs_bm_gather(rows, in_features, bits.data_ptr(), cp.data_ptr(), None)
+    if n < 0 or not (force or n * GATHER_CHUNK_GROUPS < rows * ((in_features + 7) // 8)):
+        return None
+    out = torch.empty(rows + 1 + n, dtype=torch.int64)
+    lib.hfs_bm_gather(rows, in_features, bits.data_ptr(), out.data_ptr(), out[rows + 1 :].data_ptr())
+    return out
 
 
 def csr_unpack_into(out: torch.Tensor, rowptr: torch.Tensor, idx: torch.Tensor, values: torch.Tensor):

@@ -21,6 +21,7 @@ import sys
 import time
 
 from ..pruning.reconstruct import DEFAULT_LR, DEFAULT_STEPS
+from ..pruning.spdy_search import DEFAULT_SEARCH_STEPS, DEFAULT_SEARCH_WINDOWS
 
 
 def prune_command_parser(subparsers) -> argparse.ArgumentParser:
@@ -66,12 +67,26 @@ def prune_command_parser(subparsers) -> argparse.ArgumentParser:
         help=f"Adam steps per block for --reconstruct (default {DEFAULT_STEPS})",
     )
     p.add_argument("--reconstruct-lr", type=float, default=DEFAULT_LR, help=f"default {DEFAULT_LR}")
+    _speed_options(p)
+    p.add_argument("--masks", help="use this mask file (or model folder's masks) instead of choosing masks")
+    p.add_argument(
+        "--no-streaming", action="store_true", help="load the whole model instead of one block at a time"
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=prune_command)
+    return p
+
+
+def _speed_options(p: argparse.ArgumentParser) -> None:
+    """``--target-speedup`` and the options that go with it."""
     p.add_argument(
         "--target-speedup",
         type=float,
         metavar="S",
         help="choose each layer's level for a decoding speed-up of S over the dense model on this machine "
-        "(SPDY: measured time table, per-layer errors, dynamic program); needs --method sparsegpt or wanda",
+        "(SPDY: measured time table, per-layer errors, dynamic program, search on the calibration loss); "
+        "needs --method sparsegpt or wanda",
     )
     p.add_argument(
         "--values",
@@ -85,19 +100,25 @@ def prune_command_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--threads", type=int, help="--target-speedup: threads for the timings (default torch's)")
     p.add_argument(
+        "--spdy-search-steps",
+        type=int,
+        default=DEFAULT_SEARCH_STEPS,
+        help="--target-speedup: steps of SPDY's search for per-layer error weights scored on the calibration "
+        f"loss (0: the plain program; default {DEFAULT_SEARCH_STEPS})",
+    )
+    p.add_argument(
+        "--spdy-search-windows",
+        type=int,
+        default=DEFAULT_SEARCH_WINDOWS,
+        help="--target-speedup: calibration windows that score each candidate "
+        f"(default {DEFAULT_SEARCH_WINDOWS})",
+    )
+    p.add_argument(
         "--measure-rounds",
         type=int,
         default=5,
         help="--target-speedup: interleaved decoding rounds for the measured speed-up (0: skip; default 5)",
     )
-    p.add_argument("--masks", help="use this mask file (or model folder's masks) instead of choosing masks")
-    p.add_argument(
-        "--no-streaming", action="store_true", help="load the whole model instead of one block at a time"
-    )
-    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=prune_command)
-    return p
 
 
 def prune_command(args: argparse.Namespace) -> int:
@@ -138,6 +159,8 @@ def prune_command(args: argparse.Namespace) -> int:
         spdy_levels=args.spdy_levels,
         threads=args.threads,
         measure_rounds=args.measure_rounds,
+        spdy_search_steps=args.spdy_search_steps,
+        spdy_search_windows=args.spdy_search_windows,
     )
     print(result.summary())
     print(f"wrote {args.out_dir} in {time.perf_counter() - t0:.1f} s (prune {result.seconds:.1f} s)")

@@ -316,7 +316,7 @@ def _prune(model, targets, calibration, o: _Options):
     if calibrated:
         chunks = capture_block_inputs(model, blocks[0], calibration, o.batch_size)
         chunks = to_device(chunks, dev) if dev != chunks[0].hidden.device else chunks
-    counts, plan = _counts(model, blocks, prefix, targets, chunks, dev, o)
+    counts, plan = _counts(model, blocks, prefix, targets, chunks, dev, o, calibration)
     in_blocks = set()
     block_seconds, info = [], {"blocks": prefix, **({"spdy": plan.to_dict()} if plan else {})}
     hidden = [c.hidden for c in chunks]
@@ -377,7 +377,7 @@ def _prune(model, targets, calibration, o: _Options):
     return OneShotResult(masks, o.method, time.perf_counter() - t0, counts, block_seconds, info, plan)
 
 
-def _counts(model, blocks, prefix, targets, chunks, dev, o: _Options):
+def _counts(model, blocks, prefix, targets, chunks, dev, o: _Options, calibration=None):
     """Zeros per targeted tensor: the given masks', the speed target's (and its plan), or the config's
     (OWL's) levels."""
     if o.masks is not None:
@@ -386,6 +386,7 @@ def _counts(model, blocks, prefix, targets, chunks, dev, o: _Options):
         return spdy_counts(
             model, blocks, prefix, targets, chunks, o.speed, o.algorithm,
             lambda groups: BlockContext(o.blocksize, o.percdamp, groups), dev, o.stream, o.progress,
+            calibration,
         )  # fmt: skip
     return zero_counts(model, blocks, prefix, targets, chunks, o.owl, dev, o.stream), None
 

@@ -29,6 +29,7 @@ from .oneshot import OneShotResult, check_speed_args, prune_oneshot
 from .reconstruct import DEFAULT_LR, check_steps
 from .save import write_sparsity_files, write_spdy_card
 from .spdy import DEFAULT_LEVELS, SpeedTarget, TimeTable, parse_levels, reachable, shape_key
+from .spdy_search import DEFAULT_SEARCH_STEPS, DEFAULT_SEARCH_WINDOWS
 from .speed import measure_decode_ms, measure_time_table, with_other_ms
 from .streaming import StreamingModel
 
@@ -152,23 +153,24 @@ def prune_folder(
     measure_rounds: int = 5,
     spdy_errors: dict[str, list[float]] | None = None,
     spdy_table: TimeTable | None = None,
+    spdy_search_steps: int = DEFAULT_SEARCH_STEPS,
+    spdy_search_windows: int = DEFAULT_SEARCH_WINDOWS,
 ) -> OneShotResult:
     """Prune ``model_dir`` one-shot and write a sparse model folder to ``out_dir``.
 
     Every input is checked here, before anything loads or is written (the CLI only parses).
-    ``reconstruct_steps``: block reconstruction steps (``None``: off). ``masks``: a mask file (or
-    a folder holding ``sparsity_masks.safetensors``) to use instead of choosing masks.
-    ``streaming``: read and write a safetensors folder one decoder block at a time
-    (:mod:`~hf_sparsity.pruning.streaming`), never holding the whole model; folders with
-    ``.bin`` weights, and ``streaming=False``, load the whole model.
-    ``target_speedup``: levels from the grid ``spdy_levels`` for this decoding speed-up over the dense
-    model with the same ``values`` with ``threads`` (:mod:`~hf_sparsity.pruning.spdy`); the speed-up
-    measured over ``measure_rounds`` rounds (0: not) goes in the folder's ``README.md`` with the levels;
-    ``spdy_errors``: a plan's error table to reuse (the same model, calibration and grid); ``spdy_table``:
-    a time table to reuse (:func:`folder_time_table` of the same model, values, grid and threads).
+    ``reconstruct_steps``: block reconstruction steps (``None``: off). ``masks``: a mask file (or a folder
+    holding ``sparsity_masks.safetensors``) to use instead of choosing masks. ``streaming``: read and write
+    a safetensors folder one decoder block at a time (:mod:`~hf_sparsity.pruning.streaming`), never
+    holding the whole model; folders with ``.bin`` weights, and ``streaming=False``, load the whole model.
+    ``target_speedup``: levels from the grid ``spdy_levels`` for this decoding speed-up over the dense model
+    with the same ``values`` with ``threads`` (:mod:`~.spdy`); the speed-up measured over ``measure_rounds``
+    rounds (0: not) goes in the folder's ``README.md`` with the levels; ``spdy_errors``: a plan's error
+    table to reuse (the same model, calibration and grid); ``spdy_table``: a time table to reuse
+    (:func:`folder_time_table`: same model, values, grid, threads); ``spdy_search_*``: :mod:`~.spdy_search`.
     """
     speed = _speed_target(target_speedup, values, spdy_levels, threads, sparsity, structure, measure_rounds,
-                          spdy_errors, spdy_table)  # fmt: skip
+                          spdy_errors, spdy_table, (spdy_search_steps, spdy_search_windows))  # fmt: skip
     calibrated = _check_inputs(
         model_dir, out_dir, method, nsamples, seqlen, calib_data, overwrite, device=device,
         batch_size=batch_size, blocksize=blocksize, percdamp=percdamp, owl_lambda=owl_lambda, refit=refit,
@@ -203,8 +205,9 @@ def prune_folder(
 
 
 def _speed_target(
-    target_speedup, values, levels, threads, sparsity, structure, measure_rounds, errors=None, table=None
-):
+    target_speedup, values, levels, threads, sparsity, structure, measure_rounds, errors=None, table=None,
+    search=(DEFAULT_SEARCH_STEPS, DEFAULT_SEARCH_WINDOWS),
+):  # fmt: skip
     """The :class:`SpeedTarget` of ``--target-speedup`` (checked), or ``None``; ``--values`` alone refused."""
     if target_speedup is None:
         if values not in (None, "float32") or levels is not None:
@@ -219,7 +222,8 @@ def _speed_target(
     if isinstance(levels, str):
         levels = parse_levels(levels)
     levels = levels if levels is not None else DEFAULT_LEVELS
-    return SpeedTarget(target_speedup, levels, values, threads, errors=errors, table=table)
+    return SpeedTarget(target_speedup, levels, values, threads, errors=errors, table=table,
+                       search_steps=search[0], search_windows=search[1])  # fmt: skip
 
 
 def folder_time_table(

@@ -26,8 +26,9 @@ Three tables and one dynamic program:
   resolution`` (default 10 000), each layer's time rounded *up* to whole buckets, so the real,
   un-discretized budget is never exceeded; the answer is optimal up to one bucket per layer.
 
-SPDY's paper also refines the per-layer error weights by a short search scored on the calibration loss;
-that step is not run here: the program weighs each layer's relative error alike.
+The plain program weighs each layer's relative error alike; SPDY's paper refines it with one coefficient
+per layer chosen by a short search scored on the calibration loss, run here by default
+(:mod:`~.spdy_search`, ``search_steps``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from ..masks import lowest_k, num_zeros
 from ..utils import SparsityError, torch_threads
 from . import methods as M
 from .blocks import block_targets, linear_view, run_all
+from .spdy_search import DEFAULT_SEARCH_STEPS, DEFAULT_SEARCH_WINDOWS, database_for, searcher
 from .statistics import InputHessian, InputNorms, StatsHooks
 
 logger = logging.getLogger(__name__)
@@ -126,6 +128,10 @@ class SpeedTarget:
     resolution: int = DEFAULT_RESOLUTION
     table: TimeTable | None = None
     errors: dict[str, list[float]] | None = None  # a plan's error table, reused (same model, data, grid)
+    search_steps: int = (
+        DEFAULT_SEARCH_STEPS  # SPDY's coefficient search on the calibration loss (0: the plain program)
+    )
+    search_windows: int = DEFAULT_SEARCH_WINDOWS  # calibration windows that score each candidate
 
     def __post_init__(self) -> None:
         check_speedup(self.speedup)
@@ -138,6 +144,10 @@ class SpeedTarget:
             raise SparsityError(f"--threads {self.threads}: use at least 1 thread.")
         if self.resolution < 1:
             raise SparsityError(f"resolution {self.resolution}: use at least 1 time bucket.")
+        if self.search_steps < 0:
+            raise SparsityError(f"--spdy-search-steps {self.search_steps}: use 0 (no search) or more.")
+        if self.search_windows < 1:
+            raise SparsityError(f"--spdy-search-windows {self.search_windows}: use at least 1 window.")
 
 
 def check_speedup(speedup: float) -> float:
@@ -224,11 +234,12 @@ def _dp(cost: np.ndarray, e: np.ndarray, r: int) -> list[int] | None:
 @torch.no_grad()
 def sparsegpt_level_errors(
     W: torch.Tensor, H: torch.Tensor, counts: list[int], blocksize: int = 128, percdamp: float = 0.01,
-    hinv: tuple[torch.Tensor, torch.Tensor] | None = None, name: str = "weight",
+    hinv: tuple[torch.Tensor, torch.Tensor] | None = None, name: str = "weight", keep: list | None = None,
 ) -> list[float]:  # fmt: skip
     """Relative output error ``tr(ΔW H ΔWᵀ) / tr(W H Wᵀ)`` of SparseGPT at each zero count of ``counts``:
     one sweep over the rows of ``W`` stacked once per count (the sweep is row-wise), the same mask and
-    update as :func:`~hf_sparsity.pruning.methods.sparsegpt_prune` at each count."""
+    update as :func:`~hf_sparsity.pruning.methods.sparsegpt_prune` at each count. ``keep``: a list that
+    receives the pruned weight of each count (the search's database)."""
     with torch_threads(1):  # as sparsegpt_prune: its floats
         Hinv, dead = hinv if hinv is not None else M.damped_inverse_cholesky(H, percdamp, name)
         W0 = W.detach().float().clone()
@@ -263,39 +274,51 @@ def sparsegpt_level_errors(
     for j in range(K):
         D = Wd - Ws[j * rows : (j + 1) * rows]
         out.append(float(torch.einsum("ij,jk,ik->", D, Hf, D)) / max(ref, 1e-30))
+    if keep is not None:
+        keep.extend(Ws[j * rows : (j + 1) * rows] for j in range(K))
     return out
 
 
-def wanda_level_errors(W: torch.Tensor, sq_norm: torch.Tensor, counts: list[int]) -> list[float]:
+def wanda_level_errors(W: torch.Tensor, sq_norm: torch.Tensor, counts: list[int], keep: list | None = None):
     """Wanda's relative error at each zero count: ``Σ_pruned w² ‖x_j‖² / Σ w² ‖x_j‖²`` with Wanda's mask
     (the lowest ``|w|·‖x_j‖`` in each row, :func:`~.methods.prune_per_row`): one sort per row for every
-    count (the pruned entries of a row are a prefix of its order), running sums in float64."""
+    count (the pruned entries of a row are a prefix of its order), running sums in float64. ``keep``: a
+    list that receives the masked weight of each count (the search's database)."""
     score = M.wanda_score(W, sq_norm)
     order = torch.sort(score, dim=1, stable=True).indices
     contrib = (W.detach().double() ** 2) * sq_norm.double().reshape(1, -1)
     run = torch.cumsum(torch.gather(contrib, 1, order), dim=1)
     run = torch.cat([torch.zeros(run.shape[0], 1, dtype=run.dtype), run], dim=1)
     total = max(float(contrib.sum()), 1e-300)
-    rows = W.shape[0]
+    rows, cols = W.shape
+    if keep is not None:
+        rank = torch.empty_like(order)
+        rank.scatter_(1, order, torch.arange(cols).expand(rows, cols).contiguous())
+        keep.extend(W.detach().float() * (rank >= M.row_counts(k, rows).unsqueeze(1)) for k in counts)
     return [float(run.gather(1, M.row_counts(k, rows).unsqueeze(1)).sum()) / total for k in counts]
 
 
-def level_errors(method: str, W: torch.Tensor, stat: torch.Tensor, counts: list[int], ctx, name: str):
+def level_errors(method: str, W: torch.Tensor, stat: torch.Tensor, counts: list[int], ctx, name: str,
+                 keep: list | None = None):  # fmt: skip
     """The error row of one layer for ``method`` (``sparsegpt`` or ``wanda``) from its statistic."""
     if method == "sparsegpt":
         group = ctx.groups.get(name, name)
         if group not in ctx.inverses:  # Q/K/V and gate/up share one Hessian, so one inverse
             ctx.inverses[group] = M.sparsegpt_inverse(stat, ctx.percdamp, name)
-        return sparsegpt_level_errors(W, stat, counts, ctx.blocksize, ctx.percdamp, ctx.inverses[group], name)
+        hinv = ctx.inverses[group]
+        return sparsegpt_level_errors(W, stat, counts, ctx.blocksize, ctx.percdamp, hinv, name, keep)
     norms = torch.diagonal(stat) / 2 if stat.dim() == 2 else stat
-    return wanda_level_errors(W, norms, counts)
+    return wanda_level_errors(W, norms, counts, keep)
 
 
 def error_table(
-    model, blocks, prefix, targets, chunks, method, ctx_factory, levels, dev, stream, progress=False
-):
+    model, blocks, prefix, targets, chunks, method, ctx_factory, levels, dev, stream, progress=False,
+    database: dict | None = None,
+):  # fmt: skip
     """``name -> [e(s) for s in levels]`` for every targeted weight inside the blocks, from one dense
-    pass over the calibration chunks (each block fed the dense outputs of the one before)."""
+    pass over the calibration chunks (each block fed the dense outputs of the one before). ``database``:
+    a dict that receives ``name -> [levels, *shape]`` float16, the weight pruned at each level, in the
+    parameter's layout (:mod:`~.spdy_search`)."""
     statistic = InputHessian if method == "sparsegpt" else InputNorms
     hidden = [c.hidden for c in chunks]
     table: dict[str, list[float]] = {}
@@ -313,7 +336,11 @@ def error_table(
         for d in ds:
             W = linear_view(model.get_parameter(d.name), d)
             counts = [num_zeros(s, d.numel) for s in levels]
-            table[d.name] = level_errors(method, W, stats[d.name], counts, ctx, d.name)
+            keep = [] if database is not None else None
+            table[d.name] = level_errors(method, W, stats[d.name], counts, ctx, d.name, keep)
+            if keep is not None:
+                stack = torch.stack(keep).to("cpu", torch.float16)
+                database[d.name] = stack.transpose(1, 2).contiguous() if d.input_dim == 0 else stack
         block.to(home)
         stream.release(i)
     return table
@@ -334,6 +361,7 @@ class SpdyPlan:
     table: TimeTable
     measured_speedup: float | None = None
     measured_ms: dict[str, float] = field(default_factory=dict)
+    search: dict | None = None  # the coefficient search's record (losses, evaluations), when it ran
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-simple record kept in ``config.json`` (``_state.oneshot.spdy``)."""
@@ -344,6 +372,7 @@ class SpdyPlan:
             "errors": {n: [round(x, 6) for x in v] for n, v in self.errors.items()},
             "time_table": self.table.to_dict(),
             **({"measured_speedup": round(self.measured_speedup, 4)} if self.measured_speedup else {}),
+            **({"search": self.search} if self.search else {}),
         }  # fmt: skip
 
     def lines(self) -> list[str]:
@@ -356,6 +385,14 @@ class SpdyPlan:
             f"{self.dense_ms:.3f} ms, other {self.table.other_ms:.3f} ms)"
             + (f", measured {self.measured_speedup:.3f}x" if self.measured_speedup else "")
         ]
+        if self.search:
+            r = self.search
+            out.append(
+                f"spdy search: calibration loss {r['loss']:.4f} (dense {r['loss_dense']:.4f}, plain program "
+                f"{r['loss_plain']:.4f}"
+                + (f", uniform start {r['loss_uniform']:.4f}" if "loss_uniform" in r else "")
+                + f"; {r['evaluations']} candidates, {r['windows']} windows)"
+            )
         out += [f"  {n:<44} {v:.2f}" for n, v in self.levels.items()]
         return out
 
@@ -373,47 +410,66 @@ def reachable(speedup: float, dense_ms: float, fastest_ms: float, levels) -> Non
 
 def plan_levels(
     names: list[str], shape_of: dict[str, str], errors: dict[str, list[float]], table: TimeTable,
-    speedup: float, resolution: int = DEFAULT_RESOLUTION,
+    speedup: float, resolution: int = DEFAULT_RESOLUTION, search=None,
 ) -> SpdyPlan:  # fmt: skip
-    """Solve the program for the layers ``names`` (module docstring)."""
+    """Solve the program for the layers ``names`` (module docstring). ``search(names, solve, seed)``:
+    SPDY's coefficient search (:func:`~.spdy_search.searcher`), given ``solve(c)`` (the program with
+    layer ``l``'s errors scaled by ``c[l]``) and the grid index of the lowest uniform level that meets the
+    target; returns the level indices and its record."""
     shapes = [shape_of[n] for n in names]
     dense = table.dense_total(shapes)
     reachable(speedup, dense, table.fastest_total(shapes), table.levels)
     budget = dense / speedup - table.other_ms
     times = [table.ms[s] for s in shapes]
-    pick = solve_levels(times, [errors[n] for n in names], budget, resolution)
+    e = np.asarray([errors[n] for n in names], dtype=np.float64)
+    record = None
+    if search is None:
+        pick = solve_levels(times, e, budget, resolution)
+    else:
+        fits = [k for k, lv in enumerate(table.levels) if table.uniform_speedup(shapes, lv) >= speedup]
+        pick, record = search(
+            names, lambda c: solve_levels(times, e * np.asarray(c)[:, None], budget, resolution),
+            fits[0] if fits else None,
+        )  # fmt: skip
     used = table.other_ms + sum(times[i][k] for i, k in enumerate(pick))
     return SpdyPlan(
         levels={n: table.levels[k] for n, k in zip(names, pick)}, speedup=speedup,
         predicted_speedup=dense / used, dense_ms=dense, predicted_ms=used, budget_ms=budget,
-        errors={n: errors[n] for n in names}, table=table,
+        errors={n: errors[n] for n in names}, table=table, search=record,
     )  # fmt: skip
 
 
 def spdy_counts(model, blocks, prefix, targets, chunks, speed: SpeedTarget, method, ctx_factory, dev, stream,
-                progress=False) -> tuple[dict[str, int], SpdyPlan]:  # fmt: skip
+                progress=False, calibration=None) -> tuple[dict[str, int], SpdyPlan]:  # fmt: skip
     """Zeros per targeted tensor at the levels the program chooses (targets outside the blocks keep the
-    config's level: their time is part of ``other_ms``), and the plan."""
+    config's level: their time is part of ``other_ms``), and the plan. With ``speed.search_steps`` the
+    program's coefficients are searched on the loss of ``calibration`` (:mod:`~.spdy_search`)."""
     if tuple(speed.table.levels) != tuple(speed.levels):
         raise SparsityError(
             f"The time table's levels {list(speed.table.levels)} are not the target's {list(speed.levels)}: "
             "measure the table for the same grid."
         )
+    inside = [d for i in range(len(blocks)) for d in block_targets(model, prefix, i, targets)]
     if speed.errors is not None:
         errors = speed.errors
-        inside = {d.name for i in range(len(blocks)) for d in block_targets(model, prefix, i, targets)}
-        if set(errors) != inside or any(len(v) != len(speed.levels) for v in errors.values()):
+        if set(errors) != {d.name for d in inside} or any(
+            len(v) != len(speed.levels) for v in errors.values()
+        ):
             raise SparsityError(
                 "The given error table does not fit: it must have one error per grid level for every "
                 "targeted weight in the blocks (a plan's errors for the same model, targets and levels)."
             )
-    else:
-        errors = error_table(
-            model, blocks, prefix, targets, chunks, method, ctx_factory, speed.levels, dev, stream, progress
-        )
+    database = database_for(speed, inside, model, prefix, calibration)
+    if speed.errors is None or database is not None:  # the search's database comes with the error pass
+        errors = error_table(model, blocks, prefix, targets, chunks, method, ctx_factory, speed.levels, dev,
+                             stream, progress, database)  # fmt: skip
     names = [d.name for d in targets if d.name in errors]
     shape_of = {d.name: shape_key(d) for d in targets}
-    plan = plan_levels(names, shape_of, errors, speed.table, speed.speedup, speed.resolution)
+    search = None
+    if database is not None:
+        search = searcher(model, blocks, prefix, inside, chunks, calibration, stream, dev, database, errors,
+                          speed, progress)  # fmt: skip
+    plan = plan_levels(names, shape_of, errors, speed.table, speed.speedup, speed.resolution, search)
     counts = {d.name: num_zeros(plan.levels.get(d.name, float(d.sparsity)), d.numel) for d in targets}
     return counts, plan
 

@@ -47,9 +47,10 @@ void hfs_matmul(int kind, int64_t rows, int64_t in, int64_t chunk, int nthreads,
   }
 }
 
-/* the row kernels by op: 0 bitmask, 1 2:4, 2 dense GEMV, 3 bitmask unpack, 4 2:4 unpack */
-static void (*const ROW_FNS[5])(const job_t*, int64_t, int64_t) = {bm_rows, nm24_rows, gemv_rows, bm_unpack_rows,
-                                                                   nm24_unpack_rows};
+/* the row kernels by op: 0 bitmask, 1 2:4, 2 dense GEMV, 3 bitmask unpack, 4 2:4 unpack, 5 the gathered bitmask
+   (bmg_rows, packed_fp32.c) */
+static void (*const ROW_FNS[6])(const job_t*, int64_t, int64_t) = {bm_rows,        nm24_rows,        gemv_rows,
+                                                                   bm_unpack_rows, nm24_unpack_rows, bmg_rows};
 /* the batch-1 int8 x int8 products by op (0 bitmask, 1 2:4, 2 dense GEMV): 512-bit where the CPU has AVX-512
    VNNI (and VBMI2 for the byte expand), else 256-bit; none in the scalar build (NULL: the float kernels on the
    dequantized activations) */
@@ -77,7 +78,7 @@ static void quantize_q8(const float* x, int64_t in, float* buf) {
 static void run_q8(int op, int64_t rows, int64_t in, int64_t chunk, int nthreads, const int64_t* rowptr,
                    const void* meta, const void* v, const float* x, float* y, int64_t B, const float* bias) {
   const int64_t nf = xq_floats(in);
-  if (B == 1 && Q8_FNS[op]) {
+  if (B == 1 && op <= 2 && Q8_FNS[op]) {
     int owned;
     float* buf = work_buf((size_t)nf, &owned);
     if (buf) {
@@ -96,14 +97,14 @@ static void run_q8(int op, int64_t rows, int64_t in, int64_t chunk, int nthreads
   free(xd);
 }
 
-/* op: 0 bitmask, 1 2:4, 2 dense GEMV, 3 bitmask unpack, 4 2:4 unpack (y: [rows, in]).
-   x: [B, in]; y: [B, rows]. */
+/* op: 0 bitmask, 1 2:4, 2 dense GEMV, 3 bitmask unpack, 4 2:4 unpack (y: [rows, in]), 5 the gathered bitmask
+   (`meta`: hfs_bm_gather's chunks). x: [B, in]; y: [B, rows]. */
 void hfs_run(int op, int64_t rows, int64_t in, int64_t chunk, int nthreads, const int64_t* rowptr,
              const void* meta, const void* v, int vbf16, const float* x, float* y, int64_t B,
              const float* bias) {
-  if (op < 0 || op > 4) return;
+  if (op < 0 || op > 5) return;
   if (vbf16 == 3) { /* int8 activations: the VNNI products at batch 1, else the dequantized activations */
-    if (op >= 3) {
+    if (op == 3 || op == 4) {
       vbf16 = 2;
     } else {
       run_q8(op, rows, in, chunk, nthreads, rowptr, meta, v, x, y, B, bias);
@@ -116,7 +117,7 @@ void hfs_run(int op, int64_t rows, int64_t in, int64_t chunk, int nthreads, cons
   run(&j, nthreads);
 }
 
-/* op 0-4 as hfs_run; 16 + kind: CSR (hfs_matmul's batch-1 kinds 0/1, `meta` = the column indices). */
+/* op 0-5 as hfs_run; 16 + kind: CSR (hfs_matmul's batch-1 kinds 0/1, `meta` = the column indices). */
 void hfs_run_prepared(const prepared_t* p, const float* x, float* y, const float* bias) {
   if (p->op >= 16) {
     hfs_matmul((int)p->op - 16, p->rows, p->in, p->chunk, (int)p->nthreads, p->rowptr, p->meta, (const float*)p->v, x,
@@ -132,10 +133,10 @@ void hfs_run_prepared(const prepared_t* p, const float* x, float* y, const float
    and int8 activations are quantized once for all of them. Products a fused call cannot take (CSR, or int8
    activations without the VNNI kernel) make the whole call fall back to one call per product. */
 static int prepared_job(const prepared_t* p, const float* x, float* y, const float* bias, job_t* j) {
-  if (p->op < 0 || p->op > 2) return 0;
+  if (p->op < 0 || (p->op > 2 && p->op != 5)) return 0;
   void (*fn)(const job_t*, int64_t, int64_t) = ROW_FNS[p->op];
   if (p->vbf16 == 3) { /* the int8 x int8 kernel; its `work` (the quantized x) is set by the caller */
-    fn = Q8_FNS[p->op];
+    fn = p->op <= 2 ? Q8_FNS[p->op] : NULL;
     if (!fn) return 0;
   }
   const job_t jj = {0, 0, p->rows, p->chunk, 0, 1, p->rowptr, p->meta, (const float*)p->v, x, y, bias, fn,
@@ -167,6 +168,12 @@ void hfs_run_fused(const prepared_t* const* ps, int n, const float* x, float* co
   if (owned) free(xq);
 }
 
+/* op 5's `meta` for a bitmask (bm_gather, packed_fp32.c): cp [rows + 1] chunk offsets and, unless ch is NULL,
+   the chunks; returns their number (-1: in < 16 or in >= 2^24, no gathered layout) */
+int64_t hfs_bm_gather(int64_t rows, int64_t in, const uint8_t* bits, int64_t* cp, uint64_t* ch) {
+  return bm_gather(rows, in, bits, cp, ch);
+}
+
 void hfs_set_spin(int64_t spin) { g_spin = spin; }
 /* 1: chunks on the OpenMP team (when built with -fopenmp); 0: the pthread pool above; -1: no change.
    Returns the mode in use. */
@@ -176,7 +183,7 @@ int hfs_set_openmp(int on) {
 #endif
   return g_use_omp;
 }
-int hfs_version(void) { return 11; }
+int hfs_version(void) { return 12; }
 int hfs_simd(void) { return HFS_SIMD; }
 /* The instruction set the library was built for: 0 scalar, 1 AVX2 + FMA, 2 AVX2 + AVX-VNNI, 3 AVX-512,
    4 AVX-512 with VNNI (_native.isa() names them) */

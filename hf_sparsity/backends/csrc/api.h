@@ -78,6 +78,7 @@ void hfs_run(int op, int64_t rows, int64_t in, int64_t chunk, int nthreads, cons
              const float* bias);
 void hfs_run_prepared(const prepared_t* p, const float* x, float* y, const float* bias);
 void hfs_run_fused(const prepared_t* const* ps, int n, const float* x, float* const* ys, const float* const* bs);
+int64_t hfs_bm_gather(int64_t rows, int64_t in, const uint8_t* bits, int64_t* cp, uint64_t* ch);
 void hfs_set_spin(int64_t spin);
 int hfs_set_openmp(int on);
 int hfs_version(void);

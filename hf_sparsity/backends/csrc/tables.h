@@ -21,6 +21,8 @@ static int32_t g_bm_pos[256][8] __attribute__((aligned(32)));
    keeps the sign bit: still 0. */
 static uint8_t g_bm_c0[256][16] __attribute__((aligned(16)));
 static uint8_t g_bm_c1[256][16] __attribute__((aligned(16)));
+/* n = 0..8 -> lanes 0..n-1 all ones, the others 0 (the gathered bitmask's chunk of n values, packed_fp32.c) */
+static int32_t g_bmg_tail[9][8] __attribute__((aligned(32)));
 #endif
 
 __attribute__((constructor)) static void init_tables(void) {
@@ -44,6 +46,8 @@ __attribute__((constructor)) static void init_tables(void) {
       g_bm_c1[b][i] = 0;
       g_bm_c1[b][8 + i] = rank;
     }
+    if (b <= 8)
+      for (int i = 0; i < 8; i++) g_bmg_tail[b][i] = i < b ? -1 : 0;
 #endif
   }
 }

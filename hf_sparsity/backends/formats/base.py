@@ -212,15 +212,21 @@ class _PackedBackend(SparseBackend):
     def _batch1_call(self):
         """``(the kernel call's prepared fixed arguments, their address, threads)``: the decode fast path.
         The structure holds raw pointers into this backend's tensors (rebuilt on copy)."""
-        t = self._tensors()
-        meta, rowptr = (t[0], t[1]) if self.op == "bitmask" else (t[0] if self.op == "nm24" else None, None)
+        op, meta, rowptr = self._batch1_operands()
         nt = self._threads(1)
         prep, addr = _native.prepared_call((
-            _native.OPS[self.op], self.out_features, self.in_features, nt,
+            _native.OPS[op], self.out_features, self.in_features, nt,
             None if rowptr is None else rowptr.data_ptr(), None if meta is None else meta.data_ptr(),
             self.values.data_ptr(), 3 if self.int8_activations else _native.vtype(self.values),
         ))  # fmt: skip
         return prep, addr, torch.get_num_threads()
+
+    def _batch1_operands(self):
+        """``(op, meta, rowptr)`` of the batch-1 kernel call (formats with a layout of their own for it
+        override this)."""
+        t = self._tensors()
+        meta, rowptr = (t[0], t[1]) if self.op == "bitmask" else (t[0] if self.op == "nm24" else None, None)
+        return self.op, meta, rowptr
 
     def decode_call(self):
         if self.kernel != "native":

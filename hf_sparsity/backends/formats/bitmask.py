@@ -4,14 +4,29 @@ from __future__ import annotations
 
 import torch
 
+from ...utils import SparsityError
 from .. import _native
 from ..registry import register_backend
 from .base import _pack_bits, _PackedBackend, _unpack_bits, packed_capabilities
 
+LAYOUTS = ("auto", "mask", "gather")
+GATHER_ISAS = ("avx2", "avx2-vnni")
+"""The kernel builds whose batch-1 product ``layout="auto"`` runs on the gathered layout where it pays (AVX2:
+a mask byte costs the same at any density; the AVX-512 kernels expand sixteen columns per instruction)."""
+
 
 @register_backend
 class BitmaskBackend(_PackedBackend):
-    """1 bit per weight + packed kept values (fp32 or bf16). Any unstructured mask, CPU."""
+    """1 bit per weight + packed kept values (fp32 or bf16). Any unstructured mask, CPU.
+
+    ``layout``: the batch-1 product's layout with float32 activations (the bits, row offsets and values are
+    what is stored either way). ``"mask"``: the bitmask kernel (one lane expansion per eight columns);
+    ``"gather"``: the kept values in chunks of up to eight within sixteen columns, each chunk's activations
+    gathered by its stored 4-bit column offsets (:func:`_native.bitmask_gather`: made from the bits when the
+    weight is packed or loaded, never saved; 8 bytes per chunk in memory); ``"auto"`` (default): gather on an
+    AVX2 build (:data:`GATHER_ISAS`) where the weight has few enough chunks to be faster
+    (:data:`_native.GATHER_CHUNK_GROUPS`: from about 55% sparsity), else mask. Layers narrower than 16 columns
+    and int8 activations keep the mask."""
 
     name = "bitmask"
     op = "bitmask"
@@ -20,6 +35,10 @@ class BitmaskBackend(_PackedBackend):
     )
 
     def _pack(self, w: torch.Tensor, m: torch.Tensor) -> None:
+        layout = self.options.get("layout", "auto")
+        if layout not in LAYOUTS:
+            raise SparsityError(f"{self.name}: layout must be one of {', '.join(LAYOUTS)}, not {layout!r}.")
+        self.layout = layout
         self.bits = _pack_bits(m).contiguous()
         counts = m.sum(1, dtype=torch.int64)
         self.rowptr = torch.zeros(self.out_features + 1, dtype=torch.int64)
@@ -29,10 +48,40 @@ class BitmaskBackend(_PackedBackend):
 
     _TENSORS = ("bits", "rowptr", "values")
 
+    def _bind(self) -> None:
+        super()._bind()
+        self.gather = None  # the batch-1 gathered layout (see the class), rebuilt from the bits
+        layout = getattr(self, "layout", "auto")
+        if self.kernel != "native" or self.int8_activations or layout == "mask":
+            return
+        if layout == "gather" or _native.isa() in GATHER_ISAS:
+            self.gather = _native.bitmask_gather(
+                self.bits, self.out_features, self.in_features, force=layout == "gather"
+            )
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state["gather"] = None  # rebuilt from the bits (_bind)
+        return state
+
+    @property
+    def storage_bytes(self) -> int:
+        """Bytes of the stored tensors, and of the gathered layout where the batch-1 product uses one."""
+        gather = getattr(self, "gather", None)
+        extra = 0 if gather is None else gather.numel() * gather.element_size()
+        return super().storage_bytes + extra
+
+    def _batch1_operands(self):
+        if self.gather is not None:
+            return "bitmask_gather", self.gather, self.rowptr
+        return super()._batch1_operands()
+
     def _native_mm(self, x2d, bias):
+        gather = self.gather is not None and x2d.shape[0] == 1 and not self.int8_activations
         return _native.run_op(
-            "bitmask", self.out_features, self.in_features, x2d, self.values, self.bits, self.rowptr,
-            bias, self._threads(x2d.shape[0]), int8_activations=self.int8_activations,
+            "bitmask_gather" if gather else "bitmask", self.out_features, self.in_features, x2d, self.values,
+            self.gather if gather else self.bits, self.rowptr, bias, self._threads(x2d.shape[0]),
+            int8_activations=self.int8_activations,
         )  # fmt: skip
 
     def _dense_mask(self) -> torch.Tensor:

@@ -1,0 +1,273 @@
+"""SPDY's coefficient search: every loss it scores is the model's own loss with each weight pruned alone
+at its level (computed here), the least loss is kept, each assignment is scored once, the budget holds,
+the model is left as it was, and every branch that turns the search off says why."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from hf_sparsity import SparsityConfig, SparsityError
+from hf_sparsity.mask_engine.targeting import plan_sparsity
+from hf_sparsity.pruning import methods as M
+from hf_sparsity.pruning import prune_oneshot, spdy_search
+from hf_sparsity.pruning.spdy import SpeedTarget, TimeTable, solve_levels
+from hf_sparsity.pruning.spdy_search import final_layers, search_coefficients
+
+from .conftest import tiny_model
+
+LEVELS = (0.0, 0.25, 0.5, 0.75)
+
+
+def _calib(n=6, seqlen=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, 128, (n, seqlen), generator=g)
+
+
+def _targets(model):
+    return [d for d in plan_sparsity(model, SparsityConfig(sparsity=0.5)) if d.sparsify]
+
+
+def _shape(d):
+    return (d.shape[1], d.shape[0]) if d.input_dim == 0 else tuple(d.shape)
+
+
+def _table(targets, levels=LEVELS, other=0.5):
+    """Time falls with the level, more for bigger shapes: the program has to trade."""
+    base = {f"{o}x{i}": o * i / 1000 for o, i in map(_shape, targets)}
+    ms = {s: [b * (1 - 0.8 * lv) for lv in levels] for s, b in base.items()}
+    return TimeTable(tuple(levels), ms, dict(base), other_ms=other)
+
+
+def _hf_loss(model, ids):
+    with torch.no_grad():
+        return float(model(input_ids=ids, labels=ids).loss)
+
+
+def _pruned_alone(dense, d, X, level, method, n):
+    """The weight ``d`` pruned at ``level`` from its dense inputs ``X`` (float64 rows), in float16 as the
+    database keeps it, in the parameter's layout."""
+    w = dense.get_parameter(d.name).detach().double()
+    W = w.t() if d.input_dim == 0 else w
+    k = round(level * W.numel())
+    if method == "sparsegpt":
+        W_new, _ = M.sparsegpt_prune(W.float(), (2 * X.t() @ X / n).float(), k)
+    else:
+        score = W.abs() * ((X**2).sum(0) / n).sqrt()
+        rows, cols = W.shape
+        W_new = W.clone()
+        for r in range(rows):
+            take = k // rows + (1 if r < k % rows else 0)
+            order = sorted(range(cols), key=lambda c: (float(score[r, c]), c))
+            W_new[r, order[:take]] = 0
+    W_new = W_new.half().double()
+    return W_new.t() if d.input_dim == 0 else W_new
+
+
+def _inputs(model, names, calib):
+    xs, hooks = {}, []
+    for n in names:
+        mod = model.get_submodule(n.rsplit(".", 1)[0])
+        hooks.append(
+            mod.register_forward_hook(
+                lambda m, i, o, n=n: xs.__setitem__(n, i[0].detach().reshape(-1, i[0].shape[-1]).double())
+            )
+        )
+    with torch.no_grad():
+        model(calib)
+    for h in hooks:
+        h.remove()
+    return xs
+
+
+@pytest.mark.parametrize(
+    "arch,method",
+    [("llama", "sparsegpt"), ("gpt2", "sparsegpt"), ("gpt_neox", "wanda"), ("opt", "sparsegpt")],
+)
+def test_every_scored_loss_is_the_models_own_loss_at_those_levels(arch, method, monkeypatch):
+    """The dense loss and the kept loss against the model's own ``labels=`` loss (the chosen weights
+    pruned here, each alone from its dense inputs); the kept loss is the least scored and no worse than
+    either start; the budget, recomputed here, holds; each scoring leaves the model's weights as they were."""
+    model = tiny_model(arch).eval()
+    dense = copy.deepcopy(model)
+    calib = _calib()
+    targets = _targets(model)
+    table = _table(targets)
+    unchanged = []
+    score = spdy_search.CalibrationLoss.__call__
+
+    def checked(self, pick):
+        before = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        out = score(self, pick)
+        unchanged.append(all(torch.equal(p, before[n]) for n, p in self.model.named_parameters()))
+        return out
+
+    monkeypatch.setattr(spdy_search.CalibrationLoss, "__call__", checked)
+    speed = SpeedTarget(1.6, LEVELS, table=table, search_steps=6, search_windows=4)
+    res = prune_oneshot(model, SparsityConfig(sparsity=0.5), calib, method, speed=speed, batch_size=2)
+    rec = res.spdy.search
+    assert rec["windows"] == 4 and rec["steps"] == 6
+    assert unchanged and all(unchanged)
+    ids = calib[:4]
+    assert rec["loss_dense"] == pytest.approx(_hf_loss(dense, ids), rel=1e-5)
+    xs = _inputs(dense, [d.name for d in targets], calib)
+    stitched = copy.deepcopy(dense)
+    with torch.no_grad():
+        for d in targets:
+            p = stitched.get_parameter(d.name)
+            p.copy_(_pruned_alone(dense, d, xs[d.name], res.spdy.levels[d.name], method, calib.shape[0]))
+    assert rec["loss"] == pytest.approx(_hf_loss(stitched, ids), rel=2e-4)
+    assert rec["loss"] == pytest.approx(min(rec["history"]), abs=1e-6)
+    assert rec["evaluations"] == len(rec["history"]) >= 2
+    assert rec["loss"] <= rec["loss_plain"] and rec["loss"] <= rec.get("loss_uniform", float("inf"))
+    dense_ms = table.other_ms + sum(table.dense_ms["{}x{}".format(*_shape(d))] for d in targets)
+    used = table.other_ms + sum(
+        table.ms["{}x{}".format(*_shape(d))][LEVELS.index(res.spdy.levels[d.name])] for d in targets
+    )
+    assert dense_ms / used >= 1.6 * (1 - 1e-12)
+    for d in targets:  # the final masks are the chosen levels exactly
+        assert int((res.masks[d.name] == 0).sum()) == round(
+            res.spdy.levels[d.name] * res.masks[d.name].numel()
+        )
+
+
+def _synthetic(seed, layers=6, levels=4):
+    g = torch.Generator().manual_seed(seed)
+    times = (torch.rand(layers, levels, generator=g, dtype=torch.float64) * 3 + 0.1).sort(1, descending=True)
+    errors = torch.rand(layers, levels, generator=g, dtype=torch.float64).sort(1).values
+    errors[:, 0] = 0
+    sens = torch.logspace(-2, 2, layers, dtype=torch.float64)[torch.randperm(layers, generator=g)]
+    t = times.values.tolist()
+    budget = sum(r[0] for r in t) * 0.6
+    return t, errors.numpy(), sens.numpy(), budget
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_search_keeps_the_least_loss_scores_each_assignment_once_and_keeps_the_budget(seed):
+    """Losses that weigh the layers' errors 10⁻² to 10² apart (the plain program weighs them alike):
+    the search ends on the least loss it scored, scores no assignment twice, never leaves the budget,
+    improves on the plain program where the brute-force optimum does, and the same seed chooses the same."""
+    times, errors, sens, budget = _synthetic(seed)
+    names = [f"layer{i}" for i in range(len(times))]
+    scored = []
+
+    def score(pick):
+        ks = tuple(pick[n] for n in names)
+        scored.append(ks)
+        return float(sum(sens[i] * errors[i, k] for i, k in enumerate(ks)))
+
+    def solve(c):
+        return solve_levels(times, errors * np.asarray(c)[:, None], budget, 100_000)
+
+    table = dict(zip(names, errors.tolist()))
+    pick, rec = search_coefficients(names, table, solve, score, steps=60, seed_levels=2, seed=seed)
+    assert len(scored) == len(set(scored)) == rec["evaluations"]
+    losses = [float(sum(sens[i] * errors[i, k] for i, k in enumerate(ks))) for ks in scored]
+    assert rec["loss"] == min(losses) == pytest.approx(score(dict(zip(names, pick))))
+    assert sum(times[i][k] for i, k in enumerate(pick)) <= budget
+    best = min(
+        sum(sens[i] * errors[i, k] for i, k in enumerate(ks))
+        for ks in itertools.product(range(errors.shape[1]), repeat=len(names))
+        if sum(times[i][k] for i, k in enumerate(ks)) <= budget
+    )
+    assert rec["loss"] >= best - 1e-12
+    if rec["loss_plain"] > best + 1e-12:
+        assert rec["loss"] < rec["loss_plain"]
+    again, _ = search_coefficients(
+        names, table, solve, lambda p: score(p), steps=60, seed_levels=2, seed=seed
+    )
+    assert again == pick
+
+
+def test_the_uniform_start_picks_that_level_where_every_layer_has_the_same_curve():
+    """``c_l = 1 / e_l(s_u)``: with every layer's errors proportional to one curve, the start solves to
+    ``s_u`` everywhere when the budget holds that profile and no slower one."""
+    names = ["a", "b", "c"]
+    curve = np.array([0.0, 0.1, 0.4, 1.0])
+    errors = {n: (curve * s).tolist() for n, s in zip(names, (0.01, 1.0, 100.0))}
+    times = [[4.0, 3.0, 2.0, 1.0]] * 3
+    e = np.asarray([errors[n] for n in names])
+    firsts = []
+
+    def solve(c):
+        pick = solve_levels(times, e * np.asarray(c)[:, None], 6.5, 1000)
+        firsts.append(pick)
+        return pick
+
+    search_coefficients(names, errors, solve, lambda p: 0.0, steps=0, seed_levels=2)
+    assert firsts[0] != [2, 2, 2]  # the plain program trades the layers' unequal errors
+    assert firsts[1] == [2, 2, 2]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gpt_neox", "opt"])
+def test_the_final_layers_are_the_models_final_norm_and_head(arch):
+    model = tiny_model(arch)
+    expected = {
+        "llama": lambda m: [m.model.norm, m.lm_head],
+        "gpt2": lambda m: [m.transformer.ln_f, m.lm_head],
+        "gpt_neox": lambda m: [m.gpt_neox.final_layer_norm, m.lm_head],
+        "opt": lambda m: [m.model.decoder.final_layer_norm, m.lm_head],
+    }[arch](model)
+    prefix = {"llama": "model.layers", "gpt2": "transformer.h", "gpt_neox": "gpt_neox.layers",
+              "opt": "model.decoder.layers"}[arch]  # fmt: skip
+    got = final_layers(model, prefix)
+    assert len(got) == len(expected) and all(a is b for a, b in zip(got, expected))
+
+
+def _plain_levels(model, calib, table, steps=0):
+    speed = SpeedTarget(1.6, LEVELS, table=table, search_steps=steps)
+    return prune_oneshot(model, SparsityConfig(sparsity=0.5), calib, "wanda", speed=speed, batch_size=2).spdy
+
+
+def test_every_branch_that_turns_the_search_off_runs_the_plain_program_and_says_why(monkeypatch, caplog):
+    calib = _calib()
+    table = _table(_targets(tiny_model("llama")))
+    plain = _plain_levels(tiny_model("llama"), calib, table, steps=0)
+    assert plain.search is None
+    monkeypatch.setattr(spdy_search, "available_bytes", lambda: 1000)  # the database needs more than half
+    with caplog.at_level(logging.WARNING, logger="hf_sparsity.pruning.spdy_search"):
+        low = _plain_levels(tiny_model("llama"), calib, table, steps=2)
+    assert low.search is None and low.levels == plain.levels
+    assert "more than half the free memory" in caplog.text
+    monkeypatch.setattr(spdy_search, "available_bytes", lambda: None)  # no /proc/meminfo: the search runs
+    assert _plain_levels(tiny_model("llama"), calib, table, steps=2).search is not None
+    monkeypatch.setattr(spdy_search, "final_layers", lambda model, prefix: None)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hf_sparsity.pruning.spdy_search"):
+        nohead = _plain_levels(tiny_model("llama"), calib, table, steps=2)
+    assert nohead.search is None and nohead.levels == plain.levels
+    assert "no final norm" in caplog.text
+
+
+def test_the_plain_start_is_the_plain_programs_choice():
+    """The search's ``loss_plain`` is the loss of the levels the program chooses with no search."""
+    calib = _calib()
+    table = _table(_targets(tiny_model("gpt2")))
+    plain = _plain_levels(tiny_model("gpt2"), calib, table, steps=0)
+    searched = _plain_levels(tiny_model("gpt2"), calib, table, steps=1)
+    dense = tiny_model("gpt2").eval()
+    xs = _inputs(dense, list(plain.levels), calib)
+    stitched = copy.deepcopy(dense)
+    with torch.no_grad():
+        for d in _targets(dense):
+            stitched.get_parameter(d.name).copy_(
+                _pruned_alone(dense, d, xs[d.name], plain.levels[d.name], "wanda", calib.shape[0])
+            )
+    assert searched.search["loss_plain"] == pytest.approx(_hf_loss(stitched, calib[:6]), rel=2e-4)
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(search_steps=-1), "--spdy-search-steps -1: use 0"),
+        (dict(search_windows=0), "--spdy-search-windows 0: use at least 1"),
+    ],
+)
+def test_bad_search_settings_are_refused_in_one_line(kw, match):
+    with pytest.raises(SparsityError, match=match):
+        SpeedTarget(1.5, LEVELS, **kw)
