@@ -1,5 +1,7 @@
 """DeepSpeed ZeRO-2 / ZeRO-3 through ``Trainer(deepspeed=...)`` on CPU: 2 processes under torchrun (gloo,
-DeepSpeed's CPU accelerator), compared with one plain process on the same data."""
+DeepSpeed's CPU accelerator), compared with one plain process on the same data. The ZeRO runs go in one
+launch, one after the other (a module fixture: the suite's scheduler keeps the file on one worker); each
+test reads its own run's results."""
 
 import importlib.util
 import json
