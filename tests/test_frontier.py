@@ -22,7 +22,7 @@ def test_frontier_smoke_writes_a_table_json_and_plot_with_every_row(tmp_path):
     out = tmp_path / "frontier"
     cmd = [
         sys.executable, str(ROOT / "benchmarks" / "frontier.py"), "--smoke", "--data-dir", str(data),
-        "--out", str(out), "--levels", "0.5", "--values", "float32", "--ppl-windows", "1",
+        "--out", str(out), "--levels", "0.5", "--values", "float32", "--ppl-windows", "1", "--threads", "1",
     ]  # fmt: skip
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
