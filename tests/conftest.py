@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -27,6 +28,21 @@ def shared_data_dir() -> Path:
 @pytest.fixture
 def shared_data() -> Path:
     return shared_data_dir()
+
+
+def wikitext2_head_data_dir(folder: Path, lines: int = 40) -> Path:
+    """A data folder laid out as ``../shared/data`` (its tokenizers and corpus linked) whose WikiText-2 test
+    file is the first ``lines`` lines of the real one (40: 1,746 GPT-2 tokens), for runs that evaluate a
+    few windows: the same first windows, without tokenizing the whole test split each time."""
+    shared = shared_data_dir()
+    wiki = Path("text", "wikitext-2-raw", "wiki.test.raw")
+    (folder / wiki).parent.mkdir(parents=True)
+    for part in ("tokenizer", "corpus"):
+        (folder / part).symlink_to(shared / part, target_is_directory=True)
+    with open(shared / wiki, encoding="utf-8", newline="") as f:
+        head = "".join(itertools.islice(f, lines))
+    (folder / wiki).write_text(head, encoding="utf-8", newline="")
+    return folder
 
 
 def tiny_config(arch: str, vocab: int = 128, layers: int = 2, hidden: int = 32):
@@ -104,15 +120,19 @@ if WORKER:
 
 
 # Handed out first, in this order (the longest work first, so none starts last and leaves a worker idle at
-# the end: the two files that go to one worker whole, then the longest single tests); then the other slow
-# tests, then the rest, each in file order. An ordering only: a file may go.
+# the end: the files that go to one worker whole and the longest single tests, longest first); then the
+# other slow tests, then the rest, each in file order. An ordering only: a file may go.
 FIRST = (
-    "test_resume_after_crash.py",
     "test_deepspeed_zero3_resume.py",
     "test_frontier.py",
     "test_deepspeed.py",
-    "test_gpu_check.py",
     "test_evaluation.py",
+    "test_resume_after_crash.py",
+    "test_recipes_ddp.py",
+    "test_fsdp2.py",
+    "test_ddp.py",
+    "test_native_kernels.py",
+    "test_gpu_check.py",
 )
 
 

@@ -1,5 +1,7 @@
 """DeepSpeed ZeRO-2 / ZeRO-3 through ``Trainer(deepspeed=...)`` on CPU: 2 processes under torchrun (gloo,
-DeepSpeed's CPU accelerator), compared with one plain process on the same data."""
+DeepSpeed's CPU accelerator), compared with one plain process on the same data. The ZeRO runs go in one
+launch, one after the other (a module fixture: the suite's scheduler keeps the file on one worker); each
+test reads its own run's results."""
 
 import importlib.util
 import json
@@ -7,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -38,27 +41,36 @@ def _in_process(out, *args):
     return [json.loads((out / "rank0.json").read_text())]
 
 
-def _aborted_after_results(proc, out, procs) -> bool:
-    """A launch whose every rank wrote its results and one rank then died of SIGABRT (at exit)."""
-    done = all((out / f"rank{r}.json").is_file() for r in range(procs))
+def _aborted_after_results(proc, outs: list[Path], procs) -> bool:
+    """A launch whose every rank wrote its results (in every run's folder) and one rank then died of
+    SIGABRT (at exit)."""
+    done = all((out / f"rank{r}.json").is_file() for out in outs for r in range(procs))
     return proc.returncode != 0 and done and "SIGABRT" in proc.stderr
 
 
 def _run(out, *args, procs=2, torchrun=False):
+    """One run into ``out``: each rank's results."""
     if procs == 1 and not torchrun and args[:2] == ("--stage", "0"):
         return _in_process(out, *args)
+    return _launch({out: list(args)}, procs=procs, torchrun=torchrun)[out]
+
+
+def _launch(runs: dict[Path, list[str]], procs=2, torchrun=False) -> dict[Path, list[dict]]:
+    """Several runs (``{out: options}``) one after the other in one launch: each run's ranks' results."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs)]
-    cmd = (launcher if procs > 1 or torchrun else [sys.executable]) + [str(SCRIPT), str(out), *args]
+    cmd = (launcher if procs > 1 or torchrun else [sys.executable]) + [str(SCRIPT)]
+    for i, (out, args) in enumerate(runs.items()):
+        cmd += (["--then"] if i else []) + [str(out), *map(str, args)]
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=400)
-    if _aborted_after_results(proc, out, procs):
+    if _aborted_after_results(proc, list(runs), procs):
         # gloo can abort one rank at interpreter exit on a loaded machine, after every rank has written its
         # results and torn its process group down: launch once more, from scratch, rather than read them
-        for r in range(procs):
-            (out / f"rank{r}.json").unlink()
+        for out in runs:
+            for r in range(procs):
+                (out / f"rank{r}.json").unlink()
         proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(procs)]
-    return ranks
+    return {out: [json.loads((out / f"rank{r}.json").read_text()) for r in range(procs)] for out in runs}
 
 
 def _consolidated_and_finalized(ckpt, tmp_path):
@@ -99,30 +111,48 @@ def _check_against_single_process(ref, r0, r1, ckpt, tmp_path):
     return masks
 
 
+PRUNE = ["--prune_at", "3", "--save_steps", "6"]
+# The ZeRO runs the tests below compare with one process: (stage, training options), by test id.
+ZERO_RUNS = {
+    "zero1-random-prune": (1, PRUNE),
+    "zero2-random-prune": (2, PRUNE),
+    "zero2-rigl": (2, ["--rigl"]),
+    "zero3-events": (3, ["--events"]),
+}
+
+
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory):
+    """Every run of ZERO_RUNS, one after the other in one launch of two processes (the imports and the
+    process group paid once): by id, its folder and its ranks' results."""
+    root = tmp_path_factory.mktemp("zero")
+    outs = {name: root / name for name in ZERO_RUNS}
+    for out in outs.values():
+        out.mkdir()
+    ranks = _launch({outs[n]: ["--stage", stage, *train] for n, (stage, train) in ZERO_RUNS.items()})
+    return {n: (outs[n], ranks[outs[n]]) for n in ZERO_RUNS}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 2], ids=["zero1-random-prune", "zero2-random-prune"])
-def test_zero_matches_single_process_and_saves_sparse(stage, tmp_path):
-    ref_out, ds_out = tmp_path / "single", tmp_path / "zero"
+@pytest.mark.parametrize("run", ["zero1-random-prune", "zero2-random-prune"])
+def test_zero_matches_single_process_and_saves_sparse(run, zero_runs, tmp_path):
+    ref_out = tmp_path / "single"
     ref_out.mkdir()
-    ds_out.mkdir()
-    train = ["--prune_at", "3", "--save_steps", "6"]
-    (ref,) = _run(ref_out, "--stage", "0", *train, procs=1)
-    r0, r1 = _run(ds_out, "--stage", str(stage), *train)
+    (ref,) = _run(ref_out, "--stage", "0", *ZERO_RUNS[run][1], procs=1)
+    ds_out, (r0, r1) = zero_runs[run]
     _check_against_single_process(ref, r0, r1, ds_out / "checkpoint-6", tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "stage,train", [(3, ["--events"]), (2, ["--rigl"])], ids=["zero3-events", "zero2-rigl"]
-)
-def test_zero_events_match_single_process(stage, train, tmp_path):
+@pytest.mark.parametrize("run", ["zero3-events", "zero2-rigl"])
+def test_zero_events_match_single_process(run, zero_runs, tmp_path):
     """Prune (with an LR rewind), regrow and densify under ZeRO-3, and RigL updates under ZeRO-2: after
     every step the masks, the learning rate and the loss are those of one process."""
-    ref_out, ds_out = tmp_path / "single", tmp_path / "zero"
+    train = ZERO_RUNS[run][1]
+    ref_out = tmp_path / "single"
     ref_out.mkdir()
-    ds_out.mkdir()
     (ref,) = _run(ref_out, "--stage", "0", *train, procs=1)
-    r0, r1 = _run(ds_out, "--stage", str(stage), *train)
+    _, (r0, r1) = zero_runs[run]
     kinds = ["prune", "regrow", "densify"] if "--events" in train else ["update", "update"]
     assert ref["events"] == r0["events"] == r1["events"] == kinds
     assert r0["trace"] == r1["trace"] == ref["trace"]  # the masks' digest after every step
@@ -178,10 +208,17 @@ def test_deepspeed_still_offers_what_enforcement_reads():
 def test_only_an_abort_after_every_rank_wrote_is_launched_again(tmp_path):
     """The relaunch covers one case: every rank's results written, then SIGABRT; any other failure fails."""
     aborted = subprocess.CompletedProcess([], 1, "", "traceback : Signal 6 (SIGABRT) received by PID 7")
-    (tmp_path / "rank0.json").write_text("{}")
-    assert not _aborted_after_results(aborted, tmp_path, 2)  # rank 1 wrote nothing: a real failure
-    (tmp_path / "rank1.json").write_text("{}")
-    assert _aborted_after_results(aborted, tmp_path, 2)
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    (first / "rank0.json").write_text("{}")
+    assert not _aborted_after_results(aborted, [first], 2)  # rank 1 wrote nothing: a real failure
+    (first / "rank1.json").write_text("{}")
+    assert _aborted_after_results(aborted, [first], 2)
+    assert not _aborted_after_results(aborted, [first, second], 2)  # the second run never finished
+    (second / "rank0.json").write_text("{}")
+    (second / "rank1.json").write_text("{}")
+    assert _aborted_after_results(aborted, [first, second], 2)
     other = subprocess.CompletedProcess([], 1, "", "RuntimeError: masks differ")
-    assert not _aborted_after_results(other, tmp_path, 2)
-    assert not _aborted_after_results(subprocess.CompletedProcess([], 0, "", ""), tmp_path, 2)
+    assert not _aborted_after_results(other, [first], 2)
+    assert not _aborted_after_results(subprocess.CompletedProcess([], 0, "", ""), [first], 2)

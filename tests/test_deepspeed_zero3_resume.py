@@ -2,7 +2,8 @@
 prune at step 3, saved at step 3) and its single-process reference, built once for this file (a module
 fixture: the suite's scheduler keeps the file on one worker), then each way of resuming it in a test of its
 own: the same masks and losses, a mask file that does not fit refused, DeepSpeed's universal checkpoint on
-one process, and another sparsity level at resume."""
+one process, and another sparsity level at resume. The two resumed runs on two processes go in the first
+run's launch, after it (the same processes: the imports and the process group paid once)."""
 
 import shutil
 import subprocess
@@ -14,22 +15,34 @@ import torch
 
 from hf_sparsity.storage.masks_file import load_masks, save_masks
 
-from .test_deepspeed import ENV, SCRIPT, _check_against_single_process, _run
+from .test_deepspeed import ENV, SCRIPT, _check_against_single_process, _launch, _run
 
 ZERO3_TRAIN = ["--init", "topk", "--prune_at", "3"]
+ANOTHER_LEVEL = ["--init", "topk", "--sparsity", "0.9"]
 
 
 @pytest.fixture(scope="module")
 def zero3(tmp_path_factory):
+    """The reference, then one launch: the ZeRO-3 run, then two runs resumed from its checkpoint-3 (as it
+    was, and with another level)."""
     root = tmp_path_factory.mktemp("zero3")
-    ref_out, ds_out = root / "single", root / "zero"
-    ref_out.mkdir()
-    ds_out.mkdir()
+    ref_out, ds_out, resumed, level = root / "single", root / "zero", root / "resumed", root / "level"
+    for out in (ref_out, ds_out, resumed, level):
+        out.mkdir()
     (ref,) = _run(ref_out, "--stage", "0", *ZERO3_TRAIN, "--save_steps", "3", procs=1)
-    r0, r1 = _run(ds_out, "--stage", "3", *ZERO3_TRAIN, "--save_steps", "3")
-    return SimpleNamespace(
-        ref=ref, r0=r0, r1=r1, ckpt=ds_out / "checkpoint-3", ref_ckpt=ref_out / "checkpoint-3"
+    ckpt = ds_out / "checkpoint-3"
+    runs = _launch(
+        {
+            ds_out: ["--stage", "3", *ZERO3_TRAIN, "--save_steps", "3"],
+            resumed: ["--stage", "3", *ZERO3_TRAIN, "--resume", ckpt],
+            level: ["--stage", "3", *ANOTHER_LEVEL, "--resume", ckpt],
+        }
     )
+    r0, r1 = runs[ds_out]
+    return SimpleNamespace(
+        ref=ref, r0=r0, r1=r1, ckpt=ckpt, ref_ckpt=ref_out / "checkpoint-3", resumed=runs[resumed],
+        level=runs[level],
+    )  # fmt: skip
 
 
 @pytest.mark.slow
@@ -38,8 +51,8 @@ def test_zero3_topk_prune_matches_single_process_and_saves_sparse(zero3, tmp_pat
 
 
 @pytest.mark.slow
-def test_zero3_resume_restores_masks_bit_identical_and_trains_on(zero3, tmp_path):
-    s0, s1 = _run(tmp_path, "--stage", "3", *ZERO3_TRAIN, "--resume", str(zero3.ckpt))
+def test_zero3_resume_restores_masks_bit_identical_and_trains_on(zero3):
+    s0, s1 = zero3.resumed
     assert s0["restored_from"] == str(zero3.ckpt)
     assert s0["masks"] == s1["masks"] == zero3.r0["masks"]
     assert s0["violations"] == [0, 0, 0]
@@ -65,18 +78,20 @@ def test_zero3_resume_refuses_a_mask_file_that_does_not_fit(zero3, tmp_path):
 
 
 @pytest.mark.slow
-def test_zero3_universal_checkpoint_resumes_on_another_number_of_processes(zero3, tmp_path):
+def test_zero3_universal_checkpoint_resumes_on_another_number_of_processes(zero3, tmp_path, monkeypatch):
     """DeepSpeed's universal checkpoint (its own converter), loaded by one process: the masks come from the
     mask file (full shapes), bit-identical."""
+    from deepspeed.checkpoint import ds_to_universal
+
     ckpt = tmp_path / zero3.ckpt.name
     shutil.copytree(zero3.ckpt, ckpt)
-    conv = subprocess.run(
-        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-         str(ckpt / "global_step3"), "--output_folder", str(ckpt / "global_step3_universal"),
-         "--inject_missing_state"],
-        env=ENV, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert conv.returncode == 0, conv.stderr[-3000:]
+    # ``python -m deepspeed.checkpoint.ds_to_universal ...``, run in this process, its work done in turn (one
+    # worker: no process pool for a tiny checkpoint)
+    argv = ["--input_folder", str(ckpt / "global_step3"), "--output_folder",
+            str(ckpt / "global_step3_universal"), "--inject_missing_state", "--num_extract_workers", "1",
+            "--num_merge_workers", "1"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", ["ds_to_universal", *argv])
+    ds_to_universal.main(ds_to_universal.parse_arguments())
     one = tmp_path / "one"
     one.mkdir()
     (u,) = _run(
@@ -92,12 +107,8 @@ def test_zero3_universal_checkpoint_resumes_on_another_number_of_processes(zero3
 @pytest.mark.slow
 def test_zero3_resume_with_another_level_prunes_as_one_process(zero3, tmp_path):
     """Resumed with another level in the config: pruned further at train begin, as one process does."""
-    lv, lv_ref = tmp_path / "level", tmp_path / "level_ref"
-    lv.mkdir()
-    lv_ref.mkdir()
-    more = ["--init", "topk", "--sparsity", "0.9"]
-    (sr,) = _run(lv_ref, "--stage", "0", *more, "--resume", str(zero3.ref_ckpt), procs=1)
-    z0, z1 = _run(lv, "--stage", "3", *more, "--resume", str(zero3.ckpt))
+    (sr,) = _run(tmp_path, "--stage", "0", *ANOTHER_LEVEL, "--resume", str(zero3.ref_ckpt), procs=1)
+    z0, z1 = zero3.level
     assert z0["events"][-1] == sr["events"][-1] == "resume-level-change"
     assert z0["masks"] == z1["masks"] == sr["masks"]
     assert z0["levels"] == sr["levels"] and min(z0["levels"]) > 0.899

@@ -15,14 +15,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.slow  # a subprocess pruning, evaluating and timing a handful of tiny models
 def test_frontier_smoke_writes_a_table_json_and_plot_with_every_row(tmp_path):
-    from .conftest import shared_data_dir
+    from .conftest import wikitext2_head_data_dir
 
-    data = shared_data_dir()
+    data = wikitext2_head_data_dir(tmp_path / "data")  # the run evaluates one window of 512 tokens
     env = dict(os.environ, HF_SPARSITY_PLAN_CACHE=str(tmp_path / "plans.json"), PYTHONPATH=str(ROOT))
     out = tmp_path / "frontier"
     cmd = [
         sys.executable, str(ROOT / "benchmarks" / "frontier.py"), "--smoke", "--data-dir", str(data),
-        "--out", str(out), "--levels", "0.5", "--values", "float32", "--ppl-windows", "1",
+        "--out", str(out), "--levels", "0.5", "--values", "float32", "--ppl-windows", "1", "--threads", "1",
     ]  # fmt: skip
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]

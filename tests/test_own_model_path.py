@@ -3,7 +3,7 @@
 prune (Wanda, 50%, a tiny calibration file) -> eval wikitext2 -> sparse fine-tune of the pruned
 folder (examples/sparse_finetune.py, SparsityCallback) -> interruption after a checkpoint -> resume
 -> convert --finalize -> inspect -> eval -> generate. The model and its tokenizer are built offline
-into a temporary folder; WikiText-2 comes from ../shared/data.
+into a temporary folder; WikiText-2 comes from ../shared/data (the head of its test file).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from hf_sparsity.cli import main as cli
 from hf_sparsity.constants import SPARSITY_MASKS_NAME
 from hf_sparsity.storage.masks_file import load_masks
 
-from .conftest import REPO, shared_data_dir, tiny_config
+from .conftest import REPO, tiny_config, wikitext2_head_data_dir
 
 
 def _weights(folder) -> dict[str, torch.Tensor]:
@@ -79,7 +79,7 @@ def test_own_model_path(tmp_path, tiny_model_dir, capsys):
     from safetensors.torch import load_file
 
     model_dir, data = tiny_model_dir
-    shared = shared_data_dir()
+    shared = wikitext2_head_data_dir(tmp_path / "shared")  # 4 windows of 32 tokens evaluated
 
     # 1. one-shot prune (Wanda, 50%) with a tiny calibration file
     pruned = tmp_path / "pruned"

@@ -2,18 +2,19 @@
 
 Real crashes: ``tests/scripts/save_every_step.py`` (tiny Trainer + SparsityCallback, a checkpoint
 every step) is SIGKILLed at fixed moments of a save, and at staggered delays after a checkpoint
-folder appears. Then the folders such a kill leaves are built by hand, one per way to be partial.
+folder appears; each run a process of its own, forked from a server with the script's libraries imported
+(``tests/preloaded.py``). Then the folders such a kill leaves are built by hand, one per way to be partial.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import multiprocessing
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,25 +25,38 @@ from safetensors.torch import load_file
 from hf_sparsity import SparsityError, last_complete_checkpoint, resume_checkpoint
 from hf_sparsity.storage.resume import checkpoint_problem
 
-from .conftest import REPO
+from .preloaded import Server
 
-SCRIPT = REPO / "tests" / "scripts" / "save_every_step.py"
 STEPS = 8
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+_RUNS = itertools.count()
 pytestmark = pytest.mark.slow  # every test starts or reads fresh Trainer processes (the module fixture)
 
 
-def _start(out: Path, *args: str) -> subprocess.Popen:
-    cmd = [sys.executable, str(SCRIPT), str(out), str(STEPS), *args]
-    return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+@pytest.fixture(scope="module")
+def server():
+    """Runs of ``tests/scripts/save_every_step.py`` (its ``run``), on one torch thread."""
+    srv = Server("tests.scripts.save_every_step", "run", env={"OMP_NUM_THREADS": "1"})
+    yield srv
+    srv.close()
 
 
-def _run(out: Path, *args: str) -> tuple[int, str]:
-    proc = _start(out, *args)
-    log, _ = proc.communicate(timeout=300)
-    if proc.returncode not in (0, -signal.SIGKILL):
-        pytest.fail(f"training script failed ({proc.returncode}):\n{log[-3000:]}")
-    return proc.returncode, log
+def _start(server: Server, out: Path, *args: str) -> tuple[multiprocessing.Process, Path]:
+    """A run into ``out``; what it prints goes to a log of its own beside ``out``."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log = out.parent / f"{out.name}-run{next(_RUNS)}.log"
+    return server.start(log, [str(out), str(STEPS), *args]), log
+
+
+def _run(server: Server, out: Path, *args: str) -> tuple[int, str]:
+    proc, log = _start(server, out, *args)
+    proc.join(timeout=300)
+    if proc.exitcode is None:
+        proc.kill()
+        pytest.fail(f"training script hung:\n{log.read_text()[-3000:]}")
+    text = log.read_text()
+    if proc.exitcode not in (0, -signal.SIGKILL):
+        pytest.fail(f"training script failed ({proc.exitcode}):\n{text[-3000:]}")
+    return proc.exitcode, text
 
 
 def _assert_same_final(a: Path, b: Path) -> None:
@@ -58,20 +72,20 @@ def _steps(out: Path) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
+def reference(tmp_path_factory, server) -> Path:
     out = tmp_path_factory.mktemp("resume") / "uninterrupted"
-    assert _run(out)[0] == 0
+    assert _run(server, out)[0] == 0
     return out
 
 
-def test_killed_mid_save_at_each_moment_resumes_from_last_complete(reference, tmp_path, caplog):
+def test_killed_mid_save_at_each_moment_resumes_from_last_complete(reference, server, tmp_path, caplog):
     """Killed while writing a checkpoint at each moment of a save in turn (the weights, the optimizer, the
     trainer state), each run resuming the one before: every partial folder is found, skipped and named, and
     the run resumed three times ends bit for bit where the uninterrupted one does."""
     out = tmp_path / "run"
     resumed, killed_at = None, None
     for step, moment in [(3, "weights"), (5, "optimizer"), (7, "state")]:
-        rc, log = _run(out, *(["--resume"] if resumed else []), "--die", f"{step}:{moment}")
+        rc, log = _run(server, out, *(["--resume"] if resumed else []), "--die", f"{step}:{moment}")
         assert rc == -signal.SIGKILL
         assert f"resuming from {resumed}" in log
         assert _steps(out) == list(range(1, step + 1))
@@ -88,7 +102,7 @@ def test_killed_mid_save_at_each_moment_resumes_from_last_complete(reference, tm
             resume_checkpoint(out, out / f"checkpoint-{step}")
         resumed, killed_at = str(out / f"checkpoint-{step - 1}"), step
 
-    rc, log = _run(out, "--resume")
+    rc, log = _run(server, out, "--resume")
     assert rc == 0 and f"resuming from {resumed}" in log
     result = json.loads((out / "result.json").read_text())
     assert result == {"resumed_from": str(out / "checkpoint-6"), "global_step": STEPS}
@@ -96,24 +110,24 @@ def test_killed_mid_save_at_each_moment_resumes_from_last_complete(reference, tm
     _assert_same_final(reference, out)
 
 
-def test_killed_at_staggered_moments_then_resumed(reference, tmp_path):
+def test_killed_at_staggered_moments_then_resumed(reference, server, tmp_path):
     """SIGKILL as soon as (or shortly after) a checkpoint folder appears, twice, then resume to the end."""
     out = tmp_path / "run"
     for i, (step, delay) in enumerate([(2, 0.0), (5, 0.004)]):
-        proc = _start(out, *(["--resume"] if i else []))
+        proc, _ = _start(server, out, *(["--resume"] if i else []))
         target = out / f"checkpoint-{step}"
         deadline = time.monotonic() + 120
-        while not target.exists() and proc.poll() is None and time.monotonic() < deadline:
+        while not target.exists() and proc.exitcode is None and time.monotonic() < deadline:
             time.sleep(0.0005)
         time.sleep(delay)
-        proc.send_signal(signal.SIGKILL)
-        proc.communicate(timeout=60)
+        proc.kill()
+        proc.join(timeout=60)
         last = last_complete_checkpoint(out)
         assert last is not None and checkpoint_problem(last) is None
         newer = [s for s in _steps(out) if s > int(Path(last).name.split("-")[1])]
         assert all(checkpoint_problem(out / f"checkpoint-{s}") for s in newer)
     expected = last_complete_checkpoint(out)
-    assert _run(out, "--resume")[0] == 0
+    assert _run(server, out, "--resume")[0] == 0
     assert json.loads((out / "result.json").read_text())["resumed_from"] == expected
     _assert_same_final(reference, out)
 

@@ -10,9 +10,13 @@ master weights and the Adam moments and counts the masked positions that are not
 
 Each rank writes ``rank{R}.json``: losses per step, a digest of the masks, the per-step violations,
 the levels, and the events.
+
+Several runs in one launch, one after the other in the same processes (the imports and the process group
+paid once), each into its own folder: ``OUT1 [options] --then OUT2 [options] ...``.
 """
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -174,10 +178,28 @@ def main(argv: list[str] | None = None):
     }
     with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+
+
+def main_runs(argv: list[str]) -> None:
+    """Each ``--then``-separated run in turn; the process group torn down after the last."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    runs: list[list[str]] = [[]]
+    for arg in argv:
+        if arg == "--then":
+            runs.append([])
+        else:
+            runs[-1].append(arg)
+    for run in runs:
+        main(run)
+        # The run's DeepSpeed config must not outlive it: transformers builds the next run's model inside
+        # deepspeed.zero.Init while a ZeRO-3 config is alive.
+        unset_hf_deepspeed_config()
+        gc.collect()
     if torch.distributed.is_initialized():  # a clean teardown: gloo's threads joined before exit
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    main_runs(sys.argv[1:])

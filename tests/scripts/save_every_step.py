@@ -2,6 +2,8 @@
 
     python tests/scripts/save_every_step.py OUT MAX_STEPS [--resume] [--die STEP:MOMENT]
 
+(or ``run([OUT, MAX_STEPS, ...])`` in a process of its own: ``tests/test_resume_after_crash.py``)
+
 ``--resume`` continues from ``last_complete_checkpoint(OUT)``. ``--die`` makes the process
 SIGKILL itself while Trainer writes ``checkpoint-STEP``, at MOMENT: ``weights`` (right after
 ``model.safetensors``, before the masks), ``optimizer`` (as ``optimizer.pt`` is about to be
@@ -83,7 +85,11 @@ def main(out: str, max_steps: int, resume: bool, die_at: str | None) -> None:
         json.dump({"resumed_from": start, "global_step": trainer.state.global_step}, f)
 
 
-if __name__ == "__main__":
-    args = sys.argv[1:]
+def run(args: list[str]) -> None:
+    """The command line (the usage above) without the script name."""
     die_at = args[args.index("--die") + 1] if "--die" in args else None
     main(args[0], int(args[1]), "--resume" in args, die_at)
+
+
+if __name__ == "__main__":
+    run(sys.argv[1:])
