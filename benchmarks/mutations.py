@@ -1447,6 +1447,18 @@ MUTATIONS = (
         ("tests/test_spdy.py::test_the_error_table_equals_pruning_each_layer_at_each_level",),
     ),
     Mutation(
+        "spdy-fastest-budget-refused",
+        "a target at exactly the sparsest levels' speed-up is refused (buckets rounded up never hold it)",
+        (
+            (
+                "hf_sparsity/pruning/spdy.py",
+                "    if float(t[np.arange(len(order)), order].sum()) <= budget:",
+                "    if False:",
+            ),
+        ),
+        ("tests/test_spdy.py::test_a_budget_at_exactly_the_fastest_total_gets_the_fastest_levels",),
+    ),
+    Mutation(
         "spdy-search-keeps-the-last",
         "SPDY's search keeps the last candidate it scored, not the one of least calibration loss",
         (
@@ -1517,8 +1529,8 @@ MUTATIONS = (
         (
             (
                 "hf_sparsity/pruning/spdy.py",
-                "budget = dense / speedup - table.other_ms",
-                "budget = dense / speedup",
+                "budget = max(dense / speedup - table.other_ms, sum(min(r) for r in times))",
+                "budget = max(dense / speedup, sum(min(r) for r in times))",
             ),
         ),
         ("tests/test_spdy.py::test_the_chosen_levels_are_exact_per_layer_and_keep_the_budget",),

@@ -451,3 +451,19 @@ def test_a_given_time_table_is_used_as_is_and_one_that_does_not_fit_is_refused(
             **common,
         )
     assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_budget_at_exactly_the_fastest_total_gets_the_fastest_levels(seed):
+    """The target a uniform row at the sparsest level predicts: the budget is the fastest total itself, which
+    buckets rounded up never hold; the only assignments that fit take each layer's fastest level (the least
+    error among equally fast ones), as brute force says."""
+    g = torch.Generator().manual_seed(100 + seed)
+    times, errors = _table(g, 4, 3)
+    times[0][1] = times[0][2] = min(times[0])  # two equally fast levels: the one of least error is taken
+    budget = sum(min(r) for r in times)
+    best = _brute(times, errors, budget)
+    assert best is not None
+    got = solve_levels(times, errors, budget)
+    assert sum(times[i][k] for i, k in enumerate(got)) <= budget
+    assert sum(errors[i][k] for i, k in enumerate(got)) == pytest.approx(best[0])

@@ -196,6 +196,9 @@ def solve_levels(times, errors, budget: float, resolution: int = DEFAULT_RESOLUT
         r = r - 1 if choice is not None else r * 2  # a float rounding at the edge: one bucket less
         if r > 8 * int(resolution):
             break
+    order = np.lexsort((e, t), axis=1)[:, 0]  # each layer's fastest level (ties: the least error)
+    if float(t[np.arange(len(order)), order].sum()) <= budget:
+        return [int(k) for k in order]  # a budget at the fastest total: buckets rounded up never fit it
     raise SparsityError(
         f"No assignment of levels fits the time budget ({budget:.4g} ms) at this resolution; raise the "
         "resolution or lower --target-speedup."
@@ -419,8 +422,9 @@ def plan_levels(
     shapes = [shape_of[n] for n in names]
     dense = table.dense_total(shapes)
     reachable(speedup, dense, table.fastest_total(shapes), table.levels)
-    budget = dense / speedup - table.other_ms
     times = [table.ms[s] for s in shapes]
+    # a reachable target (within reachable's 1e-9) never asks less than the fastest levels' time
+    budget = max(dense / speedup - table.other_ms, sum(min(r) for r in times))
     e = np.asarray([errors[n] for n in names], dtype=np.float64)
     record = None
     if search is None:
