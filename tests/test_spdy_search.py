@@ -20,6 +20,7 @@ from hf_sparsity.pruning.spdy import SpeedTarget, TimeTable, solve_levels
 from hf_sparsity.pruning.spdy_search import final_layers, search_coefficients
 
 from .conftest import tiny_model
+from .test_spdy import _dense_inputs
 
 LEVELS = (0.0, 0.25, 0.5, 0.75)
 
@@ -69,22 +70,6 @@ def _pruned_alone(dense, d, X, level, method, n):
     return W_new.t() if d.input_dim == 0 else W_new
 
 
-def _inputs(model, names, calib):
-    xs, hooks = {}, []
-    for n in names:
-        mod = model.get_submodule(n.rsplit(".", 1)[0])
-        hooks.append(
-            mod.register_forward_hook(
-                lambda m, i, o, n=n: xs.__setitem__(n, i[0].detach().reshape(-1, i[0].shape[-1]).double())
-            )
-        )
-    with torch.no_grad():
-        model(calib)
-    for h in hooks:
-        h.remove()
-    return xs
-
-
 @pytest.mark.parametrize(
     "arch,method",
     [("llama", "sparsegpt"), ("gpt2", "sparsegpt"), ("gpt_neox", "wanda"), ("opt", "sparsegpt")],
@@ -115,7 +100,7 @@ def test_every_scored_loss_is_the_models_own_loss_at_those_levels(arch, method, 
     assert unchanged and all(unchanged)
     ids = calib[:4]
     assert rec["loss_dense"] == pytest.approx(_hf_loss(dense, ids), rel=1e-5)
-    xs = _inputs(dense, [d.name for d in targets], calib)
+    xs = _dense_inputs(dense, [d.name for d in targets], calib)
     stitched = copy.deepcopy(dense)
     with torch.no_grad():
         for d in targets:
@@ -251,7 +236,7 @@ def test_the_plain_start_is_the_plain_programs_choice():
     plain = _plain_levels(tiny_model("gpt2"), calib, table, steps=0)
     searched = _plain_levels(tiny_model("gpt2"), calib, table, steps=1)
     dense = tiny_model("gpt2").eval()
-    xs = _inputs(dense, list(plain.levels), calib)
+    xs = _dense_inputs(dense, list(plain.levels), calib)
     stitched = copy.deepcopy(dense)
     with torch.no_grad():
         for d in _targets(dense):
