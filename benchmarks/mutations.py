@@ -1314,7 +1314,7 @@ MUTATIONS = (
         "layout='auto' takes the gathered layout where it has more chunks than pays (50% sparse on AVX2)",
         (
             (
-                "hf_sparsity/backends/_native.py",
+                "hf_sparsity/backends/formats/bitmask.py",
                 "n * GATHER_CHUNK_GROUPS < rows * ((in_features + 7) // 8)",
                 "n < rows * ((in_features + 7) // 8)",
             ),

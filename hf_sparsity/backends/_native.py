@@ -20,10 +20,8 @@ compiler in a few seconds (``cc -O3 -march=native -shared -fopenmp``; ``HF_SPARS
 hash of every source file, the flags, compiler and CPU (one process compiles, others starting at once wait
 on a lock file beside it), then loaded with ``ctypes`` (which releases the GIL during calls; callers on
 other Python threads get OpenMP teams of their own, or, with the pthread pool, run serially rather than
-share it).
-Anything failing (no compiler, read-only cache, non-Linux platform) makes
-:func:`load` return ``None`` and callers fall back to torch;
-``HF_SPARSITY_NO_NATIVE=1`` forces that fallback.
+share it). Anything failing (no compiler, read-only cache, non-Linux platform) makes :func:`load` return
+``None`` and callers fall back to torch; ``HF_SPARSITY_NO_NATIVE=1`` forces that fallback.
 """
 
 from __future__ import annotations
@@ -489,35 +487,6 @@ def run_op(
         None if bias is None else bias.data_ptr(),
     )  # fmt: skip
     return y
-
-
-GATHER_CHUNK_GROUPS = 2.0
-"""What one chunk of the gathered bitmask layout (:func:`bitmask_gather`) costs, in mask bytes (groups of
-eight columns) of the bitmask kernel: the layout pays where a weight has fewer chunks than mask bytes / this.
-Measured with ``benchmarks/isa_layers.py --gather --threads 1`` (AVX2 build, AMD EPYC Zen 5 VM, random masks,
-out of cache; gathered time / bitmask time): 50% sparse 1.03x (~0.53 chunks per mask byte), 60% 0.91x, 70%
-0.79x."""
-
-
-def bitmask_gather(
-    bits: torch.Tensor, rows: int, in_features: int, force: bool = False
-) -> torch.Tensor | None:
-    """The batch-1 gathered layout of a bitmask weight (op ``bitmask_gather``, the C source's ``bm_gather``):
-    an int64 tensor of ``rows + 1`` chunk offsets then the chunks (up to eight kept columns within sixteen,
-    their 4-bit offsets, first column and count in one uint64 each), or ``None`` where the layout does not
-    apply (fewer than 16 or 2^24 and more columns, no kernel) or, unless ``force``, would not be faster than
-    the bitmask kernel (:data:`GATHER_CHUNK_GROUPS`)."""
-    lib = load()
-    if lib is None or rows == 0 or not 16 <= in_features < 1 << 24:
-        return None
-    bits = bits.contiguous()
-    cp = torch.empty(rows + 1, dtype=torch.int64)
-    n = lib.hfs_bm_gather(rows, in_features, bits.data_ptr(), cp.data_ptr(), None)
-    if n < 0 or not (force or n * GATHER_CHUNK_GROUPS < rows * ((in_features + 7) // 8)):
-        return None
-    out = torch.empty(rows + 1 + n, dtype=torch.int64)
-    lib.hfs_bm_gather(rows, in_features, bits.data_ptr(), out.data_ptr(), out[rows + 1 :].data_ptr())
-    return out
 
 
 def csr_unpack_into(out: torch.Tensor, rowptr: torch.Tensor, idx: torch.Tensor, values: torch.Tensor):

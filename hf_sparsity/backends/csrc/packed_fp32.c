@@ -127,7 +127,7 @@ VT_DISPATCH(bm_rows)
    chunks; the values and their row offsets are the bitmask's own. Measured (benchmarks/isa_layers.py --gather
    --threads 1: an AVX2 build on an AMD EPYC Zen 5 VM, random masks, out of cache; the bitmask kernel's time
    over this one's): 70% sparse 1.25x, 60% 1.07-1.1x, 50% 0.96-0.97x (so the layout is kept where its chunks
-   are few: _native.GATHER_CHUNK_GROUPS). */
+   are few: GATHER_CHUNK_GROUPS in formats/bitmask.py). */
 #define BMG_BASE(c) ((int64_t)(((c) >> 32) & 0xffffff))
 #define BMG_N(c) ((int64_t)((c) >> 56))
 static inline __attribute__((always_inline)) void bmg_rows_(const job_t* j, int64_t r0, int64_t r1, const int BF) {

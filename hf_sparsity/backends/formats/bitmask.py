@@ -15,6 +15,35 @@ GATHER_ISAS = ("avx2", "avx2-vnni")
 a mask byte costs the same at any density; the AVX-512 kernels expand sixteen columns per instruction)."""
 
 
+GATHER_CHUNK_GROUPS = 2.0
+"""What one chunk of the gathered bitmask layout (:func:`bitmask_gather`) costs, in mask bytes (groups of
+eight columns) of the bitmask kernel: the layout pays where a weight has fewer chunks than mask bytes / this.
+Measured with ``benchmarks/isa_layers.py --gather --threads 1`` (AVX2 build, AMD EPYC Zen 5 VM, random masks,
+out of cache; gathered time / bitmask time): 50% sparse 1.03x (~0.53 chunks per mask byte), 60% 0.91x, 70%
+0.79x."""
+
+
+def bitmask_gather(
+    bits: torch.Tensor, rows: int, in_features: int, force: bool = False
+) -> torch.Tensor | None:
+    """The batch-1 gathered layout of a bitmask weight (op ``bitmask_gather``, the C source's ``bm_gather``):
+    an int64 tensor of ``rows + 1`` chunk offsets then the chunks (up to eight kept columns within sixteen,
+    their 4-bit offsets, first column and count in one uint64 each), or ``None`` where the layout does not
+    apply (fewer than 16 or 2^24 and more columns, no kernel) or, unless ``force``, would not be faster than
+    the bitmask kernel (:data:`GATHER_CHUNK_GROUPS`)."""
+    lib = _native.load()
+    if lib is None or rows == 0 or not 16 <= in_features < 1 << 24:
+        return None
+    bits = bits.contiguous()
+    cp = torch.empty(rows + 1, dtype=torch.int64)
+    n = lib.hfs_bm_gather(rows, in_features, bits.data_ptr(), cp.data_ptr(), None)
+    if n < 0 or not (force or n * GATHER_CHUNK_GROUPS < rows * ((in_features + 7) // 8)):
+        return None
+    out = torch.empty(rows + 1 + n, dtype=torch.int64)
+    lib.hfs_bm_gather(rows, in_features, bits.data_ptr(), out.data_ptr(), out[rows + 1 :].data_ptr())
+    return out
+
+
 @register_backend
 class BitmaskBackend(_PackedBackend):
     """1 bit per weight + packed kept values (fp32 or bf16). Any unstructured mask, CPU.
@@ -22,10 +51,10 @@ class BitmaskBackend(_PackedBackend):
     ``layout``: the batch-1 product's layout with float32 activations (the bits, row offsets and values are
     what is stored either way). ``"mask"``: the bitmask kernel (one lane expansion per eight columns);
     ``"gather"``: the kept values in chunks of up to eight within sixteen columns, each chunk's activations
-    gathered by its stored 4-bit column offsets (:func:`_native.bitmask_gather`: made from the bits when the
+    gathered by its stored 4-bit column offsets (:func:`bitmask_gather`: made from the bits when the
     weight is packed or loaded, never saved; 8 bytes per chunk in memory); ``"auto"`` (default): gather on an
     AVX2 build (:data:`GATHER_ISAS`) where the weight has few enough chunks to be faster
-    (:data:`_native.GATHER_CHUNK_GROUPS`: from about 55% sparsity), else mask. Layers narrower than 16 columns
+    (:data:`GATHER_CHUNK_GROUPS`: from about 55% sparsity), else mask. Layers narrower than 16 columns
     and int8 activations keep the mask."""
 
     name = "bitmask"
@@ -55,7 +84,7 @@ class BitmaskBackend(_PackedBackend):
         if self.kernel != "native" or self.int8_activations or layout == "mask":
             return
         if layout == "gather" or _native.isa() in GATHER_ISAS:
-            self.gather = _native.bitmask_gather(
+            self.gather = bitmask_gather(
                 self.bits, self.out_features, self.in_features, force=layout == "gather"
             )
 
