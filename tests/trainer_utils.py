@@ -62,3 +62,22 @@ class InvariantChecker(TrainerCallback):
                     )
                     self.state_tensors_checked += 1
         self.checked += 1
+
+
+def split_runs(argv: list[str]) -> list[list[str]]:
+    """A launched script's ``--then``-separated runs: ``a b --then c`` -> ``[[a, b], [c]]``."""
+    runs: list[list[str]] = [[]]
+    for arg in argv:
+        if arg == "--then":
+            runs.append([])
+        else:
+            runs[-1].append(arg)
+    return runs
+
+
+def end_process_group() -> None:
+    """After a launch's last run: every rank at a barrier, then the group torn down (gloo's threads joined
+    before the interpreter exits)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

@@ -30,7 +30,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E4
 
 from hf_sparsity import SparsityCallback, SparsityConfig  # noqa: E402
 from tests.conftest import tiny_model  # noqa: E402
-from tests.trainer_utils import random_blocks  # noqa: E402
+from tests.trainer_utils import end_process_group, random_blocks, split_runs  # noqa: E402
 
 if os.environ.get("DS_ACCELERATOR") == "cpu":
     # DeepSpeed's CPU backend compiles a C++ shared-memory all-reduce (deepspeed_shm_comm) when its process
@@ -184,21 +184,13 @@ def main_runs(argv: list[str]) -> None:
     """Each ``--then``-separated run in turn; the process group torn down after the last."""
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-    runs: list[list[str]] = [[]]
-    for arg in argv:
-        if arg == "--then":
-            runs.append([])
-        else:
-            runs[-1].append(arg)
-    for run in runs:
+    for run in split_runs(argv):
         main(run)
         # The run's DeepSpeed config must not outlive it: transformers builds the next run's model inside
         # deepspeed.zero.Init while a ZeRO-3 config is alive.
         unset_hf_deepspeed_config()
         gc.collect()
-    if torch.distributed.is_initialized():  # a clean teardown: gloo's threads joined before exit
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

@@ -11,9 +11,11 @@ import importlib.util
 import os
 import sys
 
-RECIPES = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "recipes"
-)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RECIPES = os.path.join(ROOT, "recipes")
+sys.path.insert(0, ROOT)
+
+from tests.trainer_utils import end_process_group, split_runs  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
@@ -22,20 +24,10 @@ def main(argv: list[str]) -> int:
     spec = importlib.util.spec_from_file_location(f"recipe_{recipe}", os.path.join(RECIPES, f"{recipe}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    runs: list[list[str]] = [[]]
-    for arg in rest:
-        if arg == "--then":
-            runs.append([])
-        else:
-            runs[-1].append(arg)
-    for run in runs:
+    for run in split_runs(rest):
         if module.main(run) is None:
             return 1
-    import torch
-
-    if torch.distributed.is_initialized():  # a clean teardown: gloo's threads joined before exit
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    end_process_group()
     return 0
 
 
