@@ -13,8 +13,11 @@ Rows (every one WikiText-2 perplexity, bytes per weight, ``hf_sparsity generate`
   table predicts for ``u{L}`` in the same value type (so each profile sits at the speed of the uniform row
   it is compared with), float32 and int8 (the error table is computed once and reused); ``spdy {S}x``
   (``--spdy-targets S1,S2``) instead: profiles at the given speed-ups;
-* ``u{L}+rec`` (``--recover-steps N``): ``recipes/prune_recover.py`` on the dense model at level L,
-  ``N`` steps of distilled sparse fine-tuning (the token budget, ``N x batch 8 x block 256``, is printed);
+* ``--refit`` / ``--reconstruct-steps N``: every pruned row is pruned with ``hf_sparsity prune --refit`` /
+  ``--reconstruct --reconstruct-steps N`` too, and its name and folder carry ``+refit`` / ``+rc{N}``;
+* ``u{L}+rec`` (``--recover-steps N``): ``recipes/prune_recover.py --pruned`` on the ``u{L}`` folder,
+  ``N`` steps of sparse fine-tuning distilled from the dense model (``--recover-lr``, ``--recover-alpha``;
+  the token budget, ``N x batch 8 x block 256``, is printed);
 * llama.cpp (``--gguf-f32 FILE``, unless ``--no-gguf``): the F32 file and its Q8_0, Q6_K, Q4_K_M and
   Q4_0 quantizations (made beside it with ``benchmarks/gguf_quantize.py`` when missing); perplexity from
   llama.cpp's own logits on the same token windows, tok/s greedy with the same threads and prompt ids.
@@ -77,7 +80,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--nsamples", type=int, default=64, help="calibration windows (default 64)")
     p.add_argument("--seqlen", type=int, default=512, help="calibration tokens per window (default 512)")
+    p.add_argument("--refit", action="store_true", help="every pruned row: hf_sparsity prune --refit")
+    p.add_argument(
+        "--reconstruct-steps",
+        type=int,
+        default=0,
+        help="every pruned row: hf_sparsity prune --reconstruct --reconstruct-steps N (0: none)",
+    )
     p.add_argument("--recover-steps", type=int, default=0, help="u{L}+rec rows: recovery steps (0: none)")
+    p.add_argument("--recover-lr", type=float, default=2e-5, help="u{L}+rec rows: peak learning rate")
+    p.add_argument(
+        "--recover-alpha", type=float, default=1.0, help="u{L}+rec rows: the distillation loss's weight"
+    )
     p.add_argument("--gguf-f32", help="llama.cpp F32 GGUF of the same dense weights")
     p.add_argument("--no-gguf", action="store_true", help="no llama.cpp rows")
     p.add_argument("--threads", type=int, default=2)
@@ -147,7 +161,9 @@ def build_rows(args, dense: Path, out: Path) -> list[dict]:
     values = args.values.split(",")
     rows = [dict(name=f"dense {v}", folder=dense, values=_values(v), kind="dense", level=0.0) for v in values]
     common = dict(method="sparsegpt", calib_data=calib, nsamples=args.nsamples, seqlen=args.seqlen,
-                  threads=args.threads, overwrite=True)  # fmt: skip
+                  threads=args.threads, overwrite=True, refit=args.refit,
+                  reconstruct_steps=args.reconstruct_steps or None)  # fmt: skip
+    tag = _prune_tag(args)
 
     def prune(folder: Path, **kw):
         if args.reuse and (folder / "config.json").is_file():
@@ -158,9 +174,9 @@ def build_rows(args, dense: Path, out: Path) -> list[dict]:
         return res
 
     for lv in levels:
-        folder = out / "models" / f"u{lv:g}"
+        folder = out / "models" / f"u{lv:g}{tag}"
         prune(folder, sparsity=lv)
-        rows += [dict(name=f"u{lv:g} {v}", folder=folder, values=_values(v), kind="uniform", level=lv)
+        rows += [dict(name=f"u{lv:g}{tag} {v}", folder=folder, values=_values(v), kind="uniform", level=lv)
                  for v in values]  # fmt: skip
     if not args.no_spdy:
         errors, grid = None, tuple(sorted({*(float(x) for x in args.spdy_levels.split(",")), *levels}))
@@ -168,40 +184,46 @@ def build_rows(args, dense: Path, out: Path) -> list[dict]:
             table, shapes = folder_time_table(dense, _values(v), grid, args.threads)
             for lv in levels if not args.spdy_targets else ():
                 target = max(1.0, table.uniform_speedup(shapes, lv))
-                folder = out / "models" / f"spdy{lv:g}-{v}"
+                folder = out / "models" / f"spdy{lv:g}{tag}-{v}"
                 res = prune(folder, target_speedup=target, values=v, spdy_levels=grid, measure_rounds=0,
                             spdy_errors=errors, spdy_table=table)  # fmt: skip
                 if res is not None and res.spdy is not None:
                     errors = res.spdy.errors  # one error table for every target (same model, data, grid)
-                rows.append(dict(name=f"spdy@u{lv:g} {v}", folder=folder, values=_values(v), kind="spdy",
+                rows.append(dict(name=f"spdy@u{lv:g}{tag} {v}", folder=folder, values=_values(v), kind="spdy",
                                  level=lv, target=round(target, 4)))  # fmt: skip
             for target in [float(x) for x in args.spdy_targets.split(",") if x.strip()]:
-                folder = out / "models" / f"spdy{target:g}x-{v}"
+                folder = out / "models" / f"spdy{target:g}x{tag}-{v}"
                 prune(folder, target_speedup=target, values=v, spdy_levels=grid, measure_rounds=0,
                       spdy_table=table)  # fmt: skip
-                rows.append(dict(name=f"spdy {target:g}x {v}", folder=folder, values=_values(v), kind="spdy",
-                                 level=None, target=target))  # fmt: skip
+                rows.append(dict(name=f"spdy {target:g}x{tag} {v}", folder=folder, values=_values(v),
+                                 kind="spdy", level=None, target=target))  # fmt: skip
     if args.recover_steps:
         for lv in levels:
-            folder = _recover(args, dense, calib, lv, out)
-            rows += [dict(name=f"u{lv:g}+rec {v}", folder=folder, values=_values(v), kind="recovered",
+            folder = _recover(args, dense, calib, out / "models" / f"u{lv:g}{tag}", out)
+            rows += [dict(name=f"u{lv:g}{tag}+rec {v}", folder=folder, values=_values(v), kind="recovered",
                           level=lv) for v in values]  # fmt: skip
     return rows
 
 
-def _recover(args, dense: Path, calib: str, level: float, out: Path) -> Path:
-    """``recipes/prune_recover.py`` at ``level`` (SparseGPT, distilled): its finalized folder."""
-    run = out / "recover" / f"u{level:g}"
+def _prune_tag(args) -> str:
+    """What the pruned rows' names and folders carry beyond SparseGPT: ``+refit``, ``+rc{N}``."""
+    steps = args.reconstruct_steps
+    return ("+refit" if args.refit else "") + (f"+rc{steps}" if steps else "")
+
+
+def _recover(args, dense: Path, calib: str, pruned: Path, out: Path) -> Path:
+    """``recipes/prune_recover.py --pruned`` on the uniform row's folder (distilled): its finalized folder."""
+    run = out / "recover" / pruned.name
     final = run / "final"
     if args.reuse and (final / "config.json").is_file():
         return final
     root = Path(__file__).resolve().parent.parent
     cmd = [
         sys.executable, str(root / "recipes" / "prune_recover.py"), "--model", str(dense), "--dataset", calib,
-        "--dense_steps", "0", "--method", "sparsegpt", "--sparsity", str(level),
-        "--nsamples", str(args.nsamples), "--seqlen", str(args.seqlen),
+        "--dense_steps", "0", "--pruned", str(pruned),
         "--block_size", str(RECOVER_BLOCK if not args.smoke else 32),
         "--batch_size", str(RECOVER_BATCH), "--recover_steps", str(args.recover_steps),
+        "--recover_lr", str(args.recover_lr), "--distill_alpha", str(args.recover_alpha),
         "--output_dir", str(run), "--overwrite", "true", "--eval_blocks", "2" if args.smoke else "48",
     ]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, text=True)

@@ -5,6 +5,8 @@
     python recipes/prune_recover.py --model models/smollm2/dense --dataset corpus.jsonl \\
         --dense_steps 0 --seqlen 512 --block_size 256 --recover_steps 200 \\
         --wikitext2 DATA_DIR/text/wikitext-2-raw/wiki.test.raw
+    python recipes/prune_recover.py --model models/smollm2/dense --pruned out/sgpt28 --dataset corpus.jsonl \\
+        --dense_steps 0 --block_size 256 --recover_steps 60 --recover_lr 2e-5 --distill_alpha 1
     python recipes/prune_recover.py --config my.yaml      # overrides from YAML (keys below)
 
 Stages, each followed by an evaluation (perplexity on held-out blocks of the dataset, and
@@ -13,7 +15,9 @@ WikiText-2 by the Wanda/SparseGPT protocol when ``--wikitext2`` is given):
 1. ``dense``: the embedded tiny Llama trained ``dense_steps`` on the embedded text, long
    enough that pruning costs it something (or a pretrained ``--model``, with ``--dense_steps 0``);
 2. ``pruned``: ``prune_oneshot`` (``--method`` magnitude | wanda | sparsegpt) from calibration
-   windows of the training text, saved as a sparse folder;
+   windows of the training text, saved as a sparse folder; or ``--pruned FOLDER``, a folder
+   ``hf_sparsity prune`` wrote from ``--model`` (with ``--refit``, ``--reconstruct``, per-layer levels...),
+   copied in as it is;
 3. ``recovered``: that folder fine-tuned in ``Trainer`` with ``SparsityCallback`` (masks fixed),
    optionally distilled from the dense model (KL on logits, ``--distill_alpha``, ``--distill_temperature``);
 4. ``final``: ``finalize_checkpoint`` bakes the masks into a vanilla folder.
@@ -38,9 +42,11 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Trainer, TrainingArguments
 
 from hf_sparsity import SparsityCallback, SparsityConfig, SparsityError
+from hf_sparsity.constants import SPARSITY_MASKS_NAME
 from hf_sparsity.data import BlockDataset, build_tokenizer, embedded_text, pack_tokens
 from hf_sparsity.loading import load_model_folder
 from hf_sparsity.pruning import prune_oneshot, read_documents, sample_calibration, save_pruned
+from hf_sparsity.storage.masks_file import has_masks
 
 # ----------------------------------------------------------------------------- defaults
 DEFAULTS = dict(
@@ -60,7 +66,8 @@ DEFAULTS = dict(
     # stage 1: dense training (0 for a pretrained model)
     dense_steps=300,
     dense_lr=3e-3,
-    # stage 2: one-shot pruning
+    # stage 2: one-shot pruning, or a folder `hf_sparsity prune` wrote from --model (then recovered as it is)
+    pruned="",
     method="wanda",  # magnitude | wanda | sparsegpt
     sparsity=0.7,
     structure="",  # e.g. "2:4" (then sparsity is 0.5)
@@ -192,8 +199,40 @@ def _prepare_output(args) -> Path:
     return out
 
 
+def _shapes(folder) -> dict:
+    from transformers import AutoConfig
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def check_pruned(args) -> None:
+    """``--pruned FOLDER`` must be a folder ``hf_sparsity prune`` wrote from ``--model``: checked before
+    anything is written."""
+    if not args.pruned:
+        return
+    if args.model == "tiny":
+        raise SparsityError("--pruned needs --model: the dense folder it was pruned from (the teacher).")
+    if not has_masks(args.pruned):
+        raise SparsityError(
+            f"--pruned {args.pruned}: no {SPARSITY_MASKS_NAME} there; give a folder hf_sparsity prune wrote."
+        )
+    if _shapes(args.pruned) != _shapes(args.model):
+        raise SparsityError(f"--pruned {args.pruned}: its weights are not --model {args.model}'s shapes.")
+
+
+def _given_pruned(args, out: Path):
+    """The ``--pruned`` folder copied in as stage 2, loaded with its masks."""
+    if C.is_main_process():
+        shutil.copytree(args.pruned, out / "pruned")
+    C.wait_for_main_process()
+    return load_model_folder(out / "pruned")[0]
+
+
 def main(argv=None) -> dict:
     args = C.parse_args(DEFAULTS, __doc__, argv)
+    check_pruned(args)
     out = _prepare_output(args)
     tok, texts, train, held_out = load_data(args)
     stages, t0 = [], time.time()
@@ -219,13 +258,17 @@ def main(argv=None) -> dict:
     # (deterministic) way; the main one writes the folder.
     structure = args.structure or None
     config = SparsityConfig(sparsity=0.5 if structure else args.sparsity, structure=structure)
-    student, _ = load_model_folder(out / "dense")
-    calib = sample_calibration(texts, tok, nsamples=args.nsamples, seqlen=args.seqlen, seed=args.calib_seed)
-    result = prune_oneshot(student, config, calib, method=args.method)
-    if C.is_main_process():
-        save_pruned(student, result, out / "pruned", config=config, tokenizer=tok)
-    C.wait_for_main_process()
-    record("pruned", student, prune_s=round(result.seconds, 2))
+    if args.pruned:
+        student = _given_pruned(args, out)
+        record("pruned", student, pruned_from=args.pruned)
+    else:
+        student, _ = load_model_folder(out / "dense")
+        calib = sample_calibration(texts, tok, args.nsamples, args.seqlen, seed=args.calib_seed)
+        result = prune_oneshot(student, config, calib, method=args.method)
+        if C.is_main_process():
+            save_pruned(student, result, out / "pruned", config=config, tokenizer=tok)
+        C.wait_for_main_process()
+        record("pruned", student, prune_s=round(result.seconds, 2))
 
     # 3. recover: the pruned folder in Trainer; SparsityCallback restores its masks and keeps them fixed
     student, _ = load_model_folder(out / "pruned")

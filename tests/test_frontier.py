@@ -46,5 +46,6 @@ def test_frontier_help_names_the_drop_in_options():
         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT, timeout=120,
     )  # fmt: skip
     assert res.returncode == 0
-    for opt in ("--target-speedup", "--head", "--isa", "--no-gguf", "--recover-steps", "--smoke"):
+    opts = ("--target-speedup", "--head", "--isa", "--no-gguf", "--recover-steps", "--recover-lr", "--refit")
+    for opt in (*opts, "--reconstruct-steps", "--smoke"):
         assert opt in res.stdout, opt

@@ -17,12 +17,17 @@ TINY = [
 ]  # fmt: skip
 
 
-@pytest.mark.slow
-def test_prune_recover_recipe(tmp_path):
+def _recipe():
     sys.path.insert(0, str(REPO / "recipes"))  # as when run as a script: its folder first (_common)
     spec = importlib.util.spec_from_file_location("prune_recover", REPO / "recipes" / "prune_recover.py")
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
+    return recipe
+
+
+@pytest.mark.slow
+def test_prune_recover_recipe(tmp_path):
+    recipe = _recipe()
     res = recipe.main(["--output_dir", str(tmp_path), *map(str, TINY)])
     saved = json.loads((tmp_path / "results.json").read_text())
     assert [s["stage"] for s in saved["stages"]] == ["dense", "pruned", "recovered", "final"]
@@ -40,8 +45,51 @@ def test_prune_recover_recipe(tmp_path):
     from hf_sparsity.storage.masks_file import load_masks
 
     masks, _ = load_masks(tmp_path / "pruned")
-    weights = load_file(tmp_path / "recovered" / "model.safetensors")
+    weights = recovered_w = load_file(tmp_path / "recovered" / "model.safetensors")
     for name, mask in masks.items():
         assert torch.all(weights[name][mask == 0] == 0) and torch.count_nonzero(weights[name]) > 0
     assert not (tmp_path / "final" / "sparsity_masks.safetensors").exists()
     assert (tmp_path / "perplexity.png").stat().st_size > 1000
+
+    # --pruned: the folder just pruned, recovered again as it is (no pruning here): the same masks and the
+    # same pruned perplexity on the same held-out blocks (the dense folder's tokenizer reads the same text)
+    again = tmp_path / "again"
+    args = ["--model", str(tmp_path / "dense"), "--pruned", str(tmp_path / "pruned"), "--dense_steps", "0"]
+    recipe.main(["--output_dir", str(again), *map(str, TINY), *args])
+    stages = json.loads((again / "results.json").read_text())["stages"]
+    assert [s["stage"] for s in stages] == ["dense", "pruned", "recovered", "final"]
+    assert stages[0]["heldout_ppl"] == pytest.approx(dense["heldout_ppl"], rel=1e-5)
+    assert stages[1]["heldout_ppl"] == pytest.approx(pruned["heldout_ppl"], rel=1e-5)
+    assert stages[1]["pruned_from"] == str(tmp_path / "pruned") and "prune_s" not in stages[1]
+    assert stages[2]["masks_restored_from"] == str(again / "pruned")
+    # the same start, data and seed: the same recovered weights as pruning in the recipe gave
+    weights = load_file(again / "recovered" / "model.safetensors")
+    assert weights.keys() == recovered_w.keys()
+    for name in weights:
+        torch.testing.assert_close(weights[name], recovered_w[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["tiny model", "no masks", "other shapes"])
+def test_pruned_folder_refusals_write_nothing(tmp_path, case):
+    from hf_sparsity import SparsityError
+
+    from .conftest import tiny_model
+
+    recipe = _recipe()
+    dense, other = tmp_path / "dense", tmp_path / "other"
+    tiny_model("llama").save_pretrained(dense)
+    tiny_model("llama", hidden=16).save_pretrained(other)
+    args = ["--model", str(dense), "--pruned", str(other)]
+    if case == "tiny model":
+        args = ["--pruned", str(other)]
+    if case == "other shapes":
+        from hf_sparsity.storage.masks_file import save_masks
+
+        save_masks(other, {"model.layers.0.mlp.up_proj.weight": torch.ones(32, 16, dtype=torch.uint8)})
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    match = {"tiny model": "needs --model", "no masks": "no sparsity_masks", "other shapes": "shapes"}[case]
+    with pytest.raises(SparsityError, match=match):
+        recipe.main(["--output_dir", str(out), "--overwrite", "true", *args])
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
