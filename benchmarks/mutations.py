@@ -38,6 +38,12 @@ LORA_TESTS = ("tests/test_lora.py",)
 
 MUTATIONS = (
     Mutation(
+        "recover-pruned-levels-ignored",
+        "prune_recover --pruned trains under --sparsity instead of the pruned folder's own levels",
+        (("recipes/prune_recover.py", "config = get_sparsity_config(student.config) or config", "pass"),),
+        ("tests/test_prune_recover.py",),
+    ),
+    Mutation(
         "grads-masked-late",
         "gradients masked only in before_step (after clipping and DDP all-reduce), not as produced",
         (("hf_sparsity/mask_engine/enforcement.py", "if is_dtensor(p) or not p.requires_grad:", "if True:"),),

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Trainer, TrainingArguments
 
-from hf_sparsity import SparsityCallback, SparsityConfig, SparsityError
+from hf_sparsity import SparsityCallback, SparsityConfig, SparsityError, get_sparsity_config
 from hf_sparsity.constants import SPARSITY_MASKS_NAME
 from hf_sparsity.data import BlockDataset, build_tokenizer, embedded_text, pack_tokens
 from hf_sparsity.loading import load_model_folder
@@ -258,8 +258,9 @@ def main(argv=None) -> dict:
     # (deterministic) way; the main one writes the folder.
     structure = args.structure or None
     config = SparsityConfig(sparsity=0.5 if structure else args.sparsity, structure=structure)
-    if args.pruned:
+    if args.pruned:  # its own levels (config.json's sparsity section), not --sparsity
         student = _given_pruned(args, out)
+        config = get_sparsity_config(student.config) or config
         record("pruned", student, pruned_from=args.pruned)
     else:
         student, _ = load_model_folder(out / "dense")

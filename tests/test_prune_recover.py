@@ -55,13 +55,14 @@ def test_prune_recover_recipe(tmp_path):
     # same pruned perplexity on the same held-out blocks (the dense folder's tokenizer reads the same text)
     again = tmp_path / "again"
     args = ["--model", str(tmp_path / "dense"), "--pruned", str(tmp_path / "pruned"), "--dense_steps", "0"]
-    recipe.main(["--output_dir", str(again), *map(str, TINY), *args])
+    recipe.main(["--output_dir", str(again), *map(str, TINY), *args, "--sparsity", "0.3"])  # folder wins
     stages = json.loads((again / "results.json").read_text())["stages"]
     assert [s["stage"] for s in stages] == ["dense", "pruned", "recovered", "final"]
     assert stages[0]["heldout_ppl"] == pytest.approx(dense["heldout_ppl"], rel=1e-5)
     assert stages[1]["heldout_ppl"] == pytest.approx(pruned["heldout_ppl"], rel=1e-5)
     assert stages[1]["pruned_from"] == str(tmp_path / "pruned") and "prune_s" not in stages[1]
     assert stages[2]["masks_restored_from"] == str(again / "pruned")
+    assert stages[2]["zero_fraction_of_matrices"] == pytest.approx(pruned["zero_fraction_of_matrices"])
     # the same start, data and seed: the same recovered weights as pruning in the recipe gave
     weights = load_file(again / "recovered" / "model.safetensors")
     assert weights.keys() == recovered_w.keys()
