@@ -138,11 +138,14 @@ static double exp_shift(float* x, int64_t n, float shift) {
   double den = 0.0;
   int64_t t = 0;
 #if HFS_VEXP == 16
+  __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
   for (; t + 16 <= n; t += 16) {
     const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + t), _mm512_set1_ps(shift)));
     _mm512_storeu_ps(x + t, e);
-    den += (double)_mm512_reduce_add_ps(e);
+    lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+    hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
   }
+  den = _mm512_reduce_add_pd(_mm512_add_pd(lo, hi));
 #elif HFS_VEXP == 8
   __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
   for (; t + 8 <= n; t += 8) {
