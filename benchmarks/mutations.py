@@ -963,6 +963,123 @@ MUTATIONS = (
         ("tests/test_native_sampling.py",),
     ),
     Mutation(
+        "native-exp8-coefficient",
+        "exp8 (AVX2) with a wrong polynomial coefficient (0.4 for Cephes' 0.5000000120)",
+        (
+            (
+                "hf_sparsity/backends/csrc/decode.c",
+                "p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));",
+                "p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.0E-1f));",
+            ),
+        ),
+        ("tests/test_native_kernels.py::test_decode_step_at_the_avx2_and_scalar_levels[vectors-avx2]",),
+    ),
+    Mutation(
+        "native-exp8-scale-in-one-piece",
+        "exp8 builds 2^n in one piece: e^88.38 overflows to inf, e^-88.38 turns into -inf",
+        (
+            (
+                "hf_sparsity/backends/csrc/decode.c",
+                "lo = _mm256_srai_epi32(ni, 1)",
+                "lo = _mm256_setzero_si256()",
+            ),
+        ),
+        ("tests/test_native_kernels.py::test_decode_step_at_the_avx2_and_scalar_levels[vectors-avx2]",),
+    ),
+    Mutation(
+        "native-exp8-sum-half",
+        "the AVX2 softmax sum leaves out the upper four lanes of its double accumulators",
+        (
+            (
+                "hf_sparsity/backends/csrc/decode.c",
+                "den = (part[0] + part[1]) + (part[2] + part[3]);",
+                "den = part[0] + part[1];",
+            ),
+        ),
+        ("tests/test_native_kernels.py::test_decode_step_at_the_avx2_and_scalar_levels[vectors-avx2]",),
+    ),
+    Mutation(
+        "native-silu8-sign",
+        "the AVX2 SiLU takes e^g for e^-g",
+        (
+            (
+                "hf_sparsity/backends/csrc/decode.c",
+                "const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), a));",
+                "const __m256 e = exp8(a);",
+            ),
+        ),
+        ("tests/test_native_kernels.py::test_decode_step_at_the_avx2_and_scalar_levels[vectors-avx2]",),
+    ),
+    Mutation(
+        "native-attn-qk-tail-dropped",
+        "the blocked q.k (eight keys) drops the head dimensions past the last multiple of 8",
+        (
+            (
+                "hf_sparsity/backends/csrc/decode.c",
+                "for (int64_t i = hd8; i < hd; i++) s += q[i] * k[j * hd + i];",
+                "for (int64_t i = hd; i < hd; i++) s += q[i] * k[j * hd + i];",
+            ),
+        ),
+        (
+            "tests/test_native_step_vectors.py",
+            "tests/test_native_kernels.py::test_decode_step_at_the_avx2_and_scalar_levels[vectors-avx2]",
+        ),
+    ),
+    Mutation(
+        "native-attn-qk-keys-swapped",
+        "the blocked q.k's lane sums give keys 2, 3 the scores of keys 0, 1 and back",
+        (
+            (
+                "hf_sparsity/backends/csrc/decode.c",
+                "_mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]))",
+                "_mm256_hadd_ps(_mm256_hadd_ps(a[2], a[3]), _mm256_hadd_ps(a[0], a[1]))",
+            ),
+        ),
+        (
+            "tests/test_native_step_vectors.py",
+            "tests/test_native_kernels.py::test_decode_step_at_the_avx2_and_scalar_levels[vectors-avx2]",
+        ),
+    ),
+    Mutation(
+        "native-attn-pv-probability-reused",
+        "the four-key p.v pass weighs the third key's values by the second key's probability",
+        (
+            (
+                "hf_sparsity/backends/csrc/decode.c",
+                "o = _mm256_fmadd_ps(p2, _mm256_loadu_ps(v + 2 * hd + i), o);",
+                "o = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v + 2 * hd + i), o);",
+            ),
+        ),
+        (
+            "tests/test_native_step_vectors.py",
+            "tests/test_native_kernels.py::test_decode_step_at_the_avx2_and_scalar_levels[vectors-avx2]",
+        ),
+    ),
+    Mutation(
+        "native-argmax8-last-of-ties",
+        "the AVX2 argmax takes the last of tied largest logits within a vector of 8",
+        (
+            (
+                "hf_sparsity/backends/csrc/decode.c",
+                "if (eq) return i + __builtin_ctz(eq);\n    }\n#endif",
+                "if (eq) return i + 31 - __builtin_clz(eq);\n    }\n#endif",
+            ),
+        ),
+        ("tests/test_native_kernels.py::test_decode_step_at_the_avx2_and_scalar_levels[vectors-avx2]",),
+    ),
+    Mutation(
+        "native-argmax8-skips-nan",
+        "the AVX2 argmax's vector pass forgets the NaNs it saw",
+        (
+            (
+                "hf_sparsity/backends/csrc/decode.c",
+                "nan = _mm256_movemask_ps(un) != 0;",
+                "nan = 0;",
+            ),
+        ),
+        ("tests/test_native_kernels.py::test_decode_step_at_the_avx2_and_scalar_levels[vectors-avx2]",),
+    ),
+    Mutation(
         "native-sample-temperature-ties-missed",
         "top-k with a temperature above 1 misses the ids whose quotient ties with the k-th largest's",
         (("hf_sparsity/backends/csrc/sample.c", "      if (below / t != kth) break;", "      break;"),),
@@ -1582,6 +1699,7 @@ NEW_TEST_FILES = (
     "tests/test_native_sampling.py",
     "tests/test_spdy.py",
     "tests/test_spdy_search.py",
+    "tests/test_native_step_vectors.py",
 )
 """The test files written with the last mutations above (their entries name the test that catches each);
 ``--before`` leaves them out (what the suite caught without them)."""

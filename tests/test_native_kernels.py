@@ -249,6 +249,41 @@ def test_decode_step_with_int8_activations_at_each_avx2_level(level, isa, dot):
     assert proc.returncode == 0 and "4 passed" in proc.stdout, proc.stdout[-3000:]
 
 
+# the decoding step's work between the products (exp, SiLU, attention, argmax: 256-bit vectors on AVX2, the
+# scalar loops) at those levels: its own tests there, and greedy / sampled decoding against transformers
+STEP_PARTS = {
+    "vectors": [
+        "tests/test_native_step_vectors.py",
+        "tests/test_native_sampling.py::test_the_native_steps_argmax_is_torchs_on_ties_and_nans",
+        "tests/test_native_sampling.py::test_greedy_gives_generates_tokens_on_ties_and_nans",
+    ],
+    "greedy-llama": ["tests/test_native_generate.py::test_greedy_is_token_identical_to_generate"],
+    "greedy-gpt2": ["tests/test_native_generate.py::test_gpt2_greedy_is_token_identical_to_generate"],
+    "sampling": ["tests/test_native_generate.py::test_sampling_draws_from_generates_processed_probabilities"],
+}
+
+
+STEP_CASES = [  # every part at the AVX2 level, the step's own tests at the scalar level
+    *(pytest.param(part, *LEVELS[0].values, marks=LEVELS[0].marks, id=f"{part}-avx2") for part in STEP_PARTS),
+    pytest.param("vectors", *LEVELS[2].values, id="vectors-scalar"),
+]
+
+
+@pytest.mark.slow  # the decoding tests again at another level, in a subprocess
+@pytest.mark.parametrize("part,level,isa,dot", STEP_CASES)
+def test_decode_step_at_the_avx2_and_scalar_levels(part, level, isa, dot):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", *STEP_PARTS[part]]
+    code = f"from hf_sparsity.backends import _native; assert _native.isa() == {isa!r}, _native.isa()"
+    env = {**os.environ, _native.ISA_ENV: level}
+    assert subprocess.run([sys.executable, "-c", code], cwd=root, env=env, timeout=300).returncode == 0
+    proc = subprocess.run(args, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    tail = proc.stdout.strip().splitlines()[-1:]
+    assert proc.returncode == 0 and tail and " passed" in tail[0] and "skipped" not in tail[0], proc.stdout[
+        -3000:
+    ]
+
+
 # ------------------------------------------------------------------ the gathered bitmask layout (op 5)
 def _greedy_chunks(mask: torch.Tensor) -> list[list[tuple[int, list[int]]]]:
     """Per row, the definition of the gathered layout's chunks: from the next kept column c, the kept columns

@@ -88,6 +88,9 @@ int hfs_int8_dot(void);
 int64_t hfs_decode_work_floats(const hfs_decoder_t* d);
 int64_t hfs_decode_step(const hfs_decoder_t* d, int64_t token, int64_t pos);
 int64_t hfs_decode_prompt(const hfs_decoder_t* d, const int64_t* tokens, int64_t n, int64_t pos);
+double hfs_step_exp(float* x, int64_t n, float shift);
+void hfs_step_silu_mul(float* g, const float* u, int64_t n);
+int64_t hfs_step_argmax(const float* y, int64_t n);
 int64_t hfs_sample(const hfs_sampler_t* s, float* x, const int64_t* seen, int64_t n_seen, double u,
                    int64_t* survivors);
 int64_t hfs_struct_size(const char* type);

@@ -195,7 +195,7 @@ static int64_t top_k_survivors(const hfs_sampler_t* s, const float* x, int64_t n
 static double exp_sum(const float* x, int64_t n, float t, int divide, float top) {
   double z = 0.0;
   int64_t i = 0;
-#if HFS_VEXP
+#if HFS_VEXP == 16
   __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
   for (; i + 16 <= n; i += 16) {
     __m512 y = _mm512_loadu_ps(x + i);

@@ -84,9 +84,12 @@ typedef __m256 vw_t;
 #define VW 4
 #endif
 
-/* HFS_VEXP: the decoding step's vector exp (exp16 in decode.c) */
+/* HFS_VEXP: the width of the decoding step's vector exp and of its other vector loops (decode.c): 16 (exp16,
+   AVX-512), 8 (exp8, AVX2 + FMA), 0 (expf, the scalar build) */
 #if HFS_SIMD && defined(__AVX512F__)
-#define HFS_VEXP 1
+#define HFS_VEXP 16
+#elif HFS_SIMD
+#define HFS_VEXP 8
 #else
 #define HFS_VEXP 0
 #endif
