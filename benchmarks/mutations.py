@@ -964,12 +964,12 @@ MUTATIONS = (
     ),
     Mutation(
         "native-exp8-coefficient",
-        "exp8 (AVX2) with a wrong polynomial coefficient (0.4 for Cephes' 0.5000000120)",
+        "the step's exp (EXP_POLY: exp8 on AVX2, exp16) with a wrong polynomial coefficient (0.4 for 0.5)",
         (
             (
                 "hf_sparsity/backends/csrc/decode.c",
-                "p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));",
-                "p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.0E-1f));",
+                "_mm##W##_set1_ps(5.0000001201E-1f)",
+                "_mm##W##_set1_ps(4.0E-1f)",
             ),
         ),
         ("tests/test_native_kernels.py::test_decode_step_at_the_avx2_and_scalar_levels[vectors-avx2]",),

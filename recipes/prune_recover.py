@@ -39,7 +39,14 @@ from pathlib import Path
 import _common as C  # the recipes' folder: the script's own, first on sys.path
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Trainer, TrainingArguments
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    Trainer,
+    TrainingArguments,
+)
 
 from hf_sparsity import SparsityCallback, SparsityConfig, SparsityError, get_sparsity_config
 from hf_sparsity.constants import SPARSITY_MASKS_NAME
@@ -200,8 +207,6 @@ def _prepare_output(args) -> Path:
 
 
 def _shapes(folder) -> dict:
-    from transformers import AutoConfig
-
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
     return {n: tuple(p.shape) for n, p in model.named_parameters()}
@@ -270,9 +275,9 @@ def main(argv=None) -> dict:
             save_pruned(student, result, out / "pruned", config=config, tokenizer=tok)
         C.wait_for_main_process()
         record("pruned", student, prune_s=round(result.seconds, 2))
+        student, _ = load_model_folder(out / "pruned")  # as saved: the callback finds its masks there
 
     # 3. recover: the pruned folder in Trainer; SparsityCallback restores its masks and keeps them fixed
-    student, _ = load_model_folder(out / "pruned")
     callback = SparsityCallback(config, seq_len=args.block_size)
     training_args = train_args(args, out / "recover_run", args.recover_steps, args.recover_lr)
     trainer = DistillTrainer(

@@ -19,39 +19,41 @@ int64_t hfs_decode_work_floats(const hfs_decoder_t* d) {
          d->heads * d->max_len;
 }
 
+#if HFS_VEXP
+/* Cephes' expf up to its last step, on W-bit vectors (W: 512 or 256; ROUND: that width's round to nearest):
+   x clamped to [-88.38, 88.38] (a NaN stays NaN: the constant is min's and max's first operand), n = round(x /
+   ln 2), r = x - n ln 2 (ln 2 in two parts), p = e^r by a degree-5 polynomial (~1 ulp); e^x = p * 2^n. */
+#define EXP_POLY(W, ROUND, x, n, p)                                                                           \
+  do {                                                                                                          \
+    x = _mm##W##_max_ps(_mm##W##_set1_ps(-88.3762626647949f),                                                 \
+                        _mm##W##_min_ps(_mm##W##_set1_ps(88.3762626647949f), x));                               \
+    n = ROUND(_mm##W##_mul_ps(x, _mm##W##_set1_ps(1.44269504088896341f)),                                       \
+              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);                                                   \
+    __m##W r_ = _mm##W##_fnmadd_ps(n, _mm##W##_set1_ps(0.693359375f), x);                                     \
+    r_ = _mm##W##_fnmadd_ps(n, _mm##W##_set1_ps(-2.12194440e-4f), r_);                                        \
+    p = _mm##W##_fmadd_ps(_mm##W##_set1_ps(1.9875691500E-4f), r_, _mm##W##_set1_ps(1.3981999507E-3f));       \
+    p = _mm##W##_fmadd_ps(p, r_, _mm##W##_set1_ps(8.3334519073E-3f));                                         \
+    p = _mm##W##_fmadd_ps(p, r_, _mm##W##_set1_ps(4.1665795894E-2f));                                         \
+    p = _mm##W##_fmadd_ps(p, r_, _mm##W##_set1_ps(1.6666665459E-1f));                                         \
+    p = _mm##W##_fmadd_ps(p, r_, _mm##W##_set1_ps(5.0000001201E-1f));                                         \
+    p = _mm##W##_fmadd_ps(p, _mm##W##_mul_ps(r_, r_), _mm##W##_add_ps(r_, _mm##W##_set1_ps(1.0f)));           \
+  } while (0)
+#endif
+
 #if HFS_VEXP == 16
-/* e^x for 16 floats: Cephes' expf (range reduction by ln 2 in two parts, a degree-5 polynomial; ~1 ulp),
-   inputs clamped to [-88.38, 88.38] (a NaN stays NaN). Used by the SiLU and the attention's softmax. */
+/* e^x for 16 floats (EXP_POLY, then vscalefps). Used by the SiLU and the attention's softmax. */
 static inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-88.3762626647949f), _mm512_min_ps(_mm512_set1_ps(88.3762626647949f), x));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.9875691500E-4f), r, _mm512_set1_ps(1.3981999507E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  __m512 n, p;
+  EXP_POLY(512, _mm512_roundscale_ps, x, n, p);
   return _mm512_scalef_ps(p, n);
 }
 #elif HFS_VEXP == 8
-/* exp16's e^x for 8 floats (AVX2 + FMA): the same clamp, reduction and polynomial; 2^n (n in [-128, 128])
-   from the exponent bits in two halves, 2^(n >> 1) * 2^(n - (n >> 1)), each a normal float, so that
-   e^88.38 = p * 2^128 does not overflow and e^-88.38 = p * 2^-128 rounds once into the subnormals. */
+/* e^x for 8 floats (AVX2 + FMA; EXP_POLY): 2^n (n in [-128, 128]) from the exponent bits in two halves,
+   2^(n >> 1) * 2^(n - (n >> 1)), each a normal float, so that e^88.38 = p * 2^128 does not overflow and
+   e^-88.38 = p * 2^-128 rounds once into the subnormals. */
 static inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(_mm256_set1_ps(-88.3762626647949f), _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), x));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(1.9875691500E-4f), r, _mm256_set1_ps(1.3981999507E-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  __m256 n, p;
+  EXP_POLY(256, _mm256_round_ps, x, n, p);
   const __m256i ni = _mm256_cvtps_epi32(n), lo = _mm256_srai_epi32(ni, 1), bias = _mm256_set1_epi32(127);
   const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(lo, bias), 23));
   const __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, lo), bias), 23));
