@@ -491,6 +491,30 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "auto-int8-dense-float",
+        "with int8 values auto's native_dense candidate is the float32 GEMV, not the int8 one",
+        (
+            (
+                "hf_sparsity/backends/auto/cost.py",
+                "return get_backend(fmt).from_dense(w, m, threads=threads, values=values)",
+                "return get_backend(fmt).from_dense(w, m, threads=threads)",
+            ),
+        ),
+        ("tests/test_auto_plans.py",),
+    ),
+    Mutation(
+        "auto-int8-copies-float-bytes",
+        "auto streams int8 candidates' copies by float32 bytes: a quarter of the memory traffic, cached",
+        (
+            (
+                "hf_sparsity/backends/auto/planner.py",
+                "per = w0.numel() * (esize or w0.element_size())",
+                "per = w0.numel() * w0.element_size()",
+            ),
+        ),
+        ("tests/test_auto_plans.py",),
+    ),
+    Mutation(
         "auto-predicted-not-per-layer",
         "auto's predicted whole-model ratio counts a pass over all timed copies as one layer's saving",
         (

@@ -403,12 +403,18 @@ def test_cli_bad_speed_inputs_are_refused_in_one_line_and_write_nothing(
 def test_int8_values_survive_a_whole_model_check_that_keeps_every_layer_dense(monkeypatch, tmp_path):
     """The int8 LM head's choice has no measured ratios; a slower whole model (every layer back to dense)
     must still convert (a speed target's dense int8 reference of a small model goes through it)."""
-    from hf_sparsity.backends.auto import backend
+    from hf_sparsity.backends.auto import backend, planner
     from hf_sparsity.inference import sparsify_for_inference
     from hf_sparsity.inference.conversion import SparseLinear
 
     monkeypatch.setenv("HF_SPARSITY_PLAN_CACHE", str(tmp_path / "plans.json"))
     monkeypatch.setattr(backend, "_time_whole_model", lambda model, swaps, rounds, tokens: (0.5, 100.0))
+    quick = {"dense": 2.0, "native_dense": 1.5, "bitmask": 1.0}  # layers converted: the check runs
+
+    def measured(fns, *args, **kwargs):
+        return {f: quick.get(f.split(":")[0], 1.2) for f in fns}
+
+    monkeypatch.setattr(planner, "interleaved_ms", measured)
     model = tiny_model("llama").eval()
     prune_oneshot(model, 0.5, method="magnitude")
     sparsify_for_inference(model, "auto", masks="zeros", values="int8")

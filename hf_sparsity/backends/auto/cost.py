@@ -32,7 +32,7 @@ CALL_MS = 0.004
 cost their calls more than their bytes."""
 
 
-PLAN_VERSION = 4
+PLAN_VERSION = 5
 """Bumped when a cached plan would no longer mean the same (kernels, cost model, decision rules)."""
 
 
@@ -49,8 +49,8 @@ def _build(
 ) -> SparseBackend:
     if fmt == "dense":
         return get_backend("native_dense").from_dense(w, m, kernel="torch")
-    if fmt == "native_dense":
-        return get_backend(fmt).from_dense(w, m, threads=threads)
+    if fmt == "native_dense":  # int8 values: the dense int8 GEMV (int8 activations), the dense int8 model's
+        return get_backend(fmt).from_dense(w, m, threads=threads, values=values)
     if fmt == "csr":
         b = get_backend("csr").from_dense(w, m, kernel="native", threads=threads)
         b.release_dense()  # auto never trains or refreshes a layer
@@ -62,10 +62,12 @@ def decode_bytes(fmt: str, out_f: int, in_f: int, nnz: int, dtype: torch.dtype, 
     """Bytes one batch-1 product reads from the weight in format ``fmt`` (the cost model): values,
     positions / indices, row offsets and, for int8 values, the row scales."""
     esize = torch.empty((), dtype=dtype).element_size()
-    if fmt in DENSE:
-        return out_f * in_f * esize
     vsize = 1 if values == "int8" else esize
     scales = 4 * out_f if values == "int8" else 0
+    if fmt == "dense":  # torch's float GEMV: the weight as it is
+        return out_f * in_f * esize
+    if fmt == "native_dense":
+        return out_f * in_f * vsize + scales
     bits = out_f * ((in_f + 7) // 8)
     if fmt == "bitmask":
         return nnz * vsize + bits + 8 * (out_f + 1) + scales

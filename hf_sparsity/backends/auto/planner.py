@@ -102,12 +102,12 @@ def plan_layers(
         for name in names:
             w, m = layers[name]
             choice = dict(decided, group=group, density=round(meta[name][0], 4))
-            if values and best not in DENSE:
+            if values and best != "dense":
                 choice["values"] = values
             if best == "dense":
                 out[name] = (None, ("dense", "dense"), None, choice)
             elif best == "native_dense":  # batches above SMALL_BATCH run F.linear on its dense weight
-                out[name] = (_build(best, w, m, threads), ("own", "own"), None, choice)
+                out[name] = (_build(best, w, m, threads, values), ("own", "own"), None, choice)
             else:  # the dense weight kept where a prefill regime runs on it (keep_dense_for_prefill)
                 kept = (w * m.to(w.dtype)).contiguous() if "dense" in (best_pf, large_pf) else None
                 out[name] = (_build(best, w, m, threads, values), (best_pf, large_pf), kept, choice)
@@ -128,7 +128,7 @@ def _decide_group(
     """Measure one group and decide (module docstring, steps 2-6): the JSON-simple choice dict."""
     step = max(1, len(names) // sample_layers)
     sample = names[::step][:sample_layers]
-    timed, copies = _streamed_copies(layers, sample, stream_bytes)
+    timed, copies = _streamed_copies(layers, sample, stream_bytes, 1 if values == "int8" else None)
     w0 = layers[sample[0]][0]
     out_f, in_f = w0.shape
     model_bytes = {f: decode_bytes(f, out_f, in_f, nnz, w0.dtype, values) for f in cands}
@@ -185,8 +185,10 @@ def _decide_group(
 def _disagreeing(decode_ms: dict[str, float], modeled_ms: dict[str, float], tolerance: float) -> set[str]:
     """Sparse candidates that measured more than ``tolerance`` times faster against the fastest dense
     variant than the cost model allows: a gain no byte count explains (a disturbed dense timing, not a
-    faster format). Slower than the model is believed: choosing dense then is never wrong. The dense
-    variants read the same bytes; the faster of them is the reference."""
+    faster format). Slower than the model is believed: choosing dense then is never wrong. The faster dense
+    variant is the reference (with int8 values ``native_dense``'s int8 GEMV, of the candidates' own value
+    type: against float32, whose copies leave the cache where the int8 ones stay in it, every int8 format
+    would look too fast)."""
     dense = [f for f in DENSE if f in decode_ms and f in modeled_ms]
     if not dense:
         return set()
@@ -247,11 +249,15 @@ def _prefill_choice(best: str, ms: dict[str, float], keep_dense: bool) -> tuple[
     return mode, round(ms["dense"] / pf[mode], 3)
 
 
-def _streamed_copies(layers: dict, sample: list[str], stream_bytes: int) -> tuple[dict, int]:
+def _streamed_copies(
+    layers: dict, sample: list[str], stream_bytes: int, esize: int | None = None
+) -> tuple[dict, int]:
     """Distinct copies of the ``sample`` layers (weights cloned, at most 64 copies) until one pass over
-    them streams ``stream_bytes`` of dense weights: ``(name#copy -> (weight, mask), copies)``."""
+    them streams ``stream_bytes`` of dense weights of ``esize`` bytes per weight (default: the weights'
+    own; 1 for int8 values, so the int8 formats' pass streams from memory as a model's does, not from the
+    cache): ``(name#copy -> (weight, mask), copies)``."""
     w0 = layers[sample[0]][0]
-    per = w0.numel() * w0.element_size()
+    per = w0.numel() * (esize or w0.element_size())
     copies = max(1, min(64, -(-stream_bytes // max(1, per * len(sample)))))
     timed = {
         f"{n}#{i}": (layers[n][0].clone() if i else layers[n][0], layers[n][1])
@@ -286,7 +292,7 @@ def _measure(layers, sample, cands, prefill_batch, rounds, threads, margin, valu
             if f == "dense":
                 built[f] = [(layers[n][0] * layers[n][1].to(layers[n][0].dtype)).contiguous() for n in sample]
             else:
-                built[f] = _build_copies(f, layers, sample, threads, None if f in DENSE else values)
+                built[f] = _build_copies(f, layers, sample, threads, values)
         except SparsityError:
             continue
     in_f = layers[sample[0]][0].shape[1]
