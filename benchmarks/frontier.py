@@ -54,6 +54,8 @@ import torch
 from decode import _llama_cpp_runner
 from decode_user import _cli, _gguf_perplexity, _gguf_sizes
 
+from hf_sparsity.pruning.spdy_search import DEFAULT_SEARCH_WINDOWS
+
 GGUF_TYPES = ("Q8_0", "Q6_K", "Q4_K_M", "Q4_0")
 DEFAULT_LEVELS = "0.1,0.2,0.3,0.4,0.5,0.6,0.7"
 SPDY_GRID = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
@@ -77,6 +79,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--spdy-targets", default="", help="the SPDY rows' speed-ups (default: each uniform row's)"
+    )
+    p.add_argument(
+        "--spdy-search-windows",
+        type=int,
+        default=DEFAULT_SEARCH_WINDOWS,
+        help=f"calibration windows that score each SPDY search candidate (default {DEFAULT_SEARCH_WINDOWS})",
     )
     p.add_argument("--nsamples", type=int, default=64, help="calibration windows (default 64)")
     p.add_argument("--seqlen", type=int, default=512, help="calibration tokens per window (default 512)")
@@ -179,24 +187,26 @@ def build_rows(args, dense: Path, out: Path) -> list[dict]:
         rows += [dict(name=f"u{lv:g}{tag} {v}", folder=folder, values=_values(v), kind="uniform", level=lv)
                  for v in values]  # fmt: skip
     if not args.no_spdy:
-        errors, grid = None, tuple(sorted({*(float(x) for x in args.spdy_levels.split(",")), *levels}))
+        grid = tuple(sorted({*(float(x) for x in args.spdy_levels.split(",")), *levels}))
+        # one error table and search database for every target (same model, data, grid): one error pass
+        shared = dict(spdy_errors=None, spdy_database={}, spdy_levels=grid, measure_rounds=0,
+                      spdy_search_windows=args.spdy_search_windows)  # fmt: skip
         for v in values:
             table, shapes = folder_time_table(dense, _values(v), grid, args.threads)
-            for lv in levels if not args.spdy_targets else ():
-                target = max(1.0, table.uniform_speedup(shapes, lv))
-                folder = out / "models" / f"spdy{lv:g}{tag}-{v}"
-                res = prune(folder, target_speedup=target, values=v, spdy_levels=grid, measure_rounds=0,
-                            spdy_errors=errors, spdy_table=table)  # fmt: skip
+            given = [float(x) for x in args.spdy_targets.split(",") if x.strip()]
+            targets = [(f"spdy{t:g}x{tag}-{v}", f"spdy {t:g}x{tag} {v}", None, t) for t in given]
+            if not given:  # each uniform level's predicted speed-up
+                speeds = [table.uniform_speedup(shapes, lv) for lv in levels]
+                targets = [
+                    (f"spdy{lv:g}{tag}-{v}", f"spdy@u{lv:g}{tag} {v}", lv, t) for lv, t in zip(levels, speeds)
+                ]
+            for folder_name, name, lv, target in targets:
+                folder = out / "models" / folder_name
+                res = prune(folder, target_speedup=max(1.0, target), values=v, spdy_table=table, **shared)
                 if res is not None and res.spdy is not None:
-                    errors = res.spdy.errors  # one error table for every target (same model, data, grid)
-                rows.append(dict(name=f"spdy@u{lv:g}{tag} {v}", folder=folder, values=_values(v), kind="spdy",
-                                 level=lv, target=round(target, 4)))  # fmt: skip
-            for target in [float(x) for x in args.spdy_targets.split(",") if x.strip()]:
-                folder = out / "models" / f"spdy{target:g}x{tag}-{v}"
-                prune(folder, target_speedup=target, values=v, spdy_levels=grid, measure_rounds=0,
-                      spdy_table=table)  # fmt: skip
-                rows.append(dict(name=f"spdy {target:g}x{tag} {v}", folder=folder, values=_values(v),
-                                 kind="spdy", level=None, target=target))  # fmt: skip
+                    shared["spdy_errors"] = res.spdy.errors
+                rows.append(dict(name=name, folder=folder, values=_values(v), kind="spdy", level=lv,
+                                 target=round(max(1.0, target), 4)))  # fmt: skip
     if args.recover_steps:
         for lv in levels:
             folder = _recover(args, dense, calib, out / "models" / f"u{lv:g}{tag}", out)
@@ -349,6 +359,21 @@ def speed(rows: list[dict], args) -> None:
         row["tok_s_rounds"] = times[row["name"]]
 
 
+def uniform_at_speed(rows: list[dict], row: dict) -> float:
+    """The perplexity the uniform levels (the dense row as level 0) of ``row``'s value type reach at ``row``'s
+    measured tok/s: linear between the two uniform rows whose speeds enclose it (NaN outside them)."""
+    pts = sorted(
+        (r["tok_s"], r["ppl"]) for r in rows
+        if r["kind"] in ("dense", "uniform") and r.get("values") == row.get("values")
+        and not (math.isnan(r["tok_s"]) or math.isnan(r["ppl"]))
+    )  # fmt: skip
+    t = row["tok_s"]
+    for (t0, p0), (t1, p1) in zip(pts, pts[1:]):
+        if t0 <= t <= t1:
+            return p0 if t1 == t0 else p0 + (p1 - p0) * (t - t0) / (t1 - t0)
+    return float("nan")
+
+
 def report(rows: list[dict], args, out: Path, seconds: float) -> None:
     import hf_sparsity
 
@@ -369,14 +394,17 @@ def report(rows: list[dict], args, out: Path, seconds: float) -> None:
         head += f"\nrecovery: {args.recover_steps} steps x {RECOVER_BATCH} x {RECOVER_BLOCK} = "
         head += f"{args.recover_steps * RECOVER_BATCH * RECOVER_BLOCK:,} tokens per recovered row"
     dense_tok = {r["values"]: r["tok_s"] for r in rows if r["kind"] == "dense"}
-    lines = [head, "", "| row | target | ppl | bytes/weight | tok/s | x dense (same values) |"]
-    lines.append("|---|---|---|---|---|---|")
+    lines = [head, "", "| row | target | ppl | bytes/weight | tok/s | x dense (same values) | uniform ppl at "
+             "its tok/s |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         base = dense_tok.get(r.get("values"), float("nan")) if r["kind"] != "gguf" else float("nan")
         ratio = r["tok_s"] / base if base and not math.isnan(base) else float("nan")
         target = f"{r['target']:.3f}x" if "target" in r else ""
+        if r["kind"] == "spdy":
+            r["uniform_ppl_at_speed"] = uniform_at_speed(rows, r)
+        same = f"{r['uniform_ppl_at_speed']:.2f}" if "uniform_ppl_at_speed" in r else ""
         lines.append(f"| {r['name']} | {target} | {r['ppl']:.2f} | {r['bytes_per_weight']:.3f} | "
-                     f"{r['tok_s']:.1f} | {ratio:.2f} |")  # fmt: skip
+                     f"{r['tok_s']:.1f} | {ratio:.2f} | {same} |")  # fmt: skip
     text = "\n".join(lines) + "\n"
     print(text)
     (out / "frontier.md").write_text(text)

@@ -515,6 +515,48 @@ MUTATIONS = (
         ("tests/test_auto_plans.py",),
     ),
     Mutation(
+        "spdy-uniform-start-solved",
+        "SPDY's search solves the uniform start's coefficients instead of scoring the uniform level itself",
+        (
+            (
+                "hf_sparsity/pruning/spdy_search.py",
+                "pick = given if given is not None else solve(c)",
+                "pick = solve(c)",
+            ),
+        ),
+        ("tests/test_spdy_search.py",),
+    ),
+    Mutation(
+        "spdy-database-not-kept",
+        "SPDY fills its own database, not the caller's: a second target runs the error pass again",
+        (
+            (
+                "hf_sparsity/pruning/spdy.py",
+                "        database = speed.database  # the caller's",
+                "        database = {}  # the caller's",
+            ),
+        ),
+        ("tests/test_spdy_search.py",),
+    ),
+    Mutation(
+        "spdy-step-table-not-monotone",
+        "the step time table keeps a disturbed sparser level slower than a denser one",
+        (
+            (
+                "hf_sparsity/pruning/speed.py",
+                "fit = monotone_decreasing([0.0, *(deltas[s][lv] for lv in grid)], [1e9]",
+                "fit = (lambda v, w: v)([0.0, *(deltas[s][lv] for lv in grid)], [1e9]",
+            ),
+        ),
+        ("tests/test_spdy.py",),
+    ),
+    Mutation(
+        "spdy-step-table-whole-step",
+        "the step time table counts a shape's whole change of the step for each of its layers",
+        (("hf_sparsity/pruning/speed.py", "dense_ms[s] + per[lv] / len(names)", "dense_ms[s] + per[lv]"),),
+        ("tests/test_spdy.py",),
+    ),
+    Mutation(
         "auto-predicted-not-per-layer",
         "auto's predicted whole-model ratio counts a pass over all timed copies as one layer's saving",
         (

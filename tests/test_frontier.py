@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -49,3 +50,20 @@ def test_frontier_help_names_the_drop_in_options():
     opts = ("--target-speedup", "--head", "--isa", "--no-gguf", "--recover-steps", "--recover-lr", "--refit")
     for opt in (*opts, "--reconstruct-steps", "--smoke"):
         assert opt in res.stdout, opt
+
+
+def test_the_uniform_perplexity_at_a_measured_speed_is_read_between_the_two_enclosing_rows():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from frontier import uniform_at_speed
+
+    rows = [
+        dict(kind="dense", values="int8", tok_s=100.0, ppl=30.0),
+        dict(kind="uniform", values="int8", tok_s=160.0, ppl=60.0),
+        dict(kind="uniform", values="int8", tok_s=130.0, ppl=34.0),
+        dict(kind="uniform", values=None, tok_s=145.0, ppl=1.0),  # another value type: not read
+        dict(kind="gguf", values=None, tok_s=140.0, ppl=2.0),
+    ]
+    at = lambda t: uniform_at_speed(rows, dict(kind="spdy", values="int8", tok_s=t))  # noqa: E731
+    assert at(145.0) == pytest.approx(34.0 + 26.0 * 15 / 30)  # halfway from 130 to 160
+    assert at(100.0) == 30.0 and at(130.0) == 34.0 and at(160.0) == 60.0
+    assert math.isnan(at(170.0)) and math.isnan(at(99.0))  # outside the uniform rows: not extrapolated

@@ -19,9 +19,10 @@ from hf_sparsity.pruning.spdy import (
     SpeedTarget,
     TimeTable,
     check_levels,
+    shape_key,
     solve_levels,
 )
-from hf_sparsity.pruning.speed import measure_time_table
+from hf_sparsity.pruning.speed import monotone_decreasing
 
 from .conftest import tiny_model
 
@@ -303,25 +304,83 @@ def test_speed_targets_refuse_what_chooses_levels_otherwise(kw, message):
 
 
 # ------------------------------------------------------------------------------------- the time table
+def test_the_monotone_fit_by_hand():
+    """Pool adjacent violators, each case computed by hand: the nearest non-increasing sequence."""
+    assert monotone_decreasing([3.0, 1.0, 2.0]) == [3.0, 1.5, 1.5]
+    assert monotone_decreasing([1.0, 2.0, 3.0]) == [2.0, 2.0, 2.0]
+    assert monotone_decreasing([1.0, 3.0], [3.0, 1.0]) == [1.5, 1.5]
+    # the anchored level 0 (a huge weight) stays 0: a measured gain of time is pooled into it
+    fit = monotone_decreasing([0.0, 0.1, -0.2, -0.1, -0.5], [1e9, 1, 1, 1, 1])
+    assert fit == pytest.approx([0.0, 0.0, -0.15, -0.15, -0.5], abs=1e-6)
+    assert monotone_decreasing([5.0, 4.0, 4.0, -1.0]) == [5.0, 4.0, 4.0, -1.0]  # already so: unchanged
+
+
+def _fake_step(key_of, slope, bump=None):
+    """A decoding step in ms from the model's weights: 1 + each targeted weight's ``slope`` of its shape
+    (``key_of``: name -> shape) times its share of non-zeros (a shape's dense layer costs its slope), plus
+    ``bump[(shape, level)]`` (a disturbed measurement) when the layers of that shape sit at that level."""
+
+    def step(model, ids, tokens):
+        total, levels = 1.0, {}
+        for name, key in key_of.items():
+            share = float((model.get_parameter(name) != 0).double().mean())
+            total += slope[key] * share
+            if share < 1:
+                levels[key] = round(1 - share, 3)
+        return total + sum((bump or {}).get((key, lv), 0.0) for key, lv in levels.items())
+
+    return step
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_the_time_table_is_the_model_step_per_shape_and_level(arch, monkeypatch):
+    """On a step whose time is known (each weight's cost falls with its zeros), the table's differences
+    are each layer's exact change, the uniform levels' predicted speed-ups the step's own ratios, the
+    dense step split with nothing left below zero; a disturbed (slower) sparser level is fitted so that a
+    sparser weight is never slower."""
+    from hf_sparsity.pruning import speed
+
+    model = tiny_model(arch).eval()
+    targets = [d for d in plan_sparsity(model, SparsityConfig(sparsity=0.5)) if d.sparsify]
+    shapes = [shape_key(d) for d in targets]
+    slope = {s: 0.01 * (k + 1) for k, s in enumerate(sorted(set(shapes)))}
+    first = sorted(set(shapes))[0]
+    monkeypatch.setattr(speed, "sparsify_for_inference", lambda m, *a, **k: m)
+    key_of = {d.name: shape_key(d) for d in targets}
+    bump = {(first, 0.75): 0.3 * slope[first] * shapes.count(first)}  # 0.75 measured as 0.45: slower than 0.5
+    monkeypatch.setattr(speed, "decode_ms", _fake_step(key_of, slope, bump))
+    levels = (0.0, 0.25, 0.5, 0.75)
+    table = speed.step_time_table(model, targets, levels, "int8", threads=1, rounds=2, tokens=2)
+    step = 1.0 + sum(slope[s] for s in shapes)
+    assert table.dense_total(shapes) == pytest.approx(step) and table.other_ms > 0
+    want = {}
+    for s in set(shapes):
+        per = [table.ms[s][k] - table.dense_ms[s] for k in range(len(levels))]
+        want[s] = [-slope[s] * lv for lv in levels]
+        if s == first:  # 0.5 -> -0.5 slope, 0.75 -> -0.45 slope: pooled, (-0.5 - 0.45) / 2
+            want[s][2] = want[s][3] = -slope[s] * (0.5 + 0.45) / 2
+        assert per == pytest.approx(want[s], abs=1e-9), s
+        assert table.formats[s] == ["dense"] * len(levels)
+    for k in (1, 2, 3):
+        true = step / (step + sum(want[s][k] for s in shapes))
+        assert table.uniform_speedup(shapes, levels[k]) == pytest.approx(true, rel=1e-9)
+
+
 @pytest.mark.parametrize("values", [None, "int8"])
-def test_the_time_table_is_measured_per_shape_and_level_and_cached(values, tmp_path, monkeypatch):
-    from hf_sparsity.backends import _native
-    from hf_sparsity.backends.auto import planner
+def test_the_time_table_converts_the_model_as_generate_does(values, tmp_path, monkeypatch):
+    """The real measurement on a tiny model: every shape at every level, a time per product above 0,
+    non-increasing in the level, the formats ``auto`` chose recorded."""
+    from hf_sparsity.pruning.speed import step_time_table
 
     monkeypatch.setenv("HF_SPARSITY_PLAN_CACHE", str(tmp_path / "plans.json"))
-    levels = (0.0, 0.5, 0.75)
-    shapes = ["32x64", "64x32", "32x64"]
-    table = measure_time_table(shapes, levels, values, threads=1)
-    assert sorted(table.ms) == ["32x64", "64x32"] and table.values == values
-    for s in table.ms:
-        assert len(table.ms[s]) == len(levels) and all(0 < x < 50 for x in table.ms[s])
-        assert table.dense_ms[s] == table.ms[s][0]  # level 0 is the dense reference
-        if _native.load() is None:
-            assert set(table.formats[s]) == {"dense"}
-    calls = []
-    monkeypatch.setattr(planner, "_decide_group", lambda *a, **k: calls.append(a) or {})
-    again = measure_time_table(shapes, levels, values, threads=1)
-    assert calls == [] and again.ms == table.ms  # from auto's plan cache: nothing measured again
+    model = tiny_model("llama").eval()
+    targets = [d for d in plan_sparsity(model, SparsityConfig(sparsity=0.5)) if d.sparsify]
+    levels = (0.0, 0.75)
+    table = step_time_table(model, targets, levels, values, threads=1, rounds=1, tokens=2)
+    assert sorted(table.ms) == sorted({shape_key(d) for d in targets}) and table.values == values
+    for s, row in table.ms.items():
+        assert len(row) == 2 and 0 < row[1] <= row[0] == table.dense_ms[s]
+        assert len(table.formats[s]) == 2 and all(isinstance(f, str) for f in table.formats[s])
 
 
 # ------------------------------------------------------------------------------------- the command
@@ -440,7 +499,7 @@ def test_a_given_time_table_is_used_as_is_and_one_that_does_not_fit_is_refused(
     def measured(*a, **k):
         raise AssertionError("measured again")
 
-    monkeypatch.setattr(pipeline, "measure_time_table", measured)
+    monkeypatch.setattr(pipeline, "step_time_table", measured)
     monkeypatch.setattr(pipeline, "measure_decode_ms", measured)
     common = dict(method="sparsegpt", calib_data=calib, nsamples=2, seqlen=16, spdy_levels=(0.0, 0.5))
     common.update(measure_rounds=0, threads=1)

@@ -121,6 +121,30 @@ def test_every_scored_loss_is_the_models_own_loss_at_those_levels(arch, method, 
         )
 
 
+def test_a_kept_database_is_reused_with_its_errors_and_chooses_the_same(monkeypatch):
+    """``SpeedTarget.database``: an empty dict is filled with every targeted weight at every level; given
+    back with the plan's errors, the next target runs no error pass and scores the same candidates."""
+    from hf_sparsity.pruning import spdy
+
+    model = tiny_model("llama").eval()
+    targets = _targets(model)
+    table = _table(targets)
+    db: dict = {}
+    first = SpeedTarget(1.6, LEVELS, table=table, search_steps=4, search_windows=2, database=db)
+    cfg = SparsityConfig(sparsity=0.5)
+    res = prune_oneshot(copy.deepcopy(model), cfg, _calib(), "sparsegpt", speed=first)
+    assert set(db) == {d.name for d in targets} and all(v.shape[0] == len(LEVELS) for v in db.values())
+
+    def no_pass(*a, **k):
+        raise AssertionError("the error pass ran again")
+
+    monkeypatch.setattr(spdy, "error_table", no_pass)
+    again = SpeedTarget(1.6, LEVELS, table=table, search_steps=4, search_windows=2, errors=res.spdy.errors,
+                        database=db)  # fmt: skip
+    res2 = prune_oneshot(copy.deepcopy(model), cfg, _calib(), "sparsegpt", speed=again)
+    assert res2.spdy.levels == res.spdy.levels and res2.spdy.search["history"] == res.spdy.search["history"]
+
+
 def _synthetic(seed, layers=6, levels=4):
     g = torch.Generator().manual_seed(seed)
     times = (torch.rand(layers, levels, generator=g, dtype=torch.float64) * 3 + 0.1).sort(1, descending=True)
@@ -169,24 +193,29 @@ def test_the_search_keeps_the_least_loss_scores_each_assignment_once_and_keeps_t
     assert again == pick
 
 
-def test_the_uniform_start_picks_that_level_where_every_layer_has_the_same_curve():
-    """``c_l = 1 / e_l(s_u)``: with every layer's errors proportional to one curve, the start solves to
-    ``s_u`` everywhere when the budget holds that profile and no slower one."""
+def test_the_uniform_level_is_scored_as_it_is_and_never_beaten_by_a_worse_profile():
+    """The uniform start is the uniform level at ``seed_levels`` itself (whatever the program would pick
+    for its coefficients), scored once; where it has the least loss of every assignment, the search ends
+    on it, and the plain program's profile (which trades the layers' unequal errors) loses to it."""
     names = ["a", "b", "c"]
-    curve = np.array([0.0, 0.1, 0.4, 1.0])
-    errors = {n: (curve * s).tolist() for n, s in zip(names, (0.01, 1.0, 100.0))}
+    errors = {"a": [0.0, 0.1, 0.2, 0.3], "b": [0.0, 0.01, 0.5, 1.0], "c": [0.0, 0.3, 0.35, 2.0]}
     times = [[4.0, 3.0, 2.0, 1.0]] * 3
     e = np.asarray([errors[n] for n in names])
-    firsts = []
+    scored = []
+
+    def score(pick):
+        ks = [pick[n] for n in names]
+        scored.append(ks)
+        return float(sum(abs(k - 2) for k in ks))  # the least loss: every layer at level 2
 
     def solve(c):
-        pick = solve_levels(times, e * np.asarray(c)[:, None], 6.5, 1000)
-        firsts.append(pick)
-        return pick
+        return solve_levels(times, e * np.asarray(c)[:, None], 6.5, 1000)
 
-    search_coefficients(names, errors, solve, lambda p: 0.0, steps=0, seed_levels=2)
-    assert firsts[0] != [2, 2, 2]  # the plain program trades the layers' unequal errors
-    assert firsts[1] == [2, 2, 2]
+    assert solve(1 / e[:, 2]) != [2, 2, 2]  # its coefficients alone solve to another profile
+    pick, rec = search_coefficients(names, errors, solve, score, steps=8, seed_levels=2)
+    assert scored[1] == [2, 2, 2] and scored.count([2, 2, 2]) == 1
+    assert rec["loss_uniform"] == 0.0 < rec["loss_plain"] and scored[0] != [2, 2, 2]
+    assert pick == [2, 2, 2] and rec["loss"] == 0.0
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "gpt_neox", "opt"])

@@ -30,7 +30,7 @@ from .reconstruct import DEFAULT_LR, check_steps
 from .save import write_sparsity_files, write_spdy_card
 from .spdy import DEFAULT_LEVELS, SpeedTarget, TimeTable, parse_levels, reachable, shape_key
 from .spdy_search import DEFAULT_SEARCH_STEPS, DEFAULT_SEARCH_WINDOWS
-from .speed import measure_decode_ms, measure_time_table, with_other_ms
+from .speed import measure_decode_ms, step_time_table
 from .streaming import StreamingModel
 
 logger = logging.getLogger(__name__)
@@ -155,6 +155,7 @@ def prune_folder(
     spdy_table: TimeTable | None = None,
     spdy_search_steps: int = DEFAULT_SEARCH_STEPS,
     spdy_search_windows: int = DEFAULT_SEARCH_WINDOWS,
+    spdy_database: dict | None = None,
 ) -> OneShotResult:
     """Prune ``model_dir`` one-shot and write a sparse model folder to ``out_dir``.
 
@@ -167,10 +168,13 @@ def prune_folder(
     with the same ``values`` with ``threads`` (:mod:`~.spdy`); the speed-up measured over ``measure_rounds``
     rounds (0: not) goes in the folder's ``README.md`` with the levels; ``spdy_errors``: a plan's error
     table to reuse (the same model, calibration and grid); ``spdy_table``: a time table to reuse
-    (:func:`folder_time_table`: same model, values, grid, threads); ``spdy_search_*``: :mod:`~.spdy_search`.
+    (:func:`folder_time_table`: same model, values, grid, threads); ``spdy_search_*``: :mod:`~.spdy_search`;
+    ``spdy_database``: a dict the search's database is kept in (empty: filled by this run), reused with
+    ``spdy_errors`` by a later run of the same model, calibration, method and grid (no error pass again).
     """
     speed = _speed_target(target_speedup, values, spdy_levels, threads, sparsity, structure, measure_rounds,
-                          spdy_errors, spdy_table, (spdy_search_steps, spdy_search_windows))  # fmt: skip
+                          spdy_errors, spdy_table, (spdy_search_steps, spdy_search_windows),
+                          spdy_database)  # fmt: skip
     calibrated = _check_inputs(
         model_dir, out_dir, method, nsamples, seqlen, calib_data, overwrite, device=device,
         batch_size=batch_size, blocksize=blocksize, percdamp=percdamp, owl_lambda=owl_lambda, refit=refit,
@@ -206,7 +210,7 @@ def prune_folder(
 
 def _speed_target(
     target_speedup, values, levels, threads, sparsity, structure, measure_rounds, errors=None, table=None,
-    search=(DEFAULT_SEARCH_STEPS, DEFAULT_SEARCH_WINDOWS),
+    search=(DEFAULT_SEARCH_STEPS, DEFAULT_SEARCH_WINDOWS), database=None,
 ):  # fmt: skip
     """The :class:`SpeedTarget` of ``--target-speedup`` (checked), or ``None``; ``--values`` alone refused."""
     if target_speedup is None:
@@ -223,19 +227,20 @@ def _speed_target(
         levels = parse_levels(levels)
     levels = levels if levels is not None else DEFAULT_LEVELS
     return SpeedTarget(target_speedup, levels, values, threads, errors=errors, table=table,
-                       search_steps=search[0], search_windows=search[1])  # fmt: skip
+                       search_steps=search[0], search_windows=search[1], database=database)  # fmt: skip
 
 
 def folder_time_table(
     model_dir, values: str | None = None, levels=DEFAULT_LEVELS, threads: int | None = None, config=None,
     progress: bool = False,
 ) -> tuple[TimeTable, list[str]]:  # fmt: skip
-    """The speed target's time table for the targets of ``model_dir`` (``config``: default targets), with
-    the rest of the dense model's step measured, and the targets' shapes in order."""
-    shapes = _target_shapes(model_dir, config)
-    table = measure_time_table(shapes, tuple(levels), values, threads, progress=progress)
-    step = measure_decode_ms({"dense": (model_dir, True)}, values, threads, rounds=5, stat="min")["dense"]
-    return with_other_ms(table, step, shapes), shapes
+    """The speed target's time table for the targets of ``model_dir`` (``config``: default targets),
+    measured on the dense model's own decoding step (:func:`~.speed.step_time_table`), and the targets'
+    shapes in order."""
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    targets = [d for d in plan_sparsity(model, config or SparsityConfig(sparsity=0.5)) if d.sparsify]
+    table = step_time_table(model, targets, tuple(levels), values, threads, progress=progress)
+    return table, [shape_key(d) for d in targets]
 
 
 def _target_shapes(model_dir, config=None) -> list[str]:

@@ -2,19 +2,14 @@
 
 Three tables and one dynamic program:
 
-* **Time** ``t_l(s)``: milliseconds of one batch-1 product of a layer of ``l``'s shape at level ``s``, in
-  the format ``auto`` runs at that level with the given value type (``values=None``: float32,
-  ``"int8"``: int8 values with row scales), on this machine and thread count: measured by
-  :func:`hf_sparsity.backends.auto.plan_layers` on a random weight of each shape with a random mask of
-  exactly ``round(s · numel)`` zeros, so the measurement is ``auto``'s own (streamed weights, round-robin,
-  fastest round) and is kept in ``auto``'s plan cache: a second run measures nothing, and converting the
-  pruned model reuses the same decisions.
-* **The rest of a decoding step** ``T_other`` (LM head, attention, norms, embeddings, the loop): the dense
-  model, converted with ``auto`` in the same value type, decodes 32 tokens five times
-  (:func:`~.speed.measure_decode_ms`, the fastest round, as the table keeps each layer's fastest);
-  ``T_other = max(0, T_dense_step − Σ_l t_l(0))``.
-  The end-to-end model is then ``T(levels) = T_other + Σ_l t_l(s_l)``, and the speed-up over the dense
-  model ``T(0) / T(levels)``.
+* **Time** ``t_l(s)``: milliseconds of layer ``l``'s product at level ``s`` in one decoding step, with
+  the given value type (``values=None``: float32, ``"int8"``: int8 values with row scales), on this
+  machine and thread count, measured on the model's own step (:func:`~.speed.step_time_table`): the model
+  converted as ``hf_sparsity generate`` converts it (``auto``'s choices, the LM head, attention, the loop),
+  with the layers of one shape at exactly ``round(s · numel)`` random zeros, against the dense model,
+  interleaved; a shape's change of the step over its layer count, non-increasing in ``s``.
+  The end-to-end model is then ``T(levels) = T_other + Σ_l t_l(s_l)`` (``T_other``: the step's share of
+  what is not targeted), and the speed-up over the dense model ``T(0) / T(levels)``.
 * **Error** ``e_l(s)``: the relative output error of layer ``l`` pruned at ``s`` by the method,
   ``‖W X − Ŵ_s X‖² / ‖W X‖²`` over the calibration tokens, from one statistic per layer collected in one
   dense pass over the blocks (as OWL's levels are): SparseGPT runs its OBS sweep at every grid level at
@@ -132,6 +127,7 @@ class SpeedTarget:
         DEFAULT_SEARCH_STEPS  # SPDY's coefficient search on the calibration loss (0: the plain program)
     )
     search_windows: int = DEFAULT_SEARCH_WINDOWS  # calibration windows that score each candidate
+    database: dict | None = None  # the search's database: kept here (empty), or reused with ``errors``
 
     def __post_init__(self) -> None:
         check_speedup(self.speedup)
@@ -464,7 +460,15 @@ def spdy_counts(model, blocks, prefix, targets, chunks, speed: SpeedTarget, meth
                 "targeted weight in the blocks (a plan's errors for the same model, targets and levels)."
             )
     database = database_for(speed, inside, model, prefix, calibration)
-    if speed.errors is None or database is not None:  # the search's database comes with the error pass
+    if database is not None and speed.database is not None:
+        database = speed.database  # the caller's: reused as it is, or filled by the error pass below
+    reuse = (
+        database is not None and speed.errors is not None and set(database) == set(errors)
+        and all(len(v) == len(speed.levels) for v in database.values())
+    )  # fmt: skip
+    if speed.errors is None or (database is not None and not reuse):  # the database comes with the errors
+        if database is not None:
+            database.clear()
         errors = error_table(model, blocks, prefix, targets, chunks, method, ctx_factory, speed.levels, dev,
                              stream, progress, database)  # fmt: skip
     names = [d.name for d in targets if d.name in errors]

@@ -13,9 +13,10 @@ coefficients whose solution gives the least calibration loss:
   first ``windows`` calibration windows run block by block (from the inputs captured once), the model's
   final norm and LM head, the mean next-token cross-entropy. Every candidate keeps the time budget: it is
   a solution of the program.
-* **The search**: two starting points, ``c = 1`` (the plain program) and ``c_l = 1 / e_l(s_u)`` (each
-  layer's error at the lowest grid level ``s_u`` whose uniform profile meets the target set to 1, which
-  chooses about ``s_u`` everywhere); the better one is kept. Then ``steps`` times a random set of
+* **The search**: two starting points, ``c = 1`` (the plain program) and the uniform profile at the
+  lowest grid level ``s_u`` that meets the target, scored as it is, with ``c_l = 1 / e_l(s_u)`` (each
+  layer's error there set to 1) as its coefficients; the better one is kept, so the profile found is
+  never worse on the calibration loss than that uniform level. Then ``steps`` times a random set of
   coefficients (a quarter of the layers at first, shrinking to one) is scaled by ``exp(N(0, 1))``, the
   program solved, the candidate scored (each distinct assignment once) and the coefficients kept when the
   loss falls. Seeded: the same inputs choose the same levels.
@@ -140,13 +141,13 @@ def search_coefficients(names, errors, solve, score, steps: int, seed_levels: in
             seen[key] = score(dict(zip(names, pick)))
         return seen[key]
 
-    starts = [("plain", np.ones(L))]
-    if seed_levels is not None:
-        starts.append(("uniform", 1.0 / np.maximum(e[:, seed_levels], 1e-12)))
+    starts = [("plain", np.ones(L), None)]
+    if seed_levels is not None:  # the uniform level itself, scored as it is (it fits the budget)
+        starts.append(("uniform", 1.0 / np.maximum(e[:, seed_levels], 1e-12), [seed_levels] * L))
     record = {}
     best_c, best_pick, best_loss = None, None, float("inf")
-    for label, c in starts:
-        pick = solve(c)
+    for label, c, given in starts:
+        pick = given if given is not None else solve(c)
         loss = loss_of(pick)
         record[f"loss_{label}"] = loss
         if loss < best_loss:

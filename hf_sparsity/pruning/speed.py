@@ -1,6 +1,17 @@
-"""The time side of a speed target (:mod:`~hf_sparsity.pruning.spdy`): per layer shape and level, the
-ms of one batch-1 product in the format ``auto`` runs (``auto``'s own measurement, kept in its plan
-cache), and the decoding speed of whole models converted as ``hf_sparsity generate`` converts them."""
+"""The time side of a speed target (:mod:`~hf_sparsity.pruning.spdy`): the decoding step of the model
+itself, converted as ``hf_sparsity generate`` converts it, with the layers of one shape at one level.
+
+:func:`step_time_table` measures, for every shape of the targeted weights (``"OUTxIN"``: Q and O share
+one, gate and up another) and every grid level ``s``, the step of the model with those layers' weights at
+exactly ``round(s · numel)`` random zeros and every other layer dense, converted with ``auto`` in the
+given value type, against the dense model's step, interleaved (the fastest of ``rounds`` each, pairwise:
+other work only ever adds time). A shape's change per layer is the difference over its layer count,
+made non-increasing in ``s`` (a sparser weight is never slower: ``auto`` keeps the denser format when it
+is faster, and fewer values read less) by a monotone least-squares fit. So the table is the step a user
+decodes, with ``auto``'s own choices, the LM head, attention and the loop in it, and the cache behaviour
+of a whole model, not of one layer timed alone. Only differences enter the program; the dense step is
+split over the shapes by their share of the weights one step reads (``other_ms``: the rest).
+"""
 
 from __future__ import annotations
 
@@ -10,11 +21,12 @@ import statistics
 import time
 from typing import Any
 
+import numpy as np
 import torch
+from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM
 
-from ..backends.auto import plan_layers
-from ..inference import sparsify_for_inference
+from ..inference import auto_choices, sparsify_for_inference
 from ..inference.decoding import greedy_decode
 from ..masks import num_zeros
 from ..utils import torch_threads
@@ -23,42 +35,93 @@ from .spdy import SpeedTarget, TimeTable, shape_key
 logger = logging.getLogger(__name__)
 
 
-def measure_time_table(
-    shapes: list[str], levels: tuple[float, ...], values: str | None = None, threads: int | None = None,
-    plan_cache: bool | str = True, progress: bool = False,
+def monotone_decreasing(values, weights=None) -> list[float]:
+    """The non-increasing sequence nearest to ``values`` in weighted least squares (pool adjacent
+    violators)."""
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for v, w in zip(values, weights if weights is not None else [1.0] * len(values)):
+        blocks.append([float(v), float(w), 1])
+        while len(blocks) > 1 and blocks[-2][0] < blocks[-1][0]:
+            (m1, w1, c1), (m2, w2, c2) = blocks[-2], blocks[-1]
+            blocks[-2:] = [[(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, c1 + c2]]
+    return [m for m, _, c in blocks for _ in range(c)]
+
+
+def _with_zeros(model, levels: dict[str, float], seed: int):
+    """A float32 copy of ``model`` with each named weight at exactly its level of random zeros."""
+    m = copy.deepcopy(model).float().eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, lv in levels.items():
+            p = m.get_parameter(name)
+            k = num_zeros(lv, p.numel())
+            p.view(-1)[torch.randperm(p.numel(), generator=g)[:k]] = 0
+    return m
+
+
+def _converted(model, levels: dict[str, float], values: str | None, seed: int = 0):
+    m = _with_zeros(model, levels, seed)
+    # no whole-model check: a converted step slower than dense measures so here, and counts as dense
+    sparsify_for_inference(m, "auto", masks="zeros", check=False, **({"values": values} if values else {}))
+    return m
+
+
+def step_time_table(
+    model, targets, levels, values: str | None = None, threads: int | None = None, rounds: int = 5,
+    tokens: int = 32, progress: bool = False,
 ) -> TimeTable:  # fmt: skip
-    """Per shape, the ms of one batch-1 product at level 0 and at each grid level in the format ``auto``
-    chooses (module docstring); ``other_ms`` is left 0 (see :func:`measure_decode_ms`)."""
-    layers = {}
-    grid = sorted({0.0, *levels})
-    for s in sorted(set(shapes)):
-        out_f, in_f = (int(x) for x in s.split("x"))
-        g = torch.Generator().manual_seed(out_f * 7919 + in_f)
-        w = torch.randn(out_f, in_f, generator=g)
-        for lv in grid:
-            k = num_zeros(lv, w.numel())
-            m = torch.ones(w.numel(), dtype=torch.uint8)
-            m[torch.randperm(w.numel(), generator=g)[:k]] = 0
-            layers[f"{s}@{lv}"] = (w, m.view(out_f, in_f))
+    """The time table of ``targets`` (the targeted weights of the dense ``model``) at ``levels``, measured
+    on the model's own decoding step (module docstring)."""
+    classes: dict[str, list[str]] = {}
+    for d in targets:
+        classes.setdefault(shape_key(d), []).append(d.name)
+    grid = [lv for lv in levels if lv > 0]
     t0 = time.perf_counter()
+    deltas: dict[str, dict[float, float]] = {s: {} for s in classes}
+    formats: dict[str, dict[float, str]] = {s: {} for s in classes}
+    dense_steps: list[float] = []
     with torch_threads(threads or torch.get_num_threads()):
-        # threads set for torch and the kernels, not passed: the cache key of a model converted later
-        plan = plan_layers(layers, values=values, plan_cache=plan_cache)
-    ms, fmt = {}, {}
-    for name, (_, _, _, choice) in plan.items():
-        passes = max(1, int(choice.get("measured_on", 1)) * int(choice.get("timed_copies", 1)))
-        ms[name] = float(choice["decode_ms"][choice["decode"]]) / passes
-        fmt[name] = choice["decode"]
-    logger.info("spdy: time table of %d shapes x %d levels in %.1f s", len(set(shapes)), len(grid),
-                time.perf_counter() - t0)  # fmt: skip
+        dense = _converted(model, {}, values)
+        vocab = int(dense.config.vocab_size)
+        ids = torch.arange(1, 9).remainder(vocab).unsqueeze(0)
+        decode_ms(dense, ids, 4)  # warm-up
+        dense_fmt = {n: _decode_format(dense, n) for n in (names[0] for names in classes.values())}
+        steps = [(s, lv) for s in classes for lv in grid]
+        bar = tqdm(steps, desc="spdy time table", unit="model", disable=not progress)
+        for i, (shape, lv) in enumerate(bar):
+            names = classes[shape]
+            m = _converted(model, dict.fromkeys(names, lv), values, seed=i + 1)
+            decode_ms(m, ids, 4)
+            both: dict[str, list[float]] = {"dense": [], "sparse": []}
+            for _ in range(rounds):
+                both["dense"].append(decode_ms(dense, ids, tokens))
+                both["sparse"].append(decode_ms(m, ids, tokens))
+            dense_steps.append(min(both["dense"]))
+            deltas[shape][lv] = min(both["sparse"]) - min(both["dense"])
+            formats[shape][lv] = _decode_format(m, names[0])
+            del m
+    step = statistics.median(dense_steps) if dense_steps else decode_ms(dense, ids, tokens)
+    sizes = {s: int(np.prod([int(x) for x in s.split("x")])) for s in classes}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    read = sum(sizes[s] * len(n) for s, n in classes.items()) + (0 if head is None else head.weight.numel())
+    dense_ms = {s: step * sizes[s] / read for s in classes}  # per layer: its share of the weights read
+    ms = {}
+    for s, names in classes.items():
+        fit = monotone_decreasing([0.0, *(deltas[s][lv] for lv in grid)], [1e9] + [1.0] * len(grid))
+        per = {lv: min(0.0, x) for lv, x in zip(grid, fit[1:])}  # the anchor holds 0 up to rounding
+        ms[s] = [max(dense_ms[s] + per[lv] / len(names), 1e-6) if lv > 0 else dense_ms[s] for lv in levels]
+    other = step - sum(dense_ms[s] * len(n) for s, n in classes.items())
+    logger.info("spdy: time table of %d shapes x %d levels on the model's own step (%.3f ms) in %.1f s",
+                len(classes), len(grid), step, time.perf_counter() - t0)  # fmt: skip
     return TimeTable(
-        levels=tuple(levels),
-        ms={s: [ms[f"{s}@{lv}"] for lv in levels] for s in sorted(set(shapes))},
-        dense_ms={s: ms[f"{s}@0.0"] for s in sorted(set(shapes))},
-        values=values,
-        threads=threads,
-        formats={s: [fmt[f"{s}@{lv}"] for lv in levels] for s in sorted(set(shapes))},
-    )
+        levels=tuple(levels), ms=ms, dense_ms=dense_ms, other_ms=other, values=values, threads=threads,
+        formats={s: [formats[s].get(lv, dense_fmt[classes[s][0]]) for lv in levels] for s in classes},
+    )  # fmt: skip
+
+
+def _decode_format(model, name: str) -> str:
+    """The decode format ``auto`` chose for the layer of weight ``name`` (``"dense"`` when unconverted)."""
+    return auto_choices(model).get(name.rsplit(".", 1)[0], {}).get("decode", "dense")
 
 
 def decode_ms(model, ids: torch.Tensor, tokens: int) -> float:
@@ -99,25 +162,6 @@ def measure_decode_ms(
     return {n: pick(v) for n, v in times.items()}
 
 
-def model_step_ms(model, values: str | None, threads: int | None, tokens: int = 32, rounds: int = 3) -> float:
-    """ms per decoded token of a copy of ``model`` (dense) converted with ``auto``, median of ``rounds``."""
-    with torch_threads(threads or torch.get_num_threads()):
-        m = copy.deepcopy(model).float().eval()
-        sparsify_for_inference(m, "auto", masks="zeros", **({"values": values} if values else {}))
-        ids = torch.arange(1, 9).remainder(int(m.config.vocab_size)).unsqueeze(0)
-        decode_ms(m, ids, 4)
-        return min(decode_ms(m, ids, tokens) for _ in range(rounds))  # the fastest, as the table's
-
-
-def with_other_ms(table: TimeTable, step_ms: float, shapes: list[str]) -> TimeTable:
-    """``table`` with ``other_ms = max(0, step_ms − Σ dense layer ms)``."""
-    table.other_ms = max(0.0, step_ms - sum(table.dense_ms[s] for s in shapes))
-    return table
-
-
 def table_for_model(model, targets, speed: SpeedTarget, progress: bool = False) -> TimeTable:
-    """The time table for ``targets`` of an in-memory model, with the rest of its step measured on a
-    converted copy (:func:`model_step_ms`)."""
-    shapes = [shape_key(d) for d in targets]
-    table = measure_time_table(shapes, speed.levels, speed.values, speed.threads, progress=progress)
-    return with_other_ms(table, model_step_ms(model, speed.values, speed.threads), shapes)
+    """The time table for ``targets`` of an in-memory dense model (:func:`step_time_table`)."""
+    return step_time_table(model, targets, speed.levels, speed.values, speed.threads, progress=progress)
