@@ -11,20 +11,43 @@ static inline __attribute__((always_inline)) float bm_dot1_(const void* V, const
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
   float z = 0.f;
 #if defined(__AVX512F__)
-  /* AVX-512: sixteen columns per step; vexpandps (register form) puts the packed values in
-     the lanes of the set bits, zeroing the rest. */
+  /* AVX-512: vexpandps (register form) puts sixteen packed values in the lanes of the set bits, zeroing the
+     rest. */
   {
-    __m512 z0 = _mm512_setzero_ps(), z1 = _mm512_setzero_ps();
-    for (; g + 4 <= ng; g += 4) {
-      uint16_t k0, k1;
-      memcpy(&k0, m + g, 2);
-      memcpy(&k1, m + g + 2, 2);
-      PREFETCH((const char*)V + ((o) << (BF == 2 ? 0 : BF ? 1 : 2)));
-      z0 = _mm512_fmadd_ps(_mm512_maskz_expand_ps(k0, loadv16_(V, BF, o)), _mm512_loadu_ps(xb + 8 * g), z0);
-      o += __builtin_popcount(k0);
-      z1 = _mm512_fmadd_ps(_mm512_maskz_expand_ps(k1, loadv16_(V, BF, o)), _mm512_loadu_ps(xb + 8 * g + 16), z1);
-      o += __builtin_popcount(k1);
+    __m512 z0 = _mm512_setzero_ps(), z1 = _mm512_setzero_ps(), z2 = _mm512_setzero_ps(), z3 = _mm512_setzero_ps();
+    /* 64 columns per step: one 8-byte mask load, four independent sums, a prefetch per 32 columns (enough for
+       every line up to 50% density; the denser rows' other lines come from the hardware prefetcher). The values
+       are kept in a register (HFS_REG): the expand from memory is microcode on AMD Zen 4 / 5. Measured (AMD EPYC
+       Zen 5 VM, 1 thread, benchmarks/isa_layers.py --threads 1 --values fp32: the time over that of 16 columns per
+       step with vexpandps from memory and a prefetch per 32 columns 4 KB ahead), out of cache: 1536 x 576 at 50%
+       sparse 0.78x, 70% 0.74x; 576 x 1536 at 70% 0.77x; in cache (--copy-mb 1) 0.74-0.77x at any density. */
+    for (; g + 8 <= ng; g += 8) {
+      uint64_t k;
+      memcpy(&k, m + g, 8);
+#define BM16(acc, i)                                                                                    \
+  do {                                                                                                  \
+    const __mmask16 k_ = (__mmask16)(k >> (16 * (i)));                                                   \
+    if ((i) % 2 == 0) PREFETCH_FAR((const char*)V + ((o) << (BF == 2 ? 0 : BF ? 1 : 2)));                 \
+    __m512 v_ = loadv16_(V, BF, o);                                                                     \
+    HFS_REG(v_);                                                                                        \
+    acc = _mm512_fmadd_ps(_mm512_maskz_expand_ps(k_, v_), _mm512_loadu_ps(xb + 8 * g + 16 * (i)), acc); \
+    o += __builtin_popcount(k_);                                                                        \
+  } while (0)
+      BM16(z0, 0);
+      BM16(z1, 1);
+      BM16(z2, 2);
+      BM16(z3, 3);
     }
+    z0 = _mm512_add_ps(z0, z2);
+    z1 = _mm512_add_ps(z1, z3);
+    if (g + 4 <= ng) { /* 32 columns */
+      uint64_t k = 0;
+      memcpy(&k, m + g, 4);
+      BM16(z0, 0);
+      BM16(z1, 1);
+      g += 4;
+    }
+#undef BM16
     z = _mm512_reduce_add_ps(_mm512_add_ps(z0, z1));
   }
 #endif

@@ -10,6 +10,9 @@
 #else
 #define CPU_RELAX() ((void)0)
 #endif
+/* v stays in a register: the compiler cannot fold the load that made it into the instruction using it (AMD Zen 4 / 5
+   run vexpandps / vpexpandd from memory as microcode, ~3x the register form's time) */
+#define HFS_REG(v) __asm__("" : "+v"(v))
 
 /* Software prefetch of the packed value stream, PF_BYTES ahead. The rows of a packed weight are short
    (a 576-column row at 50% is 1.2 KB of values) and threads take chunks of rows, so the hardware
@@ -18,6 +21,18 @@
    (2 KB and 1 KB ahead: 1.6x, 1.45x; prefetching dense rows gained nothing). */
 #define PF_BYTES 4096
 #define PREFETCH(p) __builtin_prefetch((const char*)(p) + PF_BYTES, 0, 3)
+/* The float32 bitmask batch-1 kernels (bm_dot1_, bmg_rows) prefetch 8 KB ahead. Measured on an AMD EPYC Zen 5 VM
+   (1 thread, out of cache, benchmarks/isa_layers.py --threads 1, time at 8 KB over 4 KB): AVX-512 1536 x 576 at
+   25% sparse 0.86x, 50% 0.91x, 70% 0.97x; AVX2 at 25% 0.90x, the gathered layout at 50% 0.91x (12 KB: as 8 KB;
+   16 KB: slower again). */
+#ifndef PF_FAR_BYTES
+#define PF_FAR_BYTES 8192
+#endif
+#define PREFETCH_FAR(p) __builtin_prefetch((const char*)(p) + PF_FAR_BYTES, 0, 3)
+/* the lines of [p, p + bytes): the start of a chunk's stream, which PREFETCH (PF_BYTES ahead) does not cover */
+static inline void prefetch_span(const void* p, int64_t bytes) {
+  for (int64_t a = 0; a < bytes; a += 64) __builtin_prefetch((const char*)p + a, 0, 3);
+}
 
 /* HFS_SIMD: AVX2 + FMA (the vector paths; AVX-512 where __AVX512F__ is defined too), else the scalar
    loops. */
