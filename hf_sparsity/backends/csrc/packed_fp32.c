@@ -57,7 +57,7 @@ static inline __attribute__((always_inline)) float bm_dot1_(const void* V, const
     uint64_t k;
     memcpy(&k, m + g, 8);
     for (int i = 0; i < 8; i += 2) {
-      PREFETCH((const char*)V + ((o) << (BF == 2 ? 0 : BF ? 1 : 2)));
+      PREFETCH_FAR((const char*)V + ((o) << (BF == 2 ? 0 : BF ? 1 : 2)));
       const uint32_t m0 = (uint32_t)(k >> (8 * i)) & 255, m1 = (uint32_t)(k >> (8 * i + 8)) & 255;
       __m256 w0 = bm_expand(m0, loadv8_(V, BF, o));
       o += __builtin_popcount(m0);
@@ -69,7 +69,7 @@ static inline __attribute__((always_inline)) float bm_dot1_(const void* V, const
   }
   for (; g + 2 <= ng; g += 2) {
     uint32_t m0 = m[g], m1 = m[g + 1];
-    PREFETCH((const char*)V + ((o) << (BF == 2 ? 0 : BF ? 1 : 2)));
+    PREFETCH_FAR((const char*)V + ((o) << (BF == 2 ? 0 : BF ? 1 : 2)));
     __m256 w0 = bm_expand(m0, loadv8_(V, BF, o));
     o += __builtin_popcount(m0);
     __m256 w1 = bm_expand(m1, loadv8_(V, BF, o));
@@ -93,6 +93,10 @@ static inline __attribute__((always_inline)) void bm_rows_(const job_t* j, int64
   const int64_t in = j->in, mb = (in + 7) >> 3, B = j->B, rows = j->rows;
   const uint8_t* M = (const uint8_t*)j->idx;
   const float* x = j->x;
+  if (B == 1 && r0 < r1) { /* the chunk's first values and masks, short of the prefetches' distance */
+    prefetch_span((const char*)V + (j->rowptr[r0] << (BF == 2 ? 0 : BF ? 1 : 2)), PF_FAR_BYTES);
+    prefetch_span(M + r0 * mb, 512);
+  }
   for (int64_t r = r0; r < r1; r++) {
     const uint8_t* m = M + r * mb;
     for (int64_t b0 = 0; b0 < B; b0 += 4) {
@@ -158,6 +162,10 @@ static inline __attribute__((always_inline)) void bmg_rows_(const job_t* j, int6
   const int64_t in = j->in, B = j->B, rows = j->rows;
   const int64_t* cp = (const int64_t*)j->idx;
   const uint64_t* ch = (const uint64_t*)(cp + rows + 1);
+  if (r0 < r1) { /* the chunk's first values and chunks, short of the prefetches' distance */
+    prefetch_span((const char*)V + (j->rowptr[r0] << (BF == 2 ? 0 : BF ? 1 : 2)), PF_FAR_BYTES);
+    prefetch_span(ch + cp[r0], PF_FAR_BYTES);
+  }
   for (int64_t r = r0; r < r1; r++) {
     for (int64_t b = 0; b < B; b++) {
       const float* xb = j->x + b * in;
@@ -180,8 +188,8 @@ static inline __attribute__((always_inline)) void bmg_rows_(const job_t* j, int6
   } while (0)
       for (; k + 2 <= e; k += 2) {
         const uint64_t c0 = ch[k], c1 = ch[k + 1];
-        PREFETCH((const char*)V + ((o) << (BF == 2 ? 0 : BF ? 1 : 2)));
-        PREFETCH(ch + k);
+        PREFETCH_FAR((const char*)V + ((o) << (BF == 2 ? 0 : BF ? 1 : 2)));
+        PREFETCH_FAR(ch + k);
         BMG_CHUNK(a0, c0);
         BMG_CHUNK(a1, c1);
       }
