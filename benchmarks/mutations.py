@@ -1376,6 +1376,37 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "avx512-fp32-bitmask-k64-lanes",
+        "the AVX-512 float32-activation bitmask kernel's 64-column step takes each 16 columns' mask bits "
+        "eight bits apart, not sixteen",
+        (
+            (
+                "hf_sparsity/backends/csrc/packed_fp32.c",
+                "(__mmask16)(k >> (16 * (i)));",
+                "(__mmask16)(k >> (8 * (i)));",
+            ),
+        ),
+        ("tests/test_native_kernels.py::test_native_kernel_matches_emulator_at_every_width[bitmask-fp32]",),
+    ),
+    Mutation(
+        "avx512-fp32-bitmask-sums-dropped",
+        "the AVX-512 float32-activation bitmask kernel drops its third sum (columns 32-47 of each 64)",
+        (
+            (
+                "hf_sparsity/backends/csrc/packed_fp32.c",
+                "z0 = _mm512_add_ps(z0, z2);",
+                "z0 = _mm512_add_ps(z0, z0);",
+            ),
+        ),
+        ("tests/test_native_kernels.py::test_native_kernel_matches_emulator_at_every_width[bitmask-fp32]",),
+    ),
+    Mutation(
+        "avx512-fp32-bitmask-tail32-mask",
+        "the AVX-512 float32-activation bitmask kernel's 32-column tail reads two mask bytes, not four",
+        (("hf_sparsity/backends/csrc/packed_fp32.c", "memcpy(&k, m + g, 4);", "memcpy(&k, m + g, 2);"),),
+        ("tests/test_native_kernels.py::test_native_kernel_matches_emulator_at_every_width[bitmask-bf16]",),
+    ),
+    Mutation(
         "avx2-fp32-bitmask-k64-byte",
         "the AVX2 float32-activation bitmask kernel's 64-column step reads a pair's second mask byte as "
         "its first",
