@@ -209,6 +209,8 @@ static void bm_q8_rows(const job_t* j, int64_t r0, int64_t r1) {
      8192 x 1536 fell from 42 to 26 GB/s, so longer rows stay one at a time. */
   for (; nb <= PAIR_BLOCKS && r + 2 <= r1; r += 2) {
     const uint8_t *m = M + r * mb, *n = m + mb;
+    for (int64_t i = 0; i < 2 * mb; i += 64) /* the pair's mask lines, 1 KB ahead (0.95-0.97x the time) */
+      __builtin_prefetch(m + i + 1024, 0, 3);
     int64_t o = j->rowptr[r], p = j->rowptr[r + 1], b = 0;
     Q8_START;
     __m512i c0 = a0, c1 = a1;
