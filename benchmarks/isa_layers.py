@@ -15,7 +15,10 @@ decoding step does. Rounds
 are interleaved (every row on every library in eight short turns per round, libraries alternating); the
 table gives the median microseconds per product, the GB/s of weight bytes that reads, and each library's
 time over the first one's. Every library's output is checked against the first's before timing. Timings on a
-shared machine are noisy: compare ratios within a run.
+shared machine are noisy: compare ratios within a run. A second table sets each sparse row against the dense
+row of its shape and values: its bytes over the dense bytes, and per library its time over the dense time and
+that over the bytes ratio (1.00: it reads its bytes as fast as the dense kernel, bound by memory as it).
+``--copy-mb 1`` keeps the copies in cache instead (what the kernel's instructions cost).
 """
 
 from __future__ import annotations

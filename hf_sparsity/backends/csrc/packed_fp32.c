@@ -19,8 +19,8 @@ static inline __attribute__((always_inline)) float bm_dot1_(const void* V, const
        every line up to 50% density; the denser rows' other lines come from the hardware prefetcher). The values
        are kept in a register (HFS_REG): the expand from memory is microcode on AMD Zen 4 / 5. Measured (AMD EPYC
        Zen 5 VM, 1 thread, benchmarks/isa_layers.py --threads 1 --values fp32: the time over that of 16 columns per
-       step with vexpandps from memory and a prefetch per 32 columns 4 KB ahead), out of cache: 1536 x 576 at 50%
-       sparse 0.78x, 70% 0.74x; 576 x 1536 at 70% 0.77x; in cache (--copy-mb 1) 0.74-0.77x at any density. */
+       step with vexpandps from memory, both with a prefetch per 32 columns 4 KB ahead), out of cache at 70% sparse
+       0.77-0.81x, 50% 0.89-0.95x; in cache (--copy-mb 1) 0.73-0.77x at any density. */
     for (; g + 8 <= ng; g += 8) {
       uint64_t k;
       memcpy(&k, m + g, 8);

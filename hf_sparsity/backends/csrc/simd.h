@@ -21,10 +21,11 @@
    (2 KB and 1 KB ahead: 1.6x, 1.45x; prefetching dense rows gained nothing). */
 #define PF_BYTES 4096
 #define PREFETCH(p) __builtin_prefetch((const char*)(p) + PF_BYTES, 0, 3)
-/* The float32 bitmask batch-1 kernels (bm_dot1_, bmg_rows) prefetch 8 KB ahead. Measured on an AMD EPYC Zen 5 VM
-   (1 thread, out of cache, benchmarks/isa_layers.py --threads 1, time at 8 KB over 4 KB): AVX-512 1536 x 576 at
-   25% sparse 0.86x, 50% 0.91x, 70% 0.97x; AVX2 at 25% 0.90x, the gathered layout at 50% 0.91x (12 KB: as 8 KB;
-   16 KB: slower again). */
+/* The bitmask batch-1 kernels (bm_dot1_, bmg_rows, the AVX-512 int8 x int8 bm_q8_rows) prefetch 8 KB ahead.
+   Measured on an AMD EPYC Zen 5 VM (1 thread, out of cache, benchmarks/isa_layers.py --threads 1, the time at
+   8 KB over 4 KB): float32 AVX-512 at 25% sparse 0.90-0.99x, 50% 0.92-0.94x, 70% 0.98-1.01x; float32 AVX2 at 25%
+   0.89-0.93x, the gathered layout at 50% 0.84-0.85x, 70% 0.93-0.97x; int8 x int8 AVX-512 at 25% 0.83-0.98x
+   (6 KB: between; 12 KB: as 8 KB; 16 KB: 1.02-1.12x). */
 #ifndef PF_FAR_BYTES
 #define PF_FAR_BYTES 8192
 #endif
