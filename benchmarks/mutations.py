@@ -1376,6 +1376,19 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "avx512-int8-expand-not-zeroed",
+        "the AVX-512 int8 x int8 bitmask expansion merges into its destination's old contents (no vpxord, no "
+        "zero-masking): the pruned columns' lanes keep stale bytes",
+        (
+            (
+                "hf_sparsity/backends/csrc/simd.h",
+                '"vpxord %0, %0, %0\\n\\tvpexpandb %1, %0%{%2%}%{z%}" : "=&v"(w)',
+                '"vpexpandb %1, %0%{%2%}" : "+v"(w)',
+            ),
+        ),
+        ("tests/test_native_kernels.py::test_native_kernel_matches_emulator_at_every_width[bitmask-int8]",),
+    ),
+    Mutation(
         "avx512-fp32-bitmask-k64-lanes",
         "the AVX-512 float32-activation bitmask kernel's 64-column step takes each 16 columns' mask bits "
         "eight bits apart, not sixteen",

@@ -187,7 +187,7 @@ static inline __attribute__((always_inline)) __m512i bm_q8_weights(const uint8_t
   PREFETCH_FAR(v + *o);
   /* a whole 64-byte load: the expand takes the first pc bytes only (the values are padded by 64 bytes, see
      formats.BitmaskBackend); a load masked to pc bytes cost ~5% of the int8 decoding step */
-  const __m512i w = _mm512_maskz_expand_epi8(k, _mm512_loadu_si512((const void*)(v + *o)));
+  const __m512i w = expand_epi8_z(k, v + *o);
   *o += pc;
   return w;
 }
