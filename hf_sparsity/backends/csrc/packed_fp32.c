@@ -17,7 +17,8 @@ static inline __attribute__((always_inline)) float bm_dot1_(const void* V, const
     __m512 z0 = _mm512_setzero_ps(), z1 = _mm512_setzero_ps(), z2 = _mm512_setzero_ps(), z3 = _mm512_setzero_ps();
     /* 64 columns per step: one 8-byte mask load, four independent sums, a prefetch per 32 columns (enough for
        every line up to 50% density; the denser rows' other lines come from the hardware prefetcher). The values
-       are kept in a register (HFS_REG): the expand from memory is microcode on AMD Zen 4 / 5. Measured (AMD EPYC
+       are kept in a register (HFS_REG): gcc folded their load into vexpandps, whose memory form measured slower
+       (in cache, 16 columns per step: 0.92-0.97x the time with the register form). Measured (AMD EPYC
        Zen 5 VM, 1 thread, benchmarks/isa_layers.py --threads 1 --values fp32: the time over that of 16 columns per
        step with vexpandps from memory, both with a prefetch per 32 columns 4 KB ahead), out of cache at 70% sparse
        0.77-0.81x, 50% 0.89-0.95x; in cache (--copy-mb 1) 0.73-0.77x at any density. */

@@ -10,8 +10,8 @@
 #else
 #define CPU_RELAX() ((void)0)
 #endif
-/* v stays in a register: the compiler cannot fold the load that made it into the instruction using it (AMD Zen 4 / 5
-   run vexpandps / vpexpandd from memory as microcode, ~3x the register form's time) */
+/* v stays in a register: the compiler cannot fold the load that made it into the instruction using it (gcc folds
+   the values' load into vexpandps, whose memory form measured slower on AMD Zen 5: bm_dot1_) */
 #define HFS_REG(v) __asm__("" : "+v"(v))
 
 /* Software prefetch of the packed value stream, PF_BYTES ahead. The rows of a packed weight are short
@@ -30,7 +30,8 @@
 #define PF_FAR_BYTES 8192
 #endif
 #define PREFETCH_FAR(p) __builtin_prefetch((const char*)(p) + PF_FAR_BYTES, 0, 3)
-/* the lines of [p, p + bytes): the start of a chunk's stream, which PREFETCH (PF_BYTES ahead) does not cover */
+/* the lines of [p, p + bytes): the start of a chunk's stream, which PREFETCH_FAR (PF_FAR_BYTES ahead) does not
+   cover */
 static inline void prefetch_span(const void* p, int64_t bytes) {
   for (int64_t a = 0; a < bytes; a += 64) __builtin_prefetch((const char*)p + a, 0, 3);
 }
@@ -67,8 +68,9 @@ static inline float hsum8(__m256 a) {
 /* vpexpandb with zero-masking of the 64 bytes at p, its destination zeroed first (vpxord on itself: an idiom the
    register renamer resolves, no dependency): on AMD Zen 5 the zero-masked expand behaves as if it read its
    destination's old value (a C loop of expands given one destination register by the compiler ran 2.4x slower
-   than with four), so expands the compiler gives one register wait on each other. Measured (benchmarks/isa_layers.py
-   --threads 1, AMD EPYC Zen 5 VM, the int8 x int8 bitmask product; time over the intrinsic's): out of cache
+   than with four), so expands the compiler gives one register wait on each other. Measured
+   (benchmarks/isa_layers.py --threads 1, AMD EPYC Zen 5 VM, the int8 x int8 bitmask product; time over the
+   intrinsic's): out of cache
    0.89x on 576 x 1536 at 50-70% sparse, 0.94-0.97x on 1536 x 576, 0.95-0.99x on 576 x 576; in cache 0.87-0.94x.
    (The float32 vexpandps of bm_dot1_ gained nothing from it.) */
 static inline __attribute__((always_inline)) __m512i expand_epi8_z(__mmask64 k, const void* p) {
