@@ -15,7 +15,10 @@ decoding step does. Rounds
 are interleaved (every row on every library in eight short turns per round, libraries alternating); the
 table gives the median microseconds per product, the GB/s of weight bytes that reads, and each library's
 time over the first one's. Every library's output is checked against the first's before timing. Timings on a
-shared machine are noisy: compare ratios within a run.
+shared machine are noisy: compare ratios within a run. A second table sets each sparse row against the dense
+row of its shape and values: its bytes over the dense bytes, and per library its time over the dense time and
+that over the bytes ratio (1.00: it reads its bytes as fast as the dense kernel, bound by memory as it).
+``--copy-mb 1`` keeps the copies in cache instead (what the kernel's instructions cost).
 """
 
 from __future__ import annotations
@@ -65,7 +68,15 @@ def open_lib(path: str) -> ctypes.CDLL:
     return lib
 
 
-def packed(fmt: str, rows: int, in_f: int, density: float, values: str, g: torch.Generator) -> list[dict]:
+def packed(
+    fmt: str,
+    rows: int,
+    in_f: int,
+    density: float,
+    values: str,
+    g: torch.Generator,
+    copy_bytes: int = COPY_BYTES,
+) -> list[dict]:
     """Copies of one packed weight (random weight and mask) filling COPY_BYTES: the kernel arguments of
     each."""
     mask = (torch.rand(rows, in_f, generator=g) < density).to(torch.uint8)
@@ -78,7 +89,7 @@ def packed(fmt: str, rows: int, in_f: int, density: float, values: str, g: torch
     b = get_backend("native_dense" if fmt == "dense" else "bitmask").from_dense(w, mask, **opts)
     meta = b.gather if fmt == "gather" else getattr(b, "bits", None)
     one = {"values": b.values, "meta": meta, "rowptr": getattr(b, "rowptr", None)}
-    n = max(1, -(-COPY_BYTES // b.storage_bytes))
+    n = max(1, -(-copy_bytes // b.storage_bytes))
     out = [{k: None if t is None else t.clone() for k, t in one.items()} for _ in range(n)]
     for a in out:
         a["bytes"] = b.storage_bytes
@@ -105,8 +116,13 @@ def main(argv=None) -> int:
     p.add_argument("--levels", default="0.5,0.7,dense", help="bitmask densities' sparsities, and dense")
     p.add_argument("--values", default="fp32,int8")
     p.add_argument("--gather", action="store_true", help="the fp32 bitmask rows on the gathered layout too")
+    p.add_argument(
+        "--copy-mb", type=float, default=COPY_BYTES / 2**20,
+        help="MiB of weight copies cycled through (past the last-level cache: read from memory; 1: in cache)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    copy_bytes = int(args.copy_mb * 2**20)
     libs = {lv: open_lib(build(lv)) for lv in args.isa.split(",") if lv}
     for spec in args.lib:
         name, _, path = spec.partition("=")
@@ -120,7 +136,9 @@ def main(argv=None) -> int:
             fmts = ["dense"] if level == "dense" else ["bitmask"] + (["gather"] if args.gather else [])
             for values in args.values.split(","):
                 for fmt in fmts if values == "fp32" else fmts[:1]:
-                    copies = packed(fmt, r, c, 1.0 if fmt == "dense" else 1 - float(level), values, g)
+                    copies = packed(
+                        fmt, r, c, 1.0 if fmt == "dense" else 1 - float(level), values, g, copy_bytes
+                    )
                     label = f"{shape} {r}x{c} {'dense' if fmt == 'dense' else f'{float(level):.0%}'} {values}"
                     label += " gather" if fmt == "gather" else ""
                     rows_spec.append((label, OPS[fmt], r, c, copies, 3 if values == "int8" else 0))
@@ -167,6 +185,26 @@ def main(argv=None) -> int:
         )
         line += "".join(f"{med[n] / med[names[0]]:14.2f}" for n in names[1:])
         print(line)
+    # each sparse row against the dense row of its shape and values: a kernel bound by memory reads its
+    # bytes as fast as the dense kernel, so its time ratio equals its bytes ratio (t/bytes 1.00)
+    dense = {
+        (lb.split()[0], lb.split()[3]): copies[0]["bytes"] for lb, *_, copies, _ in rows_spec if "dense" in lb
+    }
+    pairs = []
+    for label, _, _, _, copies, _ in rows_spec:
+        shape, _, level, values, *_ = label.split()
+        d = next(
+            (lb for lb, *_ in rows_spec if lb.split()[0] == shape and lb.split()[2:4] == ["dense", values]),
+            None,
+        )
+        if level != "dense" and d is not None:
+            pairs.append((label, d, copies[0]["bytes"] / dense[(shape, values)]))
+    if pairs:
+        print("\nagainst dense (same shape, values): bytes ratio; per library time ratio, time / bytes ratio")
+        print(f"{'product':32}{'bytes':>7}" + "".join(f"{n + ' time':>14}{'t/bytes':>8}" for n in names))
+        for label, d, br in pairs:
+            tr = {n: statistics.median(times[(label, n)]) / statistics.median(times[(d, n)]) for n in names}
+            print(f"{label:32}{br:7.3f}" + "".join(f"{tr[n]:14.3f}{tr[n] / br:8.2f}" for n in names))
     return 0
 
 

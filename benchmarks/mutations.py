@@ -1442,6 +1442,50 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "avx512-int8-expand-not-zeroed",
+        "the AVX-512 int8 x int8 bitmask expansion merges into its destination's old contents (no vpxord, no "
+        "zero-masking): the pruned columns' lanes keep stale bytes",
+        (
+            (
+                "hf_sparsity/backends/csrc/simd.h",
+                '"vpxord %0, %0, %0\\n\\tvpexpandb %1, %0%{%2%}%{z%}" : "=&v"(w)',
+                '"vpexpandb %1, %0%{%2%}" : "+v"(w)',
+            ),
+        ),
+        ("tests/test_native_kernels.py::test_native_kernel_matches_emulator_at_every_width[bitmask-int8]",),
+    ),
+    Mutation(
+        "avx512-fp32-bitmask-k64-lanes",
+        "the AVX-512 float32-activation bitmask kernel's 64-column step takes each 16 columns' mask bits "
+        "eight bits apart, not sixteen",
+        (
+            (
+                "hf_sparsity/backends/csrc/packed_fp32.c",
+                "(__mmask16)(k >> (16 * (i)));",
+                "(__mmask16)(k >> (8 * (i)));",
+            ),
+        ),
+        ("tests/test_native_kernels.py::test_native_kernel_matches_emulator_at_every_width[bitmask-fp32]",),
+    ),
+    Mutation(
+        "avx512-fp32-bitmask-sums-dropped",
+        "the AVX-512 float32-activation bitmask kernel drops its third sum (columns 32-47 of each 64)",
+        (
+            (
+                "hf_sparsity/backends/csrc/packed_fp32.c",
+                "z0 = _mm512_add_ps(z0, z2);",
+                "z0 = _mm512_add_ps(z0, z0);",
+            ),
+        ),
+        ("tests/test_native_kernels.py::test_native_kernel_matches_emulator_at_every_width[bitmask-fp32]",),
+    ),
+    Mutation(
+        "avx512-fp32-bitmask-tail32-mask",
+        "the AVX-512 float32-activation bitmask kernel's 32-column tail reads two mask bytes, not four",
+        (("hf_sparsity/backends/csrc/packed_fp32.c", "memcpy(&k, m + g, 4);", "memcpy(&k, m + g, 2);"),),
+        ("tests/test_native_kernels.py::test_native_kernel_matches_emulator_at_every_width[bitmask-bf16]",),
+    ),
+    Mutation(
         "avx2-fp32-bitmask-k64-byte",
         "the AVX2 float32-activation bitmask kernel's 64-column step reads a pair's second mask byte as "
         "its first",

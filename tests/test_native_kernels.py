@@ -68,6 +68,9 @@ def _mask(name: str, out_f: int, in_f: int, g: torch.Generator) -> torch.Tensor:
     if name == "bitmask-gather":  # rows of density 0 .. 1: chunks of every count, full windows, empty rows
         density = torch.tensor([0.0, 0.1, 0.3, 0.5, 0.8, 1.0, 0.2])[torch.arange(out_f) % 7]
         return (torch.rand(out_f, in_f, generator=g) < density[:, None]).to(torch.uint8)
+    if name == "bitmask":  # rows of density 0 .. 1 (empty and full 16- and 64-column steps), varied by width
+        density = torch.tensor([0.5, 0.0, 1.0, 0.3, 0.8, 0.1, 0.5])[(torch.arange(out_f) + in_f) % 7]
+        return (torch.rand(out_f, in_f, generator=g) < density[:, None]).to(torch.uint8)
     return (torch.rand(out_f, in_f, generator=g) < 0.5).to(torch.uint8)
 
 
@@ -82,8 +85,8 @@ def sweep(name: str, vtype: str, widths=WIDTHS) -> int:
         opts["activations"] = "float32" if vtype == "int8-float-act" else "int8"
     if name != "csr":
         opts["prefill"] = "native"  # batches above 16 rows on the blocked kernel, not a dense GEMM
-    if name == "bitmask-gather":
-        opts["layout"] = "gather"
+    if name.startswith("bitmask"):  # the mask kernels, or the gathered layout, at every level
+        opts["layout"] = "gather" if name == "bitmask-gather" else "mask"
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=3e-2)
     splits = [BATCHES[p] for p in BATCHES]
     checked = 0
@@ -159,6 +162,34 @@ def test_int8_dequantized_weight_is_close_and_compact():
     assert bool(((wd - w * mask).abs() <= step / 2 + 1e-7).all())  # round to nearest
     # 0.625 B/weight + row offsets and scales, + the 64 bytes of padding after the codes (whole-vector loads)
     assert (b.storage_bytes - 64) / w.numel() < 0.5 * 1 + 0.125 + 0.05
+
+
+@pytest.mark.parametrize("vtype", ["fp32", "bf16", "int8"])
+def test_bitmask_batch1_long_rows_split_over_threads(vtype):
+    """The batch-1 bitmask kernels over the decoding step's row lengths (many 64-column steps, a 32- and a
+    16-column tail) and row counts no step of rows divides, split over two threads (a chunk starting
+    mid-weight), rows of density 0, 1 and between: against the float64 sum of the kept weights times x (int8:
+    of the codes' dequantized weight and activations, the definition of value type 3)."""
+    g = torch.Generator().manual_seed(29)
+    for rows, in_f in [(151, 576), (89, 1000), (59, 1536)]:
+        w = torch.randn(rows, in_f, generator=g)
+        density = torch.tensor([0.0, 1.0, 0.25, 0.5, 0.75, 0.3])[torch.arange(rows) % 6]
+        mask = (torch.rand(rows, in_f, generator=g) < density[:, None]).to(torch.uint8)
+        opts = {"values": "int8"} if vtype == "int8" else {}
+        if vtype == "bf16":
+            w = w.bfloat16()
+        b = get_backend("bitmask").from_dense(w, mask, kernel="native", threads=2, layout="mask", **opts)
+        assert b._threads(1) == 2  # two chunks of rows
+        x = torch.randn(1, in_f, generator=g)
+        if vtype == "int8":
+            wd, xd = b._unpack().double(), quantize_activations(x).double()
+        else:
+            wd, xd = (w.double() * mask), x.bfloat16().double() if vtype == "bf16" else x.double()
+        want = xd @ wd.T
+        got = b.linear(x.bfloat16() if vtype == "bf16" else x).double()
+        tol = dict(rtol=2e-2, atol=3e-2) if vtype == "bf16" else dict(rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(got, want, **tol, msg=lambda m, s=f"{rows}x{in_f}": f"{s}: {m}")
+        assert torch.equal(got[0, 0], torch.zeros((), dtype=torch.float64))  # the empty row
 
 
 def _cpu_has(*flags: str) -> bool:

@@ -10,6 +10,9 @@
 #else
 #define CPU_RELAX() ((void)0)
 #endif
+/* v stays in a register: the compiler cannot fold the load that made it into the instruction using it (gcc folds
+   the values' load into vexpandps, whose memory form measured slower on AMD Zen 5: bm_dot1_) */
+#define HFS_REG(v) __asm__("" : "+v"(v))
 
 /* Software prefetch of the packed value stream, PF_BYTES ahead. The rows of a packed weight are short
    (a 576-column row at 50% is 1.2 KB of values) and threads take chunks of rows, so the hardware
@@ -18,6 +21,20 @@
    (2 KB and 1 KB ahead: 1.6x, 1.45x; prefetching dense rows gained nothing). */
 #define PF_BYTES 4096
 #define PREFETCH(p) __builtin_prefetch((const char*)(p) + PF_BYTES, 0, 3)
+/* The bitmask batch-1 kernels (bm_dot1_, bmg_rows, the AVX-512 int8 x int8 bm_q8_rows) prefetch 8 KB ahead.
+   Measured on an AMD EPYC Zen 5 VM (1 thread, out of cache, benchmarks/isa_layers.py --threads 1, the time at
+   8 KB over 4 KB): float32 AVX-512 at 25% sparse 0.90-0.99x, 50% 0.92-0.94x, 70% 0.98-1.01x; float32 AVX2 at 25%
+   0.89-0.93x, the gathered layout at 50% 0.84-0.85x, 70% 0.93-0.97x; int8 x int8 AVX-512 at 25% 0.83-0.98x
+   (6 KB: between; 12 KB: as 8 KB; 16 KB: 1.02-1.12x). */
+#ifndef PF_FAR_BYTES
+#define PF_FAR_BYTES 8192
+#endif
+#define PREFETCH_FAR(p) __builtin_prefetch((const char*)(p) + PF_FAR_BYTES, 0, 3)
+/* the lines of [p, p + bytes): the start of a chunk's stream, which PREFETCH_FAR (PF_FAR_BYTES ahead) does not
+   cover */
+static inline void prefetch_span(const void* p, int64_t bytes) {
+  for (int64_t a = 0; a < bytes; a += 64) __builtin_prefetch((const char*)p + a, 0, 3);
+}
 
 /* HFS_SIMD: AVX2 + FMA (the vector paths; AVX-512 where __AVX512F__ is defined too), else the scalar
    loops. */
@@ -45,6 +62,22 @@ static inline float hsum8(__m256 a) {
 #else
 #define HFS_VNNI 0
 #define HFS_VNNI_EXPAND 0
+#endif
+
+#if HFS_VNNI_EXPAND
+/* vpexpandb with zero-masking of the 64 bytes at p, its destination zeroed first (vpxord on itself: an idiom the
+   register renamer resolves, no dependency): on AMD Zen 5 the zero-masked expand behaves as if it read its
+   destination's old value (a C loop of expands given one destination register by the compiler ran 2.4x slower
+   than with four), so expands the compiler gives one register wait on each other. Measured
+   (benchmarks/isa_layers.py --threads 1, AMD EPYC Zen 5 VM, the int8 x int8 bitmask product; time over the
+   intrinsic's): out of cache
+   0.89x on 576 x 1536 at 50-70% sparse, 0.94-0.97x on 1536 x 576, 0.95-0.99x on 576 x 576; in cache 0.87-0.94x.
+   (The float32 vexpandps of bm_dot1_ gained nothing from it.) */
+static inline __attribute__((always_inline)) __m512i expand_epi8_z(__mmask64 k, const void* p) {
+  __m512i w;
+  __asm__("vpxord %0, %0, %0\n\tvpexpandb %1, %0%{%2%}%{z%}" : "=&v"(w) : "m"(*(const char(*)[64])p), "Yk"(k));
+  return w;
+}
 #endif
 
 /* HFS_Q8V: the int8 x int8 products on 256-bit vectors (packed_int8_avx2.c): every AVX2 build, for the formats
