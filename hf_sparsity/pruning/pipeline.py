@@ -157,24 +157,20 @@ def prune_folder(
     spdy_search_windows: int = DEFAULT_SEARCH_WINDOWS,
     spdy_database: dict | None = None,
 ) -> OneShotResult:
-    """Prune ``model_dir`` one-shot and write a sparse model folder to ``out_dir``.
-
-    Every input is checked here, before anything loads or is written (the CLI only parses).
-    ``reconstruct_steps``: block reconstruction steps (``None``: off). ``masks``: a mask file (or a folder
-    holding ``sparsity_masks.safetensors``) to use instead of choosing masks. ``streaming``: read and write
-    a safetensors folder one decoder block at a time (:mod:`~hf_sparsity.pruning.streaming`), never
-    holding the whole model; folders with ``.bin`` weights, and ``streaming=False``, load the whole model.
+    """Prune ``model_dir`` one-shot and write a sparse model folder to ``out_dir``; every input is checked
+    here, before anything loads or is written (the CLI only parses). ``reconstruct_steps``: block
+    reconstruction steps (``None``: off). ``masks``: a mask file (or a folder holding it) to use instead of
+    choosing masks. ``streaming``: read and write a safetensors folder one decoder block at a time
+    (:mod:`~hf_sparsity.pruning.streaming`); ``.bin`` weights, and ``streaming=False``, load the whole model.
     ``target_speedup``: levels from the grid ``spdy_levels`` for this decoding speed-up over the dense model
     with the same ``values`` with ``threads`` (:mod:`~.spdy`); the speed-up measured over ``measure_rounds``
-    rounds (0: not) goes in the folder's ``README.md`` with the levels; ``spdy_errors``: a plan's error
-    table to reuse (the same model, calibration and grid); ``spdy_table``: a time table to reuse
-    (:func:`folder_time_table`: same model, values, grid, threads); ``spdy_search_*``: :mod:`~.spdy_search`;
-    ``spdy_database``: a dict the search's database is kept in (empty: filled by this run), reused with
-    ``spdy_errors`` by a later run of the same model, calibration, method and grid (no error pass again).
+    rounds (0: not) goes in the folder's ``README.md`` with the levels; ``spdy_errors``, ``spdy_database``
+    (a dict, filled when empty), ``spdy_table``: a plan's error table, search database and time table to
+    reuse (same model, calibration, grid; values and threads for the table); ``spdy_search_*``: the search.
     """
+    search = (spdy_search_steps, spdy_search_windows, spdy_database)
     speed = _speed_target(target_speedup, values, spdy_levels, threads, sparsity, structure, measure_rounds,
-                          spdy_errors, spdy_table, (spdy_search_steps, spdy_search_windows),
-                          spdy_database)  # fmt: skip
+                          spdy_errors, spdy_table, search)  # fmt: skip
     calibrated = _check_inputs(
         model_dir, out_dir, method, nsamples, seqlen, calib_data, overwrite, device=device,
         batch_size=batch_size, blocksize=blocksize, percdamp=percdamp, owl_lambda=owl_lambda, refit=refit,
@@ -210,7 +206,7 @@ def prune_folder(
 
 def _speed_target(
     target_speedup, values, levels, threads, sparsity, structure, measure_rounds, errors=None, table=None,
-    search=(DEFAULT_SEARCH_STEPS, DEFAULT_SEARCH_WINDOWS), database=None,
+    search=(DEFAULT_SEARCH_STEPS, DEFAULT_SEARCH_WINDOWS, None),
 ):  # fmt: skip
     """The :class:`SpeedTarget` of ``--target-speedup`` (checked), or ``None``; ``--values`` alone refused."""
     if target_speedup is None:
@@ -227,7 +223,7 @@ def _speed_target(
         levels = parse_levels(levels)
     levels = levels if levels is not None else DEFAULT_LEVELS
     return SpeedTarget(target_speedup, levels, values, threads, errors=errors, table=table,
-                       search_steps=search[0], search_windows=search[1], database=database)  # fmt: skip
+                       search_steps=search[0], search_windows=search[1], database=search[2])  # fmt: skip
 
 
 def folder_time_table(

@@ -3,7 +3,15 @@
 
 #if HFS_SIMD
 /* batch 1: the dot product of one bitmask row with x over its first ng groups of eight columns (g: the group
-   to start from, then the one after the last done; o: the row's value offset, advanced likewise) */
+   to start from, then the one after the last done; o: the row's value offset, advanced likewise).
+   AVX-512: vexpandps (register form) puts sixteen packed values in the lanes of the set bits, zeroing the
+   rest; 64 columns per step: one 8-byte mask load, four independent sums, a prefetch per 32 columns (enough for
+   every line up to 50% density; the denser rows' other lines come from the hardware prefetcher). The values
+   are kept in a register (HFS_REG): gcc folded their load into vexpandps, whose memory form measured slower
+   (in cache, 16 columns per step: 0.92-0.97x the time with the register form). Measured (AMD EPYC
+   Zen 5 VM, 1 thread, benchmarks/isa_layers.py --threads 1 --values fp32: the time over that of 16 columns per
+   step with vexpandps from memory, both with a prefetch per 32 columns 4 KB ahead), out of cache at 70% sparse
+   0.77-0.81x, 50% 0.89-0.95x; in cache (--copy-mb 1) 0.73-0.77x at any density. */
 static inline __attribute__((always_inline)) float bm_dot1_(const void* V, const uint8_t* m, const float* xb,
                                                             const int64_t ng, int64_t* g_, int64_t* o_,
                                                             const int BF) {
@@ -11,17 +19,8 @@ static inline __attribute__((always_inline)) float bm_dot1_(const void* V, const
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
   float z = 0.f;
 #if defined(__AVX512F__)
-  /* AVX-512: vexpandps (register form) puts sixteen packed values in the lanes of the set bits, zeroing the
-     rest. */
   {
     __m512 z0 = _mm512_setzero_ps(), z1 = _mm512_setzero_ps(), z2 = _mm512_setzero_ps(), z3 = _mm512_setzero_ps();
-    /* 64 columns per step: one 8-byte mask load, four independent sums, a prefetch per 32 columns (enough for
-       every line up to 50% density; the denser rows' other lines come from the hardware prefetcher). The values
-       are kept in a register (HFS_REG): gcc folded their load into vexpandps, whose memory form measured slower
-       (in cache, 16 columns per step: 0.92-0.97x the time with the register form). Measured (AMD EPYC
-       Zen 5 VM, 1 thread, benchmarks/isa_layers.py --threads 1 --values fp32: the time over that of 16 columns per
-       step with vexpandps from memory, both with a prefetch per 32 columns 4 KB ahead), out of cache at 70% sparse
-       0.77-0.81x, 50% 0.89-0.95x; in cache (--copy-mb 1) 0.73-0.77x at any density. */
     for (; g + 8 <= ng; g += 8) {
       uint64_t k;
       memcpy(&k, m + g, 8);
