@@ -192,14 +192,20 @@ def build_rows(args, dense: Path, out: Path) -> list[dict]:
         shared = dict(spdy_errors=None, spdy_database={}, spdy_levels=grid, measure_rounds=0,
                       spdy_search_windows=args.spdy_search_windows)  # fmt: skip
         for v in values:
-            table, shapes = folder_time_table(dense, _values(v), grid, args.threads)
             given = [float(x) for x in args.spdy_targets.split(",") if x.strip()]
             targets = [(f"spdy{t:g}x{tag}-{v}", f"spdy {t:g}x{tag} {v}", None, t) for t in given]
-            if not given:  # each uniform level's predicted speed-up
-                speeds = [table.uniform_speedup(shapes, lv) for lv in levels]
+            table = None
+            if not given:  # each uniform level's predicted speed-up (a kept folder's own, with --reuse)
+                kept = [_kept_target(out / "models" / f"spdy{lv:g}{tag}-{v}") if args.reuse else None
+                        for lv in levels]  # fmt: skip
+                if None in kept:
+                    table, shapes = folder_time_table(dense, _values(v), grid, args.threads)
+                    kept = [table.uniform_speedup(shapes, lv) for lv in levels]
                 targets = [
-                    (f"spdy{lv:g}{tag}-{v}", f"spdy@u{lv:g}{tag} {v}", lv, t) for lv, t in zip(levels, speeds)
+                    (f"spdy{lv:g}{tag}-{v}", f"spdy@u{lv:g}{tag} {v}", lv, t) for lv, t in zip(levels, kept)
                 ]
+            elif not (args.reuse and all(_kept_target(out / "models" / t[0]) for t in targets)):
+                table, _ = folder_time_table(dense, _values(v), grid, args.threads)
             for folder_name, name, lv, target in targets:
                 folder = out / "models" / folder_name
                 res = prune(folder, target_speedup=max(1.0, target), values=v, spdy_table=table, **shared)
@@ -213,6 +219,15 @@ def build_rows(args, dense: Path, out: Path) -> list[dict]:
             rows += [dict(name=f"u{lv:g}{tag}+rec {v}", folder=folder, values=_values(v), kind="recovered",
                           level=lv) for v in values]  # fmt: skip
     return rows
+
+
+def _kept_target(folder: Path) -> float | None:
+    """The speed-up a kept ``--target-speedup`` folder was pruned for (``None``: no such folder)."""
+    try:
+        state = json.loads((folder / "config.json").read_text())["sparsity"]["_state"]
+        return float(state["oneshot"]["spdy"]["target_speedup"])
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
 
 
 def _prune_tag(args) -> str:
