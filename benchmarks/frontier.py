@@ -191,21 +191,19 @@ def build_rows(args, dense: Path, out: Path) -> list[dict]:
         # one error table and search database for every target (same model, data, grid): one error pass
         shared = dict(spdy_errors=None, spdy_database={}, spdy_levels=grid, measure_rounds=0,
                       spdy_search_windows=args.spdy_search_windows)  # fmt: skip
+        given = [float(x) for x in args.spdy_targets.split(",") if x.strip()]
         for v in values:
-            given = [float(x) for x in args.spdy_targets.split(",") if x.strip()]
-            targets = [(f"spdy{t:g}x{tag}-{v}", f"spdy {t:g}x{tag} {v}", None, t) for t in given]
+            # (folder, row name, uniform level, target): the given targets, else each uniform level's
+            # predicted speed-up; a kept folder's own target with --reuse (no time table measured then)
+            targets = [(f"spdy{t:g}x{tag}-{v}", f"spdy {t:g}x{tag} {v}", None, t) for t in given] or [
+                (f"spdy{lv:g}{tag}-{v}", f"spdy@u{lv:g}{tag} {v}", lv, None) for lv in levels
+            ]
+            kept = [_kept_target(out / "models" / t[0]) if args.reuse else None for t in targets]
             table = None
-            if not given:  # each uniform level's predicted speed-up (a kept folder's own, with --reuse)
-                kept = [_kept_target(out / "models" / f"spdy{lv:g}{tag}-{v}") if args.reuse else None
-                        for lv in levels]  # fmt: skip
-                if None in kept:
-                    table, shapes = folder_time_table(dense, _values(v), grid, args.threads)
-                    kept = [table.uniform_speedup(shapes, lv) for lv in levels]
-                targets = [
-                    (f"spdy{lv:g}{tag}-{v}", f"spdy@u{lv:g}{tag} {v}", lv, t) for lv, t in zip(levels, kept)
-                ]
-            elif not (args.reuse and all(_kept_target(out / "models" / t[0]) for t in targets)):
-                table, _ = folder_time_table(dense, _values(v), grid, args.threads)
+            if None in kept:
+                table, shapes = folder_time_table(dense, _values(v), grid, args.threads)
+            targets = [(f, n, lv, k or (t if t is not None else table.uniform_speedup(shapes, lv)))
+                       for (f, n, lv, t), k in zip(targets, kept)]  # fmt: skip
             for folder_name, name, lv, target in targets:
                 folder = out / "models" / folder_name
                 res = prune(folder, target_speedup=max(1.0, target), values=v, spdy_table=table, **shared)
