@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -76,8 +79,13 @@ def split_runs(argv: list[str]) -> list[list[str]]:
 
 
 def end_process_group() -> None:
-    """After a launch's last run: every rank at a barrier, then the group torn down (gloo's threads joined
-    before the interpreter exits)."""
+    """After a launch's last run (the results written): every rank at a barrier, the group torn down, then
+    the process ends at once. Interpreter shutdown after a distributed run can abort in a C++ destructor
+    ("terminate called without an active exception", a thread still joinable) and turn a finished run
+    into a failed launch; ``os._exit`` skips it."""
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

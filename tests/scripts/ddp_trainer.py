@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 from hf_sparsity import SparsityCallback, SparsityConfig  # noqa: E402
 from tests.conftest import tiny_model  # noqa: E402
-from tests.trainer_utils import InvariantChecker, make_trainer  # noqa: E402
+from tests.trainer_utils import InvariantChecker, end_process_group, make_trainer  # noqa: E402
 
 
 def digest(tensors):
@@ -36,9 +36,7 @@ def main(out, archs, mode="ddp"):
     for name in names:
         arch, _, own_mode = name.partition(":")
         run(os.path.join(out, name.replace(":", "-")) if len(names) > 1 else out, arch, own_mode or mode)
-    if torch.distributed.is_initialized():  # a clean teardown: gloo's threads joined before exit
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    end_process_group()
 
 
 def run(out, arch, mode):

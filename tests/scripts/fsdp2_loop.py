@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Shard  # noqa: E402
 
 from hf_sparsity import SparsityConfig, SparsityEngine  # noqa: E402
 from tests.conftest import tiny_model  # noqa: E402
+from tests.trainer_utils import end_process_group  # noqa: E402
 
 STEPS = 6
 
@@ -140,9 +141,7 @@ def main(out):
                 },
                 f,
             )
-    if distributed:
-        dist.barrier()
-        dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":
