@@ -544,8 +544,20 @@ MUTATIONS = (
         (
             (
                 "hf_sparsity/pruning/speed.py",
-                "fit = monotone_decreasing([0.0, *(deltas[s][lv] for lv in grid)], [1e9]",
-                "fit = (lambda v, w: v)([0.0, *(deltas[s][lv] for lv in grid)], [1e9]",
+                "fit = monotone_decreasing([0.0, *(changes[lv] for lv in grid)], [1e9]",
+                "fit = (lambda v, w: v)([0.0, *(changes[lv] for lv in grid)], [1e9]",
+            ),
+        ),
+        ("tests/test_spdy.py",),
+    ),
+    Mutation(
+        "spdy-step-table-not-calibrated",
+        "the step time table's shapes are not scaled to the uniform model's measured change",
+        (
+            (
+                "hf_sparsity/pruning/speed.py",
+                "per[lv] = fits[s][lv] * (total[lv] / alone) if alone < 0 else 0.0",
+                "per[lv] = fits[s][lv]",
             ),
         ),
         ("tests/test_spdy.py",),

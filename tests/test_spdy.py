@@ -315,10 +315,11 @@ def test_the_monotone_fit_by_hand():
     assert monotone_decreasing([5.0, 4.0, 4.0, -1.0]) == [5.0, 4.0, 4.0, -1.0]  # already so: unchanged
 
 
-def _fake_step(key_of, slope, bump=None):
+def _fake_step(key_of, slope, bump=None, joint=None):
     """A decoding step in ms from the model's weights: 1 + each targeted weight's ``slope`` of its shape
     (``key_of``: name -> shape) times its share of non-zeros (a shape's dense layer costs its slope), plus
-    ``bump[(shape, level)]`` (a disturbed measurement) when the layers of that shape sit at that level."""
+    ``bump[(shape, level)]`` (a disturbed measurement) when only that shape's layers are sparse, at that
+    level, and ``joint[level]`` (what the shapes' sum misses) when every shape sits at that level."""
 
     def step(model, ids, tokens):
         total, levels = 1.0, {}
@@ -327,43 +328,48 @@ def _fake_step(key_of, slope, bump=None):
             total += slope[key] * share
             if share < 1:
                 levels[key] = round(1 - share, 3)
-        return total + sum((bump or {}).get((key, lv), 0.0) for key, lv in levels.items())
+        if len(levels) == 1:
+            total += sum((bump or {}).get(kv, 0.0) for kv in levels.items())
+        if len(levels) == len(set(key_of.values())) and len(set(levels.values())) == 1:
+            total += (joint or {}).get(next(iter(levels.values())), 0.0)
+        return total
 
     return step
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_the_time_table_is_the_model_step_per_shape_and_level(arch, monkeypatch):
-    """On a step whose time is known (each weight's cost falls with its zeros), the table's differences
-    are each layer's exact change, the uniform levels' predicted speed-ups the step's own ratios, the
-    dense step split with nothing left below zero; a disturbed (slower) sparser level is fitted so that a
-    sparser weight is never slower."""
+    """On a step whose time is known: each shape's change, fitted non-increasing where a sparser level
+    was disturbed (slower), then scaled at each level so the shapes sum to the uniform model's measured
+    change (which here saves more than the shapes alone); per layer over the layer count; the uniform
+    levels' predicted speed-ups the step's own ratios; the dense step split with nothing left below zero."""
     from hf_sparsity.pruning import speed
 
     model = tiny_model(arch).eval()
     targets = [d for d in plan_sparsity(model, SparsityConfig(sparsity=0.5)) if d.sparsify]
     shapes = [shape_key(d) for d in targets]
     slope = {s: 0.01 * (k + 1) for k, s in enumerate(sorted(set(shapes)))}
-    first = sorted(set(shapes))[0]
+    n = {s: shapes.count(s) for s in slope}
+    first = sorted(slope)[0]
     monkeypatch.setattr(speed, "sparsify_for_inference", lambda m, *a, **k: m)
     key_of = {d.name: shape_key(d) for d in targets}
-    bump = {(first, 0.75): 0.3 * slope[first] * shapes.count(first)}  # 0.75 measured as 0.45: slower than 0.5
-    monkeypatch.setattr(speed, "decode_ms", _fake_step(key_of, slope, bump))
+    bump = {(first, 0.75): 0.3 * slope[first] * n[first]}  # 0.75 measured as 0.45: slower than 0.5
+    joint = {0.25: -0.002, 0.5: -0.004, 0.75: -0.01}
+    monkeypatch.setattr(speed, "decode_ms", _fake_step(key_of, slope, bump, joint))
     levels = (0.0, 0.25, 0.5, 0.75)
-    table = speed.step_time_table(model, targets, levels, "int8", threads=1, rounds=2, tokens=2)
-    step = 1.0 + sum(slope[s] for s in shapes)
+    table = speed.step_time_table(model, targets, levels, "int8", threads=1, rounds=3, tokens=2)
+    step = 1.0 + sum(slope[s] * n[s] for s in slope)
     assert table.dense_total(shapes) == pytest.approx(step) and table.other_ms > 0
-    want = {}
-    for s in set(shapes):
-        per = [table.ms[s][k] - table.dense_ms[s] for k in range(len(levels))]
-        want[s] = [-slope[s] * lv for lv in levels]
-        if s == first:  # 0.5 -> -0.5 slope, 0.75 -> -0.45 slope: pooled, (-0.5 - 0.45) / 2
-            want[s][2] = want[s][3] = -slope[s] * (0.5 + 0.45) / 2
-        assert per == pytest.approx(want[s], abs=1e-9), s
-        assert table.formats[s] == ["dense"] * len(levels)
-    for k in (1, 2, 3):
-        true = step / (step + sum(want[s][k] for s in shapes))
-        assert table.uniform_speedup(shapes, levels[k]) == pytest.approx(true, rel=1e-9)
+    for k, lv in enumerate(levels[1:], 1):
+        alone = {s: -slope[s] * n[s] * lv for s in slope}  # each shape's whole change, measured alone
+        if lv >= 0.5:  # the disturbed 0.75 pooled with 0.5: (-0.5 - 0.45) / 2 of the shape's slope
+            alone[first] = -slope[first] * n[first] * (0.5 + 0.45) / 2
+        whole = sum(-slope[s] * n[s] * lv for s in slope) + joint[lv]
+        for s in slope:
+            per_layer = table.ms[s][k] - table.dense_ms[s]
+            assert per_layer == pytest.approx(alone[s] * whole / sum(alone.values()) / n[s], rel=1e-9)
+        assert table.uniform_speedup(shapes, lv) == pytest.approx(step / (step + whole), rel=1e-9)
+    assert all(table.formats[s] == ["dense"] * len(levels) for s in slope)
 
 
 @pytest.mark.parametrize("values", [None, "int8"])

@@ -4,13 +4,18 @@ itself, converted as ``hf_sparsity generate`` converts it, with the layers of on
 :func:`step_time_table` measures, for every shape of the targeted weights (``"OUTxIN"``: Q and O share
 one, gate and up another) and every grid level ``s``, the step of the model with those layers' weights at
 exactly ``round(s · numel)`` random zeros and every other layer dense, converted with ``auto`` in the
-given value type, against the dense model's step, interleaved (the fastest of ``rounds`` each, pairwise:
-other work only ever adds time). A shape's change per layer is the difference over its layer count,
-made non-increasing in ``s`` (a sparser weight is never slower: ``auto`` keeps the denser format when it
-is faster, and fewer values read less) by a monotone least-squares fit. So the table is the step a user
-decodes, with ``auto``'s own choices, the LM head, attention and the loop in it, and the cache behaviour
-of a whole model, not of one layer timed alone. Only differences enter the program; the dense step is
-split over the shapes by their share of the weights one step reads (``other_ms``: the rest).
+given value type, against the dense model's step: the median of ``rounds`` back-to-back differences (a
+drift of the machine's speed between rounds cancels in each pair). It measures the model with every
+targeted weight at ``s`` the same way. Each change is made non-increasing in ``s`` (a sparser weight is
+never slower: ``auto`` keeps the denser format when it is faster, and fewer values read less) by a monotone
+least-squares fit; then at each level the shapes' changes are scaled to sum to the whole model's, so the
+table predicts the uniform levels' steps as measured, and the shapes' own measurements divide that change
+between them (what the layers of one shape save alone is a few percent of the step; together they are
+measured with a margin over the machine's noise). A shape's change per layer is its change over its layer
+count. So the table is the step a user decodes, with ``auto``'s own choices, the LM head, attention and
+the loop in it, and the cache behaviour of a whole model, not of one layer timed alone. Only differences
+enter the program; the dense step is split over the shapes by their share of the weights one step reads
+(``other_ms``: the rest).
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from ..utils import torch_threads
 from .spdy import SpeedTarget, TimeTable, shape_key
 
 logger = logging.getLogger(__name__)
+
+UNIFORM = "uniform"  # every targeted weight at the level together
 
 
 def monotone_decreasing(values, weights=None) -> list[float]:
@@ -66,8 +73,47 @@ def _converted(model, levels: dict[str, float], values: str | None, seed: int = 
     return m
 
 
+def _paired_change(dense, m, ids, rounds: int, tokens: int, dense_steps: list[float]) -> float:
+    """The change of the step from ``dense`` to ``m``: the median of ``rounds`` back-to-back differences
+    (a drift of the machine's speed between rounds cancels in each pair)."""
+    diffs = []
+    for _ in range(rounds):
+        d = decode_ms(dense, ids, tokens)
+        diffs.append(decode_ms(m, ids, tokens) - d)
+        dense_steps.append(d)
+    return statistics.median(diffs)
+
+
+def _measured_changes(model, classes, grid, values, rounds, tokens, progress):
+    """``{config: {level: change of the step}}`` for each shape alone and for all of them together
+    (``"uniform"``), the formats ``auto`` chose, and every dense step measured."""
+    dense = _converted(model, {}, values)
+    ids = torch.arange(1, 9).remainder(int(dense.config.vocab_size)).unsqueeze(0)
+    decode_ms(dense, ids, 4)  # warm-up
+    dense_fmt = {s: _decode_format(dense, names[0]) for s, names in classes.items()}
+    configs = {**classes, UNIFORM: [n for names in classes.values() for n in names]}
+    changes: dict[str, dict[float, float]] = {c: {} for c in configs}
+    formats = {s: {lv: dense_fmt[s] for lv in (0.0, *grid)} for s in classes}
+    dense_steps = [] if grid else [min(decode_ms(dense, ids, tokens) for _ in range(rounds))]
+    steps = [(c, lv) for c in configs for lv in grid]
+    for i, (c, lv) in enumerate(tqdm(steps, desc="spdy time table", unit="model", disable=not progress)):
+        m = _converted(model, dict.fromkeys(configs[c], lv), values, seed=i + 1)
+        decode_ms(m, ids, 4)
+        changes[c][lv] = _paired_change(dense, m, ids, rounds, tokens, dense_steps)
+        if c in classes:
+            formats[c][lv] = _decode_format(m, configs[c][0])
+        del m
+    return changes, formats, dense_steps
+
+
+def _fitted(changes: dict[float, float], grid) -> dict[float, float]:
+    """Non-increasing in the level, anchored at 0 for the dense weight, never above it."""
+    fit = monotone_decreasing([0.0, *(changes[lv] for lv in grid)], [1e9] + [1.0] * len(grid))
+    return {lv: min(0.0, x) for lv, x in zip(grid, fit[1:])}  # the anchor holds 0 up to rounding
+
+
 def step_time_table(
-    model, targets, levels, values: str | None = None, threads: int | None = None, rounds: int = 5,
+    model, targets, levels, values: str | None = None, threads: int | None = None, rounds: int = 7,
     tokens: int = 32, progress: bool = False,
 ) -> TimeTable:  # fmt: skip
     """The time table of ``targets`` (the targeted weights of the dense ``model``) at ``levels``, measured
@@ -77,45 +123,31 @@ def step_time_table(
         classes.setdefault(shape_key(d), []).append(d.name)
     grid = [lv for lv in levels if lv > 0]
     t0 = time.perf_counter()
-    deltas: dict[str, dict[float, float]] = {s: {} for s in classes}
-    formats: dict[str, dict[float, str]] = {s: {} for s in classes}
-    dense_steps: list[float] = []
     with torch_threads(threads or torch.get_num_threads()):
-        dense = _converted(model, {}, values)
-        vocab = int(dense.config.vocab_size)
-        ids = torch.arange(1, 9).remainder(vocab).unsqueeze(0)
-        decode_ms(dense, ids, 4)  # warm-up
-        dense_fmt = {n: _decode_format(dense, n) for n in (names[0] for names in classes.values())}
-        steps = [(s, lv) for s in classes for lv in grid]
-        bar = tqdm(steps, desc="spdy time table", unit="model", disable=not progress)
-        for i, (shape, lv) in enumerate(bar):
-            names = classes[shape]
-            m = _converted(model, dict.fromkeys(names, lv), values, seed=i + 1)
-            decode_ms(m, ids, 4)
-            both: dict[str, list[float]] = {"dense": [], "sparse": []}
-            for _ in range(rounds):
-                both["dense"].append(decode_ms(dense, ids, tokens))
-                both["sparse"].append(decode_ms(m, ids, tokens))
-            dense_steps.append(min(both["dense"]))
-            deltas[shape][lv] = min(both["sparse"]) - min(both["dense"])
-            formats[shape][lv] = _decode_format(m, names[0])
-            del m
-    step = statistics.median(dense_steps) if dense_steps else decode_ms(dense, ids, tokens)
+        changes, formats, dense_steps = _measured_changes(
+            model, classes, grid, values, rounds, tokens, progress
+        )
+    step = statistics.median(dense_steps)
     sizes = {s: int(np.prod([int(x) for x in s.split("x")])) for s in classes}
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     read = sum(sizes[s] * len(n) for s, n in classes.items()) + (0 if head is None else head.weight.numel())
     dense_ms = {s: step * sizes[s] / read for s in classes}  # per layer: its share of the weights read
+    fits = {s: _fitted(changes[s], grid) for s in classes}
+    total = _fitted(changes[UNIFORM], grid)
     ms = {}
     for s, names in classes.items():
-        fit = monotone_decreasing([0.0, *(deltas[s][lv] for lv in grid)], [1e9] + [1.0] * len(grid))
-        per = {lv: min(0.0, x) for lv, x in zip(grid, fit[1:])}  # the anchor holds 0 up to rounding
+        per = {}
+        for lv in grid:  # the shapes' changes divide the uniform model's measured one
+            alone = sum(fits[c][lv] for c in classes)
+            per[lv] = fits[s][lv] * (total[lv] / alone) if alone < 0 else 0.0
+        per = _fitted(per, grid)
         ms[s] = [max(dense_ms[s] + per[lv] / len(names), 1e-6) if lv > 0 else dense_ms[s] for lv in levels]
     other = step - sum(dense_ms[s] * len(n) for s, n in classes.items())
     logger.info("spdy: time table of %d shapes x %d levels on the model's own step (%.3f ms) in %.1f s",
                 len(classes), len(grid), step, time.perf_counter() - t0)  # fmt: skip
     return TimeTable(
         levels=tuple(levels), ms=ms, dense_ms=dense_ms, other_ms=other, values=values, threads=threads,
-        formats={s: [formats[s].get(lv, dense_fmt[classes[s][0]]) for lv in levels] for s in classes},
+        formats={s: [formats[s][lv] for lv in levels] for s in classes},
     )  # fmt: skip
 
 
