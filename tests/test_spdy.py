@@ -370,6 +370,8 @@ def test_the_time_table_is_the_model_step_per_shape_and_level(arch, monkeypatch)
             assert per_layer == pytest.approx(alone[s] * whole / sum(alone.values()) / n[s], rel=1e-9)
         assert table.uniform_speedup(shapes, lv) == pytest.approx(step / (step + whole), rel=1e-9)
     assert all(table.formats[s] == ["dense"] * len(levels) for s in slope)
+    whole = [sum(-slope[s] * n[s] * lv for s in slope) + joint.get(lv, 0.0) for lv in levels]
+    assert table.to_dict()["measured"]["uniform"] == pytest.approx(whole, abs=1e-5)
 
 
 @pytest.mark.parametrize("values", [None, "int8"])

@@ -81,7 +81,8 @@ def parse_levels(text: str) -> tuple[float, ...]:
 @dataclass
 class TimeTable:
     """Milliseconds per batch-1 product for each layer shape (``"OUTxIN"``) at each grid level, the dense
-    time of each shape (level 0), and the rest of a decoding step (``other_ms``)."""
+    time of each shape (level 0), and the rest of a decoding step (``other_ms``); ``measured``: the changes
+    of the whole step the table was fitted from, per shape (all its layers) and ``"uniform"``, by level."""
 
     levels: tuple[float, ...]
     ms: dict[str, list[float]]
@@ -90,6 +91,7 @@ class TimeTable:
     values: str | None = None
     threads: int | None = None
     formats: dict[str, list[str]] = field(default_factory=dict)
+    measured: dict[str, list[float]] = field(default_factory=dict)  # the raw changes of the step, by level
 
     def dense_total(self, shapes: list[str]) -> float:
         return self.other_ms + sum(self.dense_ms[s] for s in shapes)
@@ -109,6 +111,7 @@ class TimeTable:
             "ms": {s: [round(x, 5) for x in v] for s, v in self.ms.items()},
             "dense_ms": {s: round(v, 5) for s, v in self.dense_ms.items()},
             "formats": self.formats,
+            "measured": {c: [round(x, 5) for x in v] for c, v in self.measured.items()},
         }  # fmt: skip
 
 

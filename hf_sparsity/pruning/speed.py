@@ -148,6 +148,7 @@ def step_time_table(
     return TimeTable(
         levels=tuple(levels), ms=ms, dense_ms=dense_ms, other_ms=other, values=values, threads=threads,
         formats={s: [formats[s][lv] for lv in levels] for s in classes},
+        measured={c: [changes[c].get(lv, 0.0) for lv in levels] for c in changes},
     )  # fmt: skip
 
 
