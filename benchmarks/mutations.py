@@ -556,8 +556,8 @@ MUTATIONS = (
         (
             (
                 "hf_sparsity/pruning/speed.py",
-                "per[lv] = fits[s][lv] * (total[lv] / alone) if alone < 0 else 0.0",
-                "per[lv] = fits[s][lv]",
+                "per = _fitted({lv: fits[s][lv] * scale[lv] for lv in grid}, grid)",
+                "per = _fitted({lv: fits[s][lv] for lv in grid}, grid)",
             ),
         ),
         ("tests/test_spdy.py",),

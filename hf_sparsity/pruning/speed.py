@@ -134,13 +134,11 @@ def step_time_table(
     dense_ms = {s: step * sizes[s] / read for s in classes}  # per layer: its share of the weights read
     fits = {s: _fitted(changes[s], grid) for s in classes}
     total = _fitted(changes[UNIFORM], grid)
+    alone = {lv: sum(fits[s][lv] for s in classes) for lv in grid}
+    scale = {lv: total[lv] / alone[lv] if alone[lv] < 0 else 0.0 for lv in grid}  # sum to the uniform's
     ms = {}
     for s, names in classes.items():
-        per = {}
-        for lv in grid:  # the shapes' changes divide the uniform model's measured one
-            alone = sum(fits[c][lv] for c in classes)
-            per[lv] = fits[s][lv] * (total[lv] / alone) if alone < 0 else 0.0
-        per = _fitted(per, grid)
+        per = _fitted({lv: fits[s][lv] * scale[lv] for lv in grid}, grid)
         ms[s] = [max(dense_ms[s] + per[lv] / len(names), 1e-6) if lv > 0 else dense_ms[s] for lv in levels]
     other = step - sum(dense_ms[s] * len(n) for s, n in classes.items())
     logger.info("spdy: time table of %d shapes x %d levels on the model's own step (%.3f ms) in %.1f s",
@@ -175,12 +173,9 @@ def load_for_decoding(folder, values: str | None, dense: bool):
     return model
 
 
-def measure_decode_ms(
-    folders: dict[str, Any], values, threads, tokens: int = 32, rounds: int = 5, stat: str = "median"
-):
+def measure_decode_ms(folders: dict[str, Any], values, threads, tokens: int = 32, rounds: int = 5):
     """``name -> ms per token`` of each folder (``{name: (folder, dense)}``) converted as ``hf_sparsity
-    generate`` runs it, rounds interleaved: medians, or with ``stat="min"`` the fastest round (as the time
-    table counts its layers: other work on the machine only ever adds time)."""
+    generate`` runs it, rounds interleaved, medians."""
     with torch_threads(threads or torch.get_num_threads()):
         models = {n: load_for_decoding(f, values, dense) for n, (f, dense) in folders.items()}
         vocab = min(int(m.config.vocab_size) for m in models.values())
@@ -191,8 +186,7 @@ def measure_decode_ms(
         for _ in range(rounds):
             for n, m in models.items():
                 times[n].append(decode_ms(m, ids, tokens))
-    pick = min if stat == "min" else statistics.median
-    return {n: pick(v) for n, v in times.items()}
+    return {n: statistics.median(v) for n, v in times.items()}
 
 
 def table_for_model(model, targets, speed: SpeedTarget, progress: bool = False) -> TimeTable:
