@@ -563,6 +563,12 @@ MUTATIONS = (
         ("tests/test_spdy.py",),
     ),
     Mutation(
+        "spdy-step-table-one-pass",
+        "the step time table measures each configuration's pairs in one go, not spread over passes",
+        (("hf_sparsity/pruning/speed.py", "passes = max(1, min(passes, rounds))", "passes = 1"),),
+        ("tests/test_spdy.py",),
+    ),
+    Mutation(
         "spdy-step-table-whole-step",
         "the step time table counts a shape's whole change of the step for each of its layers",
         (("hf_sparsity/pruning/speed.py", "dense_ms[s] + per[lv] / len(names)", "dense_ms[s] + per[lv]"),),

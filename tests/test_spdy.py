@@ -374,6 +374,40 @@ def test_the_time_table_is_the_model_step_per_shape_and_level(arch, monkeypatch)
     assert table.to_dict()["measured"]["uniform"] == pytest.approx(whole, abs=1e-5)
 
 
+def test_a_change_of_the_machine_speed_mid_table_reaches_every_configuration_alike(monkeypatch):
+    """The machine's sparse savings halve after the first half of the measurement: with the pairs spread
+    over two passes every shape and level (and the uniform model) gets one pair in each state, so each
+    measured change is the median of (x, x / 2), 3/4 of the steady change, at every level alike."""
+    from hf_sparsity.pruning import speed
+
+    model = tiny_model("gpt2").eval()
+    targets = [d for d in plan_sparsity(model, SparsityConfig(sparsity=0.5)) if d.sparsify]
+    shapes = [shape_key(d) for d in targets]
+    slope = {s: 0.01 * (k + 1) for k, s in enumerate(sorted(set(shapes)))}
+    n = {s: shapes.count(s) for s in slope}
+    levels = (0.0, 0.25, 0.5, 0.75)
+    steady = _fake_step({d.name: shape_key(d) for d in targets}, slope)
+    dense = 1.0 + sum(slope[s] * n[s] for s in slope)
+    configs = len(levels[1:]) * (len(slope) + 1)
+    calls = []
+
+    def drifting(m, ids, tokens):  # the first pass: 1 warm-up of dense, then per configuration 1 + 2 calls
+        calls.append(1)
+        t = steady(m, ids, tokens)
+        return t if len(calls) <= 1 + 3 * configs else dense + (t - dense) / 2
+
+    monkeypatch.setattr(speed, "sparsify_for_inference", lambda m, *a, **k: m)
+    monkeypatch.setattr(speed, "decode_ms", drifting)
+    table = speed.step_time_table(model, targets, levels, "int8", threads=1, rounds=2, tokens=2, passes=2)
+    assert len(calls) == 1 + 2 * 3 * configs
+    measured = table.to_dict()["measured"]
+    for k, lv in enumerate(levels[1:], 1):
+        for s in slope:
+            assert measured[s][k] == pytest.approx(-0.75 * slope[s] * n[s] * lv, abs=1e-5)
+        whole = -0.75 * lv * sum(slope[s] * n[s] for s in slope)
+        assert measured["uniform"][k] == pytest.approx(whole, abs=1e-5)
+
+
 @pytest.mark.parametrize("values", [None, "int8"])
 def test_the_time_table_converts_the_model_as_generate_does(values, tmp_path, monkeypatch):
     """The real measurement on a tiny model: every shape at every level, a time per product above 0,

@@ -5,7 +5,11 @@ itself, converted as ``hf_sparsity generate`` converts it, with the layers of on
 one, gate and up another) and every grid level ``s``, the step of the model with those layers' weights at
 exactly ``round(s · numel)`` random zeros and every other layer dense, converted with ``auto`` in the
 given value type, against the dense model's step: the median of ``rounds`` back-to-back differences (a
-drift of the machine's speed between rounds cancels in each pair). It measures the model with every
+drift of the machine's speed between rounds cancels in each pair), taken in ``passes`` passes over every
+configuration (a change of the machine's speed during the measurement, which on a shared machine can halve
+what the sparse levels save, then reaches every configuration alike, not only those measured after it:
+two tables of SmolLM2-135M measured in one pass each, one after the other, differed by up to a factor of two
+at 50-80%). It measures the model with every
 targeted weight at ``s`` the same way. Each change is made non-increasing in ``s`` (a sparser weight is
 never slower: ``auto`` keeps the denser format when it is faster, and fewer values read less) by a monotone
 least-squares fit; then at each level the shapes' changes are scaled to sum to the whole model's, so the
@@ -73,36 +77,46 @@ def _converted(model, levels: dict[str, float], values: str | None, seed: int = 
     return m
 
 
-def _paired_change(dense, m, ids, rounds: int, tokens: int, dense_steps: list[float]) -> float:
-    """The change of the step from ``dense`` to ``m``: the median of ``rounds`` back-to-back differences
-    (a drift of the machine's speed between rounds cancels in each pair)."""
+def _paired_diffs(dense, m, ids, pairs: int, tokens: int, dense_steps: list[float]) -> list[float]:
+    """``pairs`` back-to-back differences of the step from ``dense`` to ``m`` (a drift of the machine's
+    speed between pairs cancels in each)."""
     diffs = []
-    for _ in range(rounds):
+    for _ in range(pairs):
         d = decode_ms(dense, ids, tokens)
         diffs.append(decode_ms(m, ids, tokens) - d)
         dense_steps.append(d)
-    return statistics.median(diffs)
+    return diffs
 
 
-def _measured_changes(model, classes, grid, values, rounds, tokens, progress):
+def _measured_changes(model, classes, grid, values, rounds, tokens, progress, passes):
     """``{config: {level: change of the step}}`` for each shape alone and for all of them together
-    (``"uniform"``), the formats ``auto`` chose, and every dense step measured."""
+    (``"uniform"``), the formats ``auto`` chose, and every dense step measured. The ``rounds`` pairs of a
+    configuration are spread over ``passes`` passes over all of them (the model converted again in each:
+    the same zeros, ``auto``'s cached plan), so a change of the machine's speed during the measurement
+    reaches every configuration alike instead of the ones measured after it."""
     dense = _converted(model, {}, values)
     ids = torch.arange(1, 9).remainder(int(dense.config.vocab_size)).unsqueeze(0)
     decode_ms(dense, ids, 4)  # warm-up
     dense_fmt = {s: _decode_format(dense, names[0]) for s, names in classes.items()}
     configs = {**classes, UNIFORM: [n for names in classes.values() for n in names]}
-    changes: dict[str, dict[float, float]] = {c: {} for c in configs}
     formats = {s: {lv: dense_fmt[s] for lv in (0.0, *grid)} for s in classes}
     dense_steps = [] if grid else [min(decode_ms(dense, ids, tokens) for _ in range(rounds))]
     steps = [(c, lv) for c in configs for lv in grid]
-    for i, (c, lv) in enumerate(tqdm(steps, desc="spdy time table", unit="model", disable=not progress)):
-        m = _converted(model, dict.fromkeys(configs[c], lv), values, seed=i + 1)
-        decode_ms(m, ids, 4)
-        changes[c][lv] = _paired_change(dense, m, ids, rounds, tokens, dense_steps)
-        if c in classes:
-            formats[c][lv] = _decode_format(m, configs[c][0])
-        del m
+    passes = max(1, min(passes, rounds))
+    diffs: dict[tuple[str, float], list[float]] = {k: [] for k in steps}
+    bar = tqdm(total=passes * len(steps), desc="spdy time table", unit="model", disable=not progress)
+    for p in range(passes):
+        pairs = rounds // passes + (p < rounds % passes)
+        for i, (c, lv) in enumerate(steps):
+            m = _converted(model, dict.fromkeys(configs[c], lv), values, seed=i + 1)
+            decode_ms(m, ids, 4)
+            diffs[c, lv] += _paired_diffs(dense, m, ids, pairs, tokens, dense_steps)
+            if p == 0 and c in classes:
+                formats[c][lv] = _decode_format(m, configs[c][0])
+            del m
+            bar.update()
+    bar.close()
+    changes = {c: {lv: statistics.median(diffs[c, lv]) for lv in grid} for c in configs}
     return changes, formats, dense_steps
 
 
@@ -113,8 +127,8 @@ def _fitted(changes: dict[float, float], grid) -> dict[float, float]:
 
 
 def step_time_table(
-    model, targets, levels, values: str | None = None, threads: int | None = None, rounds: int = 7,
-    tokens: int = 32, progress: bool = False,
+    model, targets, levels, values: str | None = None, threads: int | None = None, rounds: int = 8,
+    tokens: int = 32, progress: bool = False, passes: int = 4,
 ) -> TimeTable:  # fmt: skip
     """The time table of ``targets`` (the targeted weights of the dense ``model``) at ``levels``, measured
     on the model's own decoding step (module docstring)."""
@@ -125,7 +139,7 @@ def step_time_table(
     t0 = time.perf_counter()
     with torch_threads(threads or torch.get_num_threads()):
         changes, formats, dense_steps = _measured_changes(
-            model, classes, grid, values, rounds, tokens, progress
+            model, classes, grid, values, rounds, tokens, progress, passes
         )
     step = statistics.median(dense_steps)
     sizes = {s: int(np.prod([int(x) for x in s.split("x")])) for s in classes}
