@@ -84,7 +84,8 @@ def test_sparsify_puts_the_packed_weights_in_one_buffer_and_outputs_hold(arch, b
         want = model(ids).logits
     opts = {"values": values} if values else {}
     if backend == "auto":
-        opts.update(formats=("bitmask",), margin=-100.0, check=False, rounds=2, sample_layers=2)
+        opts.update(formats=("bitmask",), margin=-100.0, model_tolerance=float("inf"), check=False)
+        opts.update(rounds=2, sample_layers=2)  # every layer bitmask whatever the timings
     sparsify_for_inference(model, backend, masks=eng.masks, **opts)
     backends = _packed_backends(model)
     # + the LM head: int8 with int8 values (every backend), maybe the native GEMV with auto
