@@ -1804,18 +1804,6 @@ MUTATIONS = (
         (("hf_sparsity/pruning/spdy.py", "    if speedup > top * (1 + 1e-9):", "    if False:"),),
         ("tests/test_spdy.py::test_a_target_above_the_grid_is_refused_before_pruning",),
     ),
-    Mutation(
-        "auto-int8-head-planned-keys",
-        "the whole-model check's fallback reads measured ratios the int8 LM head's choice does not have",
-        (
-            (
-                "hf_sparsity/backends/auto/backend.py",
-                'c["planned"] = {k: c[k] for k in PLAN_KEYS if k in c}',
-                'c["planned"] = {k: c[k] for k in PLAN_KEYS}',
-            ),
-        ),
-        ("tests/test_spdy.py::test_int8_values_survive_a_whole_model_check_that_keeps_every_layer_dense",),
-    ),
 )
 
 NEW_TEST_FILES = (

@@ -233,7 +233,7 @@ def _check_whole_model(
         verdict["auto_vs_dense"],
     )
     for c in choices.values():
-        c["planned"] = {k: c[k] for k in PLAN_KEYS if k in c}  # the int8 LM head is not timed: no ratios
+        c["planned"] = {k: c[k] for k in PLAN_KEYS}  # (the int8 LM head's choice joins after this check)
         c.update(zip(PLAN_KEYS, ("dense", 1.0) * 3))
     return []
 
