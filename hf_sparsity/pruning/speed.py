@@ -6,10 +6,9 @@ one, gate and up another) and every grid level ``s``, the step of the model with
 exactly ``round(s · numel)`` random zeros and every other layer dense, converted with ``auto`` in the
 given value type, against the dense model's step: the median of ``rounds`` back-to-back differences (a
 drift of the machine's speed between rounds cancels in each pair), taken in ``passes`` passes over every
-configuration (a change of the machine's speed during the measurement, which on a shared machine can halve
-what the sparse levels save, then reaches every configuration alike, not only those measured after it:
-two tables of SmolLM2-135M measured in one pass each, one after the other, differed by up to a factor of two
-at 50-80%). It measures the model with every
+configuration (a change of the machine's speed during the measurement then reaches every configuration
+alike, not only those measured after it; a change between whole runs stays: on a shared VM what SmolLM2-135M's
+levels past 40% save has moved by up to 2x from one table to the next). It measures the model with every
 targeted weight at ``s`` the same way. Each change is made non-increasing in ``s`` (a sparser weight is
 never slower: ``auto`` keeps the denser format when it is faster, and fewer values read less) by a monotone
 least-squares fit; then at each level the shapes' changes are scaled to sum to the whole model's, so the
