@@ -569,6 +569,18 @@ MUTATIONS = (
         ("tests/test_spdy.py",),
     ),
     Mutation(
+        "auto-plan-key-without-tolerance",
+        "auto's plan cache key leaves out model_tolerance: a plan decided under another tolerance is reused",
+        (
+            (
+                "hf_sparsity/backends/auto/planner.py",
+                "keep_dense_for_prefill, values,\n                model_tolerance)",
+                "keep_dense_for_prefill, values)",
+            ),
+        ),
+        ("tests/test_auto_plans.py::test_plan_cache_makes_the_same_plan_without_measuring",),
+    ),
+    Mutation(
         "spdy-step-table-whole-step",
         "the step time table counts a shape's whole change of the step for each of its layers",
         (("hf_sparsity/pruning/speed.py", "dense_ms[s] + per[lv] / len(names)", "dense_ms[s] + per[lv]"),),

@@ -197,6 +197,8 @@ def test_plan_cache_makes_the_same_plan_without_measuring(monkeypatch, tmp_path)
         auto.plan_layers(_layers(), stream_bytes=0, plan_cache="refresh")
     with pytest.raises(AssertionError, match="measures nothing"):
         auto.plan_layers(_layers(), stream_bytes=0, margin=0.1)  # other options: another plan
+    with pytest.raises(AssertionError, match="measures nothing"):  # the cost-model check decides too
+        auto.plan_layers(_layers(), stream_bytes=0, model_tolerance=float("inf"))
     (tmp_path / "plans.json").write_text("{not json")  # a corrupt cache counts as empty
     monkeypatch.setattr(auto.planner, "interleaved_ms", _noisy({"bitmask": 0.5}, random.Random(0), 0.0))
     monkeypatch.undo()

@@ -81,7 +81,8 @@ def plan_layers(
         groups.setdefault(key, []).append(name)
         meta[name] = (density, is24, nnz)
     cache = PlanCache(plan_cache)
-    settings = (prefill_batch, rounds, sample_layers, margin, stream_bytes, keep_dense_for_prefill, values)
+    settings = (prefill_batch, rounds, sample_layers, margin, stream_bytes, keep_dense_for_prefill, values,
+                model_tolerance)  # fmt: skip
     out: dict[str, tuple] = {}
     for key, names in groups.items():
         shape, dtype, level, is24 = key
