@@ -481,8 +481,8 @@ MUTATIONS = (
         (
             (
                 "hf_sparsity/backends/auto/planner.py",
-                "stream_bytes, keep_dense_for_prefill, values)",
-                "stream_bytes, keep_dense_for_prefill)",
+                "stream_bytes, keep_dense_for_prefill, values,\n",
+                "stream_bytes, keep_dense_for_prefill,\n",
             ),
         ),
         (
