@@ -8,8 +8,8 @@ Three tables and one dynamic program:
   converted as ``hf_sparsity generate`` converts it (``auto``'s choices, the LM head, attention, the loop),
   with the layers of one shape at exactly ``round(s · numel)`` random zeros, against the dense model,
   back to back, in passes over every shape and level; a shape's change of the step over its layer count,
-  non-increasing in ``s``, the shapes
-  scaled at each level to the change measured with every targeted weight at ``s``.
+  non-increasing in ``s``, the shapes scaled at each level to the change measured with every targeted
+  weight at ``s``.
   The end-to-end model is then ``T(levels) = T_other + Σ_l t_l(s_l)`` (``T_other``: the step's share of
   what is not targeted), and the speed-up over the dense model ``T(0) / T(levels)``.
 * **Error** ``e_l(s)``: the relative output error of layer ``l`` pruned at ``s`` by the method,
