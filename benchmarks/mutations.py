@@ -1722,6 +1722,18 @@ MUTATIONS = (
         ("tests/test_spdy.py::test_a_budget_at_exactly_the_fastest_total_gets_the_fastest_levels",),
     ),
     Mutation(
+        "spdy-fastest-floor-running-sum",
+        "the budget's floor is the fastest times' running sum, which can fall a bit below the DP's own sum",
+        (
+            (
+                "hf_sparsity/pruning/spdy.py",
+                "float(np.asarray(times, dtype=np.float64).min(1).sum()))",
+                "sum(min(r) for r in times))",
+            ),
+        ),
+        ("tests/test_spdy.py::test_the_sparsest_uniform_rows_own_speed_up_is_planned_on_many_layers",),
+    ),
+    Mutation(
         "spdy-search-keeps-the-last",
         "SPDY's search keeps the last candidate it scored, not the one of least calibration loss",
         (

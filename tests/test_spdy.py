@@ -19,6 +19,7 @@ from hf_sparsity.pruning.spdy import (
     SpeedTarget,
     TimeTable,
     check_levels,
+    plan_levels,
     shape_key,
     solve_levels,
 )
@@ -558,6 +559,23 @@ def test_a_given_time_table_is_used_as_is_and_one_that_does_not_fit_is_refused(
             **common,
         )
     assert not (tmp_path / "no").exists()
+
+
+def test_the_sparsest_uniform_rows_own_speed_up_is_planned_on_many_layers():
+    """A target at the speed-up the table predicts for every layer at the sparsest level (what a uniform row
+    at that level asks) on tables of 30 layers, where a running sum and numpy's pairwise sum of the fastest
+    times can differ in the last bit: it is planned, every layer at the sparsest level, never refused."""
+    g = torch.Generator().manual_seed(7)
+    levels = (0.0, 0.5, 0.8)
+    for _ in range(24):
+        shapes = [f"{i}x{i}" for i in range(1, 31)]
+        ms = {s: sorted((0.01 + 0.19 * torch.rand(3, generator=g, dtype=torch.float64)).tolist())[::-1]
+              for s in shapes}  # fmt: skip
+        table = TimeTable(levels, ms, {s: ms[s][0] for s in shapes}, other_ms=0.37)
+        target = table.dense_total(shapes) / (0.37 + math.fsum(ms[s][2] for s in shapes))
+        errors = {s: [0.0, 1.0, 2.0] for s in shapes}
+        plan = plan_levels(shapes, {s: s for s in shapes}, errors, table, target)
+        assert set(plan.levels.values()) == {0.8}
 
 
 @pytest.mark.parametrize("seed", range(4))

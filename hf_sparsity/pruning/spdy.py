@@ -424,8 +424,9 @@ def plan_levels(
     dense = table.dense_total(shapes)
     reachable(speedup, dense, table.fastest_total(shapes), table.levels)
     times = [table.ms[s] for s in shapes]
-    # a reachable target (within reachable's 1e-9) never asks less than the fastest levels' time
-    budget = max(dense / speedup - table.other_ms, sum(min(r) for r in times))
+    # a reachable target (within reachable's 1e-9) never asks less than the fastest levels' time, summed
+    # as solve_levels sums it (numpy's pairwise sum and a running sum can differ in the last bit)
+    budget = max(dense / speedup - table.other_ms, float(np.asarray(times, dtype=np.float64).min(1).sum()))
     e = np.asarray([errors[n] for n in names], dtype=np.float64)
     record = None
     if search is None:
