@@ -1734,6 +1734,45 @@ MUTATIONS = (
         ("tests/test_spdy.py::test_the_sparsest_uniform_rows_own_speed_up_is_planned_on_many_layers",),
     ),
     Mutation(
+        "spdy-moves-leave-the-budget",
+        "a level move is scored once its first sparser layer is chosen, within the budget or not",
+        (("hf_sparsity/pruning/spdy_search.py", "            if within(move):", "            if True:"),),
+        (
+            "tests/test_spdy_search.py::test_level_moves_reach_the_least_loss_in_the_budget_by_brute_force",
+            "tests/test_spdy_search.py::test_a_layer_made_denser_is_paid_for_by_up_to_three_sparser_ones",
+        ),
+    ),
+    Mutation(
+        "spdy-moves-keep-the-last",
+        "every level move is kept, whatever its loss",
+        (
+            (
+                "hf_sparsity/pruning/spdy_search.py",
+                "        if loss < best_loss:\n            best_pick, best_loss, kept",
+                "        if True:\n            best_pick, best_loss, kept",
+            ),
+        ),
+        ("tests/test_spdy_search.py::test_level_moves_reach_the_least_loss_in_the_budget_by_brute_force",),
+    ),
+    Mutation(
+        "spdy-moves-one-payer",
+        "a layer made denser is paid for by one sparser layer only: a big layer never moves",
+        (("hf_sparsity/pruning/spdy_search.py", "_PAY_LAYERS = 3", "_PAY_LAYERS = 1"),),
+        ("tests/test_spdy_search.py::test_a_layer_made_denser_is_paid_for_by_up_to_three_sparser_ones",),
+    ),
+    Mutation(
+        "spdy-moves-never-asked",
+        "the program's plan gives the search no budget check: no level move runs",
+        (
+            (
+                "hf_sparsity/pruning/spdy.py",
+                "fits[0] if fits else None, lambda p: float(t[np.arange(len(p)), p].sum()) <= budget,",
+                "fits[0] if fits else None,",
+            ),
+        ),
+        ("tests/test_spdy_search.py::test_every_scored_loss_is_the_models_own_loss_at_those_levels",),
+    ),
+    Mutation(
         "spdy-search-keeps-the-last",
         "SPDY's search keeps the last candidate it scored, not the one of least calibration loss",
         (

@@ -490,6 +490,9 @@ def test_cli_bad_speed_inputs_are_refused_in_one_line_and_write_nothing(
         (("--target-speedup", 1.5, "--owl"), "OWL chooses levels"),
         (("--values", "int8",), "go with --target-speedup"),
         (("--target-speedup", 1000, "--spdy-levels", "0,0.5"), "above what the level grid reaches"),
+        (("--target-speedup", 1.5, "--spdy-search-steps", -1), "--spdy-search-steps -1: use 0"),
+        (("--target-speedup", 1.5, "--spdy-search-windows", 0), "--spdy-search-windows 0: use at least 1"),
+        (("--target-speedup", 1.5, "--spdy-search-moves", -1), "--spdy-search-moves -1: use 0"),
     ]  # fmt: skip
     for extra, message in cases:
         argv = ("prune", model_dir, out, "--method", "sparsegpt", *base, *extra)

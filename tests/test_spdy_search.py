@@ -17,7 +17,7 @@ from hf_sparsity.mask_engine.targeting import plan_sparsity
 from hf_sparsity.pruning import methods as M
 from hf_sparsity.pruning import prune_oneshot, spdy_search
 from hf_sparsity.pruning.spdy import SpeedTarget, TimeTable, solve_levels
-from hf_sparsity.pruning.spdy_search import final_layers, search_coefficients
+from hf_sparsity.pruning.spdy_search import final_layers, level_move, search_coefficients
 
 from .conftest import tiny_model
 from .test_spdy import _dense_inputs
@@ -93,10 +93,10 @@ def test_every_scored_loss_is_the_models_own_loss_at_those_levels(arch, method, 
         return out
 
     monkeypatch.setattr(spdy_search.CalibrationLoss, "__call__", checked)
-    speed = SpeedTarget(1.6, LEVELS, table=table, search_steps=6, search_windows=4)
+    speed = SpeedTarget(1.6, LEVELS, table=table, search_steps=6, search_windows=4, search_moves=5)
     res = prune_oneshot(model, SparsityConfig(sparsity=0.5), calib, method, speed=speed, batch_size=2)
     rec = res.spdy.search
-    assert rec["windows"] == 4 and rec["steps"] == 6
+    assert rec["windows"] == 4 and rec["steps"] == 6 and rec["moves"] == 5
     assert unchanged and all(unchanged)
     ids = calib[:4]
     assert rec["loss_dense"] == pytest.approx(_hf_loss(dense, ids), rel=1e-5)
@@ -218,6 +218,76 @@ def test_the_uniform_level_is_scored_as_it_is_and_never_beaten_by_a_worse_profil
     assert pick == [2, 2, 2] and rec["loss"] == 0.0
 
 
+def _moves_search(times, budget, loss, steps=0, moves=0, seed=0):
+    """search_coefficients on layers whose program errors are all alike (the program cannot tell them
+    apart), the uniform start at level 1 where it fits; (pick, record, every scored assignment)."""
+    names = [f"l{i}" for i in range(len(times))]
+    errors = {n: [float(k) for k in range(len(times[0]))] for n in names}
+    e = np.asarray(list(errors.values()))
+    scored = []
+
+    def score(pick):
+        ks = tuple(pick[n] for n in names)
+        scored.append(ks)
+        return loss(ks)
+
+    def within(ks):
+        return sum(times[i][k] for i, k in enumerate(ks)) <= budget
+
+    def solve(c):
+        return solve_levels(times, e * np.asarray(c)[:, None], budget, 1000)
+
+    pick, rec = search_coefficients(names, errors, solve, score, steps=steps, seed_levels=1, seed=seed,
+                                    within=within, moves=moves)  # fmt: skip
+    return pick, rec, scored
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_level_moves_reach_the_least_loss_in_the_budget_by_brute_force(seed):
+    """Five layers of one shape (a level denser on one and sparser on another keeps the time) and a loss
+    convex in each layer's level with weights 0.1 to 10: from the uniform start, with no coefficient
+    step, the moves end on the least loss of every assignment within the budget (enumerated here; on such a
+    loss a level traded between two layers reaches it), never score an assignment twice or outside the
+    budget, end on the least scored loss, and count the moves they kept."""
+    g = torch.Generator().manual_seed(seed)
+    sens = torch.logspace(-1, 1, 5, dtype=torch.float64)[torch.randperm(5, generator=g)].tolist()
+    times, budget = [[4.0, 3.0, 2.0, 1.0]] * 5, 15.0  # every layer at level 1
+
+    def loss(ks):
+        return sum(s * k * k for s, k in zip(sens, ks))
+
+    pick, rec, scored = _moves_search(times, budget, loss, moves=120, seed=seed)
+    fit = [ks for ks in itertools.product(range(4), repeat=5) if sum(4 - k for k in ks) <= budget]
+    assert rec["loss"] == pytest.approx(min(loss(ks) for ks in fit)) == pytest.approx(loss(pick))
+    assert rec["loss"] < rec["loss_uniform"] and rec["moves"] == 120 and rec["moves_kept"] >= 1
+    assert len(scored) == len(set(scored)) == rec["evaluations"]
+    assert all(sum(4 - k for k in ks) <= budget for ks in scored)
+    assert rec["loss"] == min(loss(ks) for ks in scored)
+    again, _, _ = _moves_search(times, budget, loss, moves=120, seed=seed)
+    assert again == pick
+    none, rec0, _ = _moves_search(times, budget, loss, moves=0, seed=seed)
+    assert rec0["moves_kept"] == 0 and rec0["loss"] == min(rec0["loss_plain"], rec0["loss_uniform"])
+
+
+def test_a_layer_made_denser_is_paid_for_by_up_to_three_sparser_ones():
+    """A layer three times the others' time per level, whose level costs the loss 100 times theirs: one
+    level denser on it fits the budget only with three small layers a level sparser each; the moves find
+    exactly the least loss of the budget (brute force: the big layer dense, three of the four small ones at
+    the sparsest level)."""
+    times = [[6.0, 3.0, 0.0]] + [[2.0, 1.0, 0.0]] * 4  # every layer at level 1: 7 ms, the budget
+
+    def loss(ks):
+        return 100 * ks[0] + sum(ks[1:])
+
+    pick, rec, scored = _moves_search(times, 7.0, loss, moves=16)
+    fit = [ks for ks in itertools.product(range(3), repeat=5) if sum(t[k] for t, k in zip(times, ks)) <= 7.0]
+    assert rec["loss"] == min(loss(ks) for ks in fit) == loss(pick) == 7
+    assert pick[0] == 0 and sorted(pick[1:]) == [1, 2, 2, 2]
+    rng = np.random.default_rng(0)
+    assert level_move([1, 1, 1], 3, lambda ks: False, rng) is None  # no move keeps the budget
+    assert level_move([0, 0, 0], 3, lambda ks: True, rng) is None  # no layer can be made denser
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "gpt_neox", "opt"])
 def test_the_final_layers_are_the_models_final_norm_and_head(arch):
     model = tiny_model(arch)
@@ -280,6 +350,7 @@ def test_the_plain_start_is_the_plain_programs_choice():
     [
         (dict(search_steps=-1), "--spdy-search-steps -1: use 0"),
         (dict(search_windows=0), "--spdy-search-windows 0: use at least 1"),
+        (dict(search_moves=-1), "--spdy-search-moves -1: use 0"),
     ],
 )
 def test_bad_search_settings_are_refused_in_one_line(kw, match):

@@ -21,7 +21,7 @@ import sys
 import time
 
 from ..pruning.reconstruct import DEFAULT_LR, DEFAULT_STEPS
-from ..pruning.spdy_search import DEFAULT_SEARCH_STEPS, DEFAULT_SEARCH_WINDOWS
+from ..pruning.spdy_search import DEFAULT_SEARCH_MOVES, DEFAULT_SEARCH_STEPS, DEFAULT_SEARCH_WINDOWS
 
 
 def prune_command_parser(subparsers) -> argparse.ArgumentParser:
@@ -107,6 +107,13 @@ def _speed_options(p: argparse.ArgumentParser) -> None:
         f"loss (0: the plain program; default {DEFAULT_SEARCH_STEPS})",
     )
     p.add_argument(
+        "--spdy-search-moves",
+        type=int,
+        default=DEFAULT_SEARCH_MOVES,
+        help="--target-speedup: after the search's steps, moves of one layer a level denser paid for by "
+        f"others a level sparser, each kept when the calibration loss falls (default {DEFAULT_SEARCH_MOVES})",
+    )
+    p.add_argument(
         "--spdy-search-windows",
         type=int,
         default=DEFAULT_SEARCH_WINDOWS,
@@ -161,6 +168,7 @@ def prune_command(args: argparse.Namespace) -> int:
         measure_rounds=args.measure_rounds,
         spdy_search_steps=args.spdy_search_steps,
         spdy_search_windows=args.spdy_search_windows,
+        spdy_search_moves=args.spdy_search_moves,
     )
     print(result.summary())
     print(f"wrote {args.out_dir} in {time.perf_counter() - t0:.1f} s (prune {result.seconds:.1f} s)")

@@ -29,7 +29,7 @@ from .oneshot import OneShotResult, check_speed_args, prune_oneshot
 from .reconstruct import DEFAULT_LR, check_steps
 from .save import write_sparsity_files, write_spdy_card
 from .spdy import DEFAULT_LEVELS, SpeedTarget, TimeTable, parse_levels, reachable, shape_key
-from .spdy_search import DEFAULT_SEARCH_STEPS, DEFAULT_SEARCH_WINDOWS
+from .spdy_search import DEFAULT_SEARCH_MOVES, DEFAULT_SEARCH_STEPS, DEFAULT_SEARCH_WINDOWS
 from .speed import measure_decode_ms, step_time_table
 from .streaming import StreamingModel
 
@@ -156,6 +156,7 @@ def prune_folder(
     spdy_search_steps: int = DEFAULT_SEARCH_STEPS,
     spdy_search_windows: int = DEFAULT_SEARCH_WINDOWS,
     spdy_database: dict | None = None,
+    spdy_search_moves: int = DEFAULT_SEARCH_MOVES,
 ) -> OneShotResult:
     """Prune ``model_dir`` one-shot and write a sparse model folder to ``out_dir``; every input is checked
     here, before anything loads or is written (the CLI only parses). ``reconstruct_steps``: block
@@ -166,9 +167,8 @@ def prune_folder(
     with the same ``values`` with ``threads`` (:mod:`~.spdy`); the speed-up measured over ``measure_rounds``
     rounds (0: not) goes in the folder's ``README.md`` with the levels; ``spdy_errors``, ``spdy_database``
     (a dict, filled when empty), ``spdy_table``: a plan's error table, search database and time table to
-    reuse (same model, calibration, grid; values and threads for the table); ``spdy_search_*``: the search.
-    """
-    search = (spdy_search_steps, spdy_search_windows, spdy_database)
+    reuse (same model, calibration, grid; values and threads for the table); ``spdy_search_*``: the search."""
+    search = (spdy_search_steps, spdy_search_windows, spdy_database, spdy_search_moves)
     speed = _speed_target(target_speedup, values, spdy_levels, threads, sparsity, structure, measure_rounds,
                           spdy_errors, spdy_table, search)  # fmt: skip
     calibrated = _check_inputs(
@@ -206,7 +206,7 @@ def prune_folder(
 
 def _speed_target(
     target_speedup, values, levels, threads, sparsity, structure, measure_rounds, errors=None, table=None,
-    search=(DEFAULT_SEARCH_STEPS, DEFAULT_SEARCH_WINDOWS, None),
+    search=(DEFAULT_SEARCH_STEPS, DEFAULT_SEARCH_WINDOWS, None, DEFAULT_SEARCH_MOVES),
 ):  # fmt: skip
     """The :class:`SpeedTarget` of ``--target-speedup`` (checked), or ``None``; ``--values`` alone refused."""
     if target_speedup is None:
@@ -223,7 +223,8 @@ def _speed_target(
         levels = parse_levels(levels)
     levels = levels if levels is not None else DEFAULT_LEVELS
     return SpeedTarget(target_speedup, levels, values, threads, errors=errors, table=table,
-                       search_steps=search[0], search_windows=search[1], database=search[2])  # fmt: skip
+                       search_steps=search[0], search_windows=search[1], database=search[2],
+                       search_moves=search[3])  # fmt: skip
 
 
 def folder_time_table(

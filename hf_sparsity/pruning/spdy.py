@@ -43,7 +43,13 @@ from ..masks import lowest_k, num_zeros
 from ..utils import SparsityError, torch_threads
 from . import methods as M
 from .blocks import block_targets, linear_view, run_all
-from .spdy_search import DEFAULT_SEARCH_STEPS, DEFAULT_SEARCH_WINDOWS, database_for, searcher
+from .spdy_search import (
+    DEFAULT_SEARCH_MOVES,
+    DEFAULT_SEARCH_STEPS,
+    DEFAULT_SEARCH_WINDOWS,
+    database_for,
+    searcher,
+)
 from .statistics import InputHessian, InputNorms, StatsHooks
 
 logger = logging.getLogger(__name__)
@@ -132,6 +138,7 @@ class SpeedTarget:
         DEFAULT_SEARCH_STEPS  # SPDY's coefficient search on the calibration loss (0: the plain program)
     )
     search_windows: int = DEFAULT_SEARCH_WINDOWS  # calibration windows that score each candidate
+    search_moves: int = DEFAULT_SEARCH_MOVES  # level moves after the coefficient steps (needs the search)
     database: dict | None = None  # the search's database: kept here (empty), or reused with ``errors``
 
     def __post_init__(self) -> None:
@@ -149,6 +156,8 @@ class SpeedTarget:
             raise SparsityError(f"--spdy-search-steps {self.search_steps}: use 0 (no search) or more.")
         if self.search_windows < 1:
             raise SparsityError(f"--spdy-search-windows {self.search_windows}: use at least 1 window.")
+        if self.search_moves < 0:
+            raise SparsityError(f"--spdy-search-moves {self.search_moves}: use 0 (no moves) or more.")
 
 
 def check_speedup(speedup: float) -> float:
@@ -416,10 +425,11 @@ def plan_levels(
     names: list[str], shape_of: dict[str, str], errors: dict[str, list[float]], table: TimeTable,
     speedup: float, resolution: int = DEFAULT_RESOLUTION, search=None,
 ) -> SpdyPlan:  # fmt: skip
-    """Solve the program for the layers ``names`` (module docstring). ``search(names, solve, seed)``:
-    SPDY's coefficient search (:func:`~.spdy_search.searcher`), given ``solve(c)`` (the program with
-    layer ``l``'s errors scaled by ``c[l]``) and the grid index of the lowest uniform level that meets the
-    target; returns the level indices and its record."""
+    """Solve the program for the layers ``names`` (module docstring). ``search(names, solve, seed,
+    within)``: SPDY's search (:func:`~.spdy_search.searcher`), given ``solve(c)`` (the program with layer
+    ``l``'s errors scaled by ``c[l]``), the grid index of the lowest uniform level that meets the target
+    and ``within(pick)`` (whether level indices keep the budget); returns the level indices and its
+    record."""
     shapes = [shape_of[n] for n in names]
     dense = table.dense_total(shapes)
     reachable(speedup, dense, table.fastest_total(shapes), table.levels)
@@ -433,9 +443,10 @@ def plan_levels(
         pick = solve_levels(times, e, budget, resolution)
     else:
         fits = [k for k, lv in enumerate(table.levels) if table.uniform_speedup(shapes, lv) >= speedup]
+        t = np.asarray(times, dtype=np.float64)
         pick, record = search(
             names, lambda c: solve_levels(times, e * np.asarray(c)[:, None], budget, resolution),
-            fits[0] if fits else None,
+            fits[0] if fits else None, lambda p: float(t[np.arange(len(p)), p].sum()) <= budget,
         )  # fmt: skip
     used = table.other_ms + sum(times[i][k] for i, k in enumerate(pick))
     return SpdyPlan(
