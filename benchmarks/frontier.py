@@ -54,7 +54,7 @@ import torch
 from decode import _llama_cpp_runner
 from decode_user import _cli, _gguf_perplexity, _gguf_sizes
 
-from hf_sparsity.pruning.spdy_search import DEFAULT_SEARCH_WINDOWS
+from hf_sparsity.pruning.spdy_search import DEFAULT_SEARCH_MOVES, DEFAULT_SEARCH_WINDOWS
 
 GGUF_TYPES = ("Q8_0", "Q6_K", "Q4_K_M", "Q4_0")
 DEFAULT_LEVELS = "0.1,0.2,0.3,0.4,0.5,0.6,0.7"
@@ -85,6 +85,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=int,
         default=DEFAULT_SEARCH_WINDOWS,
         help=f"calibration windows that score each SPDY search candidate (default {DEFAULT_SEARCH_WINDOWS})",
+    )
+    p.add_argument(
+        "--spdy-search-moves",
+        type=int,
+        default=DEFAULT_SEARCH_MOVES,
+        help=f"level moves of each SPDY search after its steps (default {DEFAULT_SEARCH_MOVES})",
     )
     p.add_argument("--nsamples", type=int, default=64, help="calibration windows (default 64)")
     p.add_argument("--seqlen", type=int, default=512, help="calibration tokens per window (default 512)")
@@ -190,7 +196,8 @@ def build_rows(args, dense: Path, out: Path) -> list[dict]:
         grid = tuple(sorted({*(float(x) for x in args.spdy_levels.split(",")), *levels}))
         # one error table and search database for every target (same model, data, grid): one error pass
         shared = dict(spdy_errors=None, spdy_database={}, spdy_levels=grid, measure_rounds=0,
-                      spdy_search_windows=args.spdy_search_windows)  # fmt: skip
+                      spdy_search_windows=args.spdy_search_windows,
+                      spdy_search_moves=args.spdy_search_moves)  # fmt: skip
         given = [float(x) for x in args.spdy_targets.split(",") if x.strip()]
         for v in values:
             # (folder, row name, uniform level, target): the given targets, else each uniform level's

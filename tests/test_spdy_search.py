@@ -97,6 +97,7 @@ def test_every_scored_loss_is_the_models_own_loss_at_those_levels(arch, method, 
     res = prune_oneshot(model, SparsityConfig(sparsity=0.5), calib, method, speed=speed, batch_size=2)
     rec = res.spdy.search
     assert rec["windows"] == 4 and rec["steps"] == 6 and rec["moves"] == 5
+    assert f"{rec['moves_kept']} of 5 level moves kept" in "\n".join(res.spdy.lines())
     assert unchanged and all(unchanged)
     ids = calib[:4]
     assert rec["loss_dense"] == pytest.approx(_hf_loss(dense, ids), rel=1e-5)

@@ -404,7 +404,9 @@ class SpdyPlan:
                 f"spdy search: calibration loss {r['loss']:.4f} (dense {r['loss_dense']:.4f}, plain program "
                 f"{r['loss_plain']:.4f}"
                 + (f", uniform start {r['loss_uniform']:.4f}" if "loss_uniform" in r else "")
-                + f"; {r['evaluations']} candidates, {r['windows']} windows)"
+                + f"; {r['evaluations']} candidates, {r['windows']} windows"
+                + (f"; {r['moves_kept']} of {r['moves']} level moves kept" if r.get("moves") else "")
+                + ")"
             )
         out += [f"  {n:<44} {v:.2f}" for n, v in self.levels.items()]
         return out
