@@ -1778,8 +1778,8 @@ MUTATIONS = (
         (
             (
                 "hf_sparsity/pruning/spdy_search.py",
-                "= loss_of(pick)\n        if loss < best_loss:",
-                "= loss_of(pick)\n        if True:",
+                "= loss_of(pick)\n        if loss < best_loss:\n            best_c",
+                "= loss_of(pick)\n        if True:\n            best_c",
             ),
         ),
         (
