@@ -1810,7 +1810,7 @@ MUTATIONS = (
             ),
         ),
         (
-            "tests/test_spdy_search.py::test_the_uniform_start_picks_that_level_where_every_layer_has_the_same_curve",
+            "tests/test_spdy_search.py::test_the_search_keeps_the_least_loss_scores_each_assignment_once_and_keeps_the_budget",
         ),
     ),
     Mutation(

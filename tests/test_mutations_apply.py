@@ -43,4 +43,9 @@ def test_each_mutation_applies_once_and_names_existing_tests(mutation):
         assert count == 1, f"{mutation.name}: {old!r} occurs {count} times in {file} (must be once)"
     assert mutation.tests, f"{mutation.name}: no test listed to catch it"
     for test in mutation.tests:
-        assert (ROOT / test.split("::")[0]).is_file(), f"{mutation.name}: {test} does not exist"
+        file, _, node = test.partition("::")
+        assert (ROOT / file).is_file(), f"{mutation.name}: {test} does not exist"
+        name = node.split("::")[-1].split("[")[0]  # a test function (or class), its parameters dropped
+        if name:
+            text = (ROOT / file).read_text(encoding="utf-8")
+            assert f"def {name}(" in text or f"class {name}" in text, f"{mutation.name}: no {name} in {file}"
