@@ -174,17 +174,15 @@ def search_coefficients(names, errors, solve, score, steps: int, seed_levels: in
         loss = loss_of(pick)
         if loss < best_loss:
             best_c, best_pick, best_loss = c, pick, loss
-    kept = 0
-    for _ in tqdm(range(moves if within is not None else 0), desc="spdy moves", unit="move",
-                  disable=not progress):  # fmt: skip
+    kept, moves = 0, moves if within is not None else 0
+    for _ in tqdm(range(moves), desc="spdy moves", unit="move", disable=not progress):
         pick = level_move(best_pick, e.shape[1], within, rng)
         if pick is None:
             break
         loss = loss_of(pick)
         if loss < best_loss:
             best_pick, best_loss, kept = pick, loss, kept + 1
-    record.update(steps=steps, moves=moves if within is not None else 0, moves_kept=kept,
-                  evaluations=len(seen), loss=best_loss)  # fmt: skip
+    record.update(steps=steps, moves=moves, moves_kept=kept, evaluations=len(seen), loss=best_loss)
     return best_pick, record
 
 
