@@ -476,6 +476,22 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "auto-cache-key-no-build",
+        "auto's plan cache ignores the kernel build: plans measured at HF_SPARSITY_NATIVE_ISA=avx2 are "
+        "reused by the native build",
+        (
+            (
+                "hf_sparsity/backends/auto/cache.py",
+                "text = json.dumps([PLAN_VERSION, cpu, build, torch.get_num_threads(),",
+                "text = json.dumps([PLAN_VERSION, cpu, torch.get_num_threads(),",
+            ),
+        ),
+        (
+            "tests/test_exact_internals.py",
+            "tests/test_exact_internals.py::test_a_plan_made_on_another_kernel_build_is_measured_again",
+        ),
+    ),
+    Mutation(
         "auto-cache-key-no-values",
         "auto's plan cache ignores values='int8': an int8 group reuses the float32 decision",
         (

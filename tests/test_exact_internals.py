@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -92,6 +93,22 @@ def test_torch_threads_are_part_of_the_key(decisions):
         auto.plan_layers(_layer(**BASE), formats=("bitmask",))
     finally:
         torch.set_num_threads(before)
+    assert len(decisions) == 2
+
+
+@needs_native
+def test_a_plan_made_on_another_kernel_build_is_measured_again(decisions, monkeypatch):
+    """The loaded library's file name (its hash: sources, instruction-set level) is part of the key: a plan
+    measured with HF_SPARSITY_NATIVE_ISA=avx2 kernels is not the native build's, and back again it is."""
+    loaded = _native.build_id()
+    assert loaded == os.path.splitext(os.path.basename(_native.load()._name))[0]
+    assert loaded.startswith("hfs_spmv_")
+    auto.plan_layers(_layer(**BASE), formats=("bitmask",))
+    monkeypatch.setattr(_native, "build_id", lambda: "hfs_spmv_0123456789abcdef")
+    auto.plan_layers(_layer(**BASE), formats=("bitmask",))
+    assert len(decisions) == 2
+    monkeypatch.setattr(_native, "build_id", lambda: loaded)
+    auto.plan_layers(_layer(**BASE), formats=("bitmask",))
     assert len(decisions) == 2
 
 

@@ -284,6 +284,14 @@ def simd() -> bool:
     return bool(lib is not None and lib.hfs_simd())
 
 
+def build_id() -> str:
+    """Which kernel build is loaded: its file's name, whose hash covers the sources, the compiler flags (the
+    instruction-set level), the compiler and the CPU (``"none"`` without a native kernel). Measured plans
+    hold for one build only: the same layer can be faster as bitmask at one level and dense at another."""
+    lib = load()
+    return "none" if lib is None else os.path.splitext(os.path.basename(lib._name))[0]
+
+
 def isa() -> str | None:
     """The instruction set the kernels were built for: ``"avx512-vnni"``, ``"avx512"``, ``"avx2-vnni"`` (AVX2
     with AVX-VNNI), ``"avx2"`` (with FMA), ``"scalar"``, or ``None`` (no kernel). ``HF_SPARSITY_NATIVE_ISA``

@@ -33,10 +33,11 @@ separately, with the current thread count:
    faster; then greedy decoding of the converted model is timed against the model as it was,
    interleaved. A converted model that decodes slower than before is not kept: every layer stays dense.
    A verdict that contradicts the layer measurements (they predict a clear gain) is measured again first.
-8. **Plan cache.** Each group's decision and the whole-model verdict are stored per CPU model, thread
-   count, layer group and options in a JSON file (``$HF_SPARSITY_PLAN_CACHE``, default
-   ``plans.json`` next to the compiled kernels) and reused: a later conversion on the same machine
-   measures nothing and makes the same plan. ``plan_cache=False`` neither reads nor writes it,
+8. **Plan cache.** Each group's decision and the whole-model verdict are stored per CPU model, kernel
+   build (its sources and instruction-set level: ``HF_SPARSITY_NATIVE_ISA=avx2`` plans apart from the
+   native build's), thread count, layer group and options in a JSON file (``$HF_SPARSITY_PLAN_CACHE``,
+   default ``plans.json`` next to the compiled kernels) and reused: a later conversion on the same machine
+   and build measures nothing and makes the same plan. ``plan_cache=False`` neither reads nor writes it,
    ``plan_cache="refresh"`` measures again and overwrites.
 
 The choice per layer, with every measured and modeled time, is in :attr:`AutoBackend.choice`; for a

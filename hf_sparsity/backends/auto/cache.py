@@ -1,5 +1,5 @@
-"""``auto``'s plan cache: each group's decision and the whole-model verdict, per CPU model, thread count,
-layer group and options, in one JSON file written atomically."""
+"""``auto``'s plan cache: each group's decision and the whole-model verdict, per CPU model, kernel build,
+thread count, layer group and options, in one JSON file written atomically."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ logger = logging.getLogger("hf_sparsity.backends.auto")
 
 
 class PlanCache:
-    """``auto``'s decisions on disk, keyed by CPU model, threads, layer group and options (a JSON file,
-    ``$HF_SPARSITY_PLAN_CACHE`` or ``plans.json`` in the kernel cache folder; written atomically). A
-    corrupt or unreadable file counts as empty."""
+    """``auto``'s decisions on disk, keyed by CPU model, kernel build (``_native.build_id``: sources and
+    instruction-set level), threads, layer group and options (a JSON file, ``$HF_SPARSITY_PLAN_CACHE`` or
+    ``plans.json`` in the kernel cache folder; written atomically). A corrupt or unreadable file counts as
+    empty."""
 
     def __init__(self, mode: bool | str = True):
         self.mode = mode
@@ -41,7 +42,8 @@ class PlanCache:
     @staticmethod
     def key(*parts: Any) -> str:
         cpu = hashlib.sha256(_native._cpu_id().encode()).hexdigest()[:12]
-        text = json.dumps([PLAN_VERSION, cpu, torch.get_num_threads(), [str(p) for p in parts]])
+        build = _native.build_id()  # a plan measured on the kernels built at another level is not this one's
+        text = json.dumps([PLAN_VERSION, cpu, build, torch.get_num_threads(), [str(p) for p in parts]])
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
     def get(self, key: str) -> dict | None:
