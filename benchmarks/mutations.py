@@ -492,6 +492,45 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "auto-int8-check-against-float32",
+        "with int8 values the whole-model check times the plan against the float32 model as it was",
+        (
+            (
+                "hf_sparsity/backends/auto/backend.py",
+                'if options.get("values") == "int8":  # the dense model',
+                "if False:  # the dense model",
+            ),
+        ),
+        (
+            "tests/test_int8_values.py",
+            "tests/test_int8_values.py::test_auto_int8_whole_model_check_is_against_the_int8_dense_gemv",
+        ),
+    ),
+    Mutation(
+        "auto-int8-check-falls-back-to-float32",
+        "a plan slower than the int8 dense GEMV falls back to the float32 layers (int8 values lost)",
+        (("hf_sparsity/backends/auto/backend.py", "    return base_swaps\n", "    return []\n"),),
+        (
+            "tests/test_int8_values.py",
+            "tests/test_int8_values.py::test_auto_int8_whole_model_check_is_against_the_int8_dense_gemv",
+        ),
+    ),
+    Mutation(
+        "auto-int8-check-times-its-own-baseline",
+        "a plan that is already every layer on the int8 dense GEMV is timed against itself",
+        (
+            (
+                "hf_sparsity/backends/auto/backend.py",
+                "        return swaps  # the plan is its own dense model",
+                "        pass  # the plan is its own dense model",
+            ),
+        ),
+        (
+            "tests/test_int8_values.py",
+            "tests/test_int8_values.py::test_auto_int8_whole_model_check_is_against_the_int8_dense_gemv",
+        ),
+    ),
+    Mutation(
         "auto-cache-key-no-values",
         "auto's plan cache ignores values='int8': an int8 group reuses the float32 decision",
         (
@@ -608,8 +647,8 @@ MUTATIONS = (
         (
             (
                 "hf_sparsity/backends/auto/backend.py",
-                'saved += (ms["dense"] - ms[c["decode"]]) / per',
-                'saved += ms["dense"] - ms[c["decode"]]',
+                'saved += (ms[dense] - ms[c["decode"]]) / per',
+                'saved += ms[dense] - ms[c["decode"]]',
             ),
         ),
         (

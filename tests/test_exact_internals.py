@@ -139,7 +139,7 @@ def test_predicted_whole_model_ratio_by_hand(monkeypatch):
         c.update({k: v for k, v in DECISION.items() if k != "decode"})
     calls = []
 
-    def whole(model, swaps, rounds, tokens):
+    def whole(model, swaps, rounds, tokens, base=()):
         calls.append(rounds)
         return 0.9, 100.0
 

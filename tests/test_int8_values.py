@@ -86,6 +86,58 @@ def test_auto_int8_prefill_sees_the_int8_activations_too():
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.skipif(_native.load() is None, reason="native kernels unavailable")
+@pytest.mark.parametrize("case", ["slower", "faster", "the same"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_auto_int8_whole_model_check_is_against_the_int8_dense_gemv(arch, case, monkeypatch):
+    """With int8 values the whole-model check times the plan against every layer on the int8 dense GEMV (the
+    float32 model as it was is never timed): a plan that decodes slower ends on that model, its logits those
+    of the model converted with formats=("native_dense",) alone; a plan that decodes faster is kept, its
+    logits those of formats=("bitmask",) alone; a plan that is that model already is not timed at all."""
+    from hf_sparsity.backends import measure as timing
+    from hf_sparsity.backends.auto import planner
+    from hf_sparsity.inference import auto_choices
+
+    # per layer: bitmask planned, the int8 GEMV next (for "the same": the int8 GEMV planned)
+    quick = {"dense": 2.0, "native_dense": 1.5, "bitmask": 3.0 if case == "the same" else 1.0}
+    monkeypatch.setattr(
+        planner, "interleaved_ms", lambda fns, *a, **k: {f: quick[f.split(":")[0]] for f in fns}
+    )
+    timed = []
+
+    def tok_s(m, ids, n):  # the whole model: plan 2 (or 4) tok/s, every layer on the int8 GEMV 3
+        kinds = frozenset(x.backend.kernel for x in sparse_layers(m).values() if not x.lm_head)
+        timed.append(kinds)
+        return {frozenset({"native_dense"}): 3.0, frozenset({"bitmask"}): 4.0 if case == "faster" else 2.0}[
+            kinds
+        ]
+
+    monkeypatch.setattr(timing, "decode_tok_s", tok_s)
+    model, eng = _masked(arch)
+    ids = torch.randint(2, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    refs = {}
+    for fmt in ("native_dense", "bitmask"):
+        ref = _masked(arch)[0]
+        sparsify_for_inference(ref, "auto", masks=eng.masks, values="int8", formats=(fmt,), check=False)
+        with torch.no_grad():
+            refs[fmt] = ref(ids).logits
+    sparsify_for_inference(model, "auto", masks=eng.masks, values="int8", rounds=2)
+    want = "bitmask" if case == "faster" else "native_dense"
+    layers = {n: c for n, c in auto_choices(model).items() if f"{n}.weight" in eng.masks}
+    assert len(layers) == len(eng.masks) and all(c["decode"] == want for c in layers.values())
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, refs[want])
+    if case == "the same":
+        assert timed == [] and not any("whole_model_check" in c for c in layers.values())
+        return
+    assert set(timed) == {frozenset({"native_dense"}), frozenset({"bitmask"})}  # never the float32 model
+    for c in layers.values():
+        check = c["whole_model_check"]
+        assert (check["against"], check["kept"]) == ("native_dense", case == "faster")
+        assert check["auto_vs_dense"] == round((4.0 if case == "faster" else 2.0) / 3.0, 3)
+        assert case == "faster" or c["planned"]["decode"] == "bitmask"
+
+
 @pytest.mark.slow  # whole-model auto planning
 def test_auto_with_int8_chooses_int8_formats_only_when_asked():
     model, eng = _masked("llama")

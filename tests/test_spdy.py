@@ -506,14 +506,16 @@ def test_cli_bad_speed_inputs_are_refused_in_one_line_and_write_nothing(
 
 
 def test_int8_values_survive_a_whole_model_check_that_keeps_every_layer_dense(monkeypatch, tmp_path):
-    """The int8 LM head's choice has no measured ratios; a slower whole model (every layer back to dense)
-    must still convert (a speed target's dense int8 reference of a small model goes through it)."""
+    """The int8 LM head's choice has no measured ratios; a slower whole model (every layer back to its dense
+    model: with int8 values the int8 dense GEMV) must still convert (a speed target's dense int8 reference of
+    a small model goes through it)."""
     from hf_sparsity.backends.auto import backend, planner
-    from hf_sparsity.inference import sparsify_for_inference
-    from hf_sparsity.inference.conversion import SparseLinear
+    from hf_sparsity.inference import auto_choices, sparsify_for_inference
 
     monkeypatch.setenv("HF_SPARSITY_PLAN_CACHE", str(tmp_path / "plans.json"))
-    monkeypatch.setattr(backend, "_time_whole_model", lambda model, swaps, rounds, tokens: (0.5, 100.0))
+    monkeypatch.setattr(
+        backend, "_time_whole_model", lambda model, swaps, rounds, tokens, base=(): (0.5, 100.0)
+    )
     quick = {"dense": 2.0, "native_dense": 1.5, "bitmask": 1.0}  # layers converted: the check runs
 
     def measured(fns, *args, **kwargs):
@@ -523,7 +525,10 @@ def test_int8_values_survive_a_whole_model_check_that_keeps_every_layer_dense(mo
     model = tiny_model("llama").eval()
     prune_oneshot(model, 0.5, method="magnitude")
     sparsify_for_inference(model, "auto", masks="zeros", values="int8")
-    assert not any(isinstance(m, SparseLinear) for m in model.model.layers.modules())
+    layers = [c for n, c in auto_choices(model).items() if n.startswith("model.layers.")]
+    assert layers and all(
+        (c["decode"], c["planned"]["decode"]) == ("native_dense", "bitmask") for c in layers
+    )
     with torch.inference_mode():
         model(torch.tensor([[1, 2, 3]]))
 

@@ -91,7 +91,12 @@ class AutoBackend(SparseBackend):
             if head[1] is not None:
                 swaps.append((head[0], head[1]))
         if check and swaps:
-            swaps = _check_whole_model(model, swaps, choices, plan_cache=options.get("plan_cache", True))
+            base = None
+            if options.get("values") == "int8":  # the dense model of int8 values: the int8 dense GEMV
+                base = _dense_plan(targets, wrap, options, head)
+            swaps = _check_whole_model(
+                model, swaps, choices, plan_cache=options.get("plan_cache", True), base=base
+            )
         return ModelPlan(swaps, choices)
 
     def _adopt(self, parts) -> None:
@@ -176,43 +181,71 @@ def _plan_lm_head(model: nn.Module, taken: set[str], options: dict, wrap: Wrap) 
     return name, wrap(head, AutoBackend.from_plan(b, prefill, keep, choice), keep_dense=True), choice
 
 
-def _predicted_ratio(choices: dict, dense_tok_s: float) -> float:
+def _dense_plan(targets: list[LayerTarget], wrap: Wrap, options: dict, head: tuple | None) -> tuple:
+    """``(swaps, choices)`` of the model's dense alternative with the plan's values: every target layer on
+    the faster of ``dense`` and ``native_dense`` for its group (with ``values="int8"`` the int8 dense
+    GEMV), and the plan's LM head (``head``: :func:`_plan_lm_head`'s) as the plan has it."""
+    plan = plan_layers(
+        {t.name: (t.weight, t.mask) for t in targets}, **{**options, "formats": ("native_dense",)}
+    )
+    swaps, choices = [], {}
+    for t in targets:
+        b, prefill, keep, choice = plan[t.name]
+        choices[t.module_name] = choice
+        if b is not None:
+            swaps.append((t.module_name, wrap(t.module, AutoBackend.from_plan(b, prefill, keep, choice))))
+    if head is not None:
+        choices[head[0]] = head[2]
+        if head[1] is not None:
+            swaps.append((head[0], head[1]))
+    return swaps, choices
+
+
+def _predicted_ratio(choices: dict, dense_tok_s: float, dense: str = "dense") -> float:
     """The converted model's decoding speed against dense that the layer measurements predict: the dense
-    token time, less the converted layers' dense times, plus their chosen formats' times."""
+    token time, less the converted layers' dense times (``dense``: the format the baseline runs them on),
+    plus their chosen formats' times."""
     token_ms = 1e3 / dense_tok_s
     saved = 0.0
     for c in choices.values():
         ms = c.get("decode_ms") or {}
         per = max(1, c.get("measured_on", 1) * c.get("timed_copies", 1))
-        if c.get("decode") in ms and "dense" in ms:
-            saved += (ms["dense"] - ms[c["decode"]]) / per
+        if c.get("decode") in ms and dense in ms:
+            saved += (ms[dense] - ms[c["decode"]]) / per
     return token_ms / max(token_ms - saved, 1e-6)
 
 
 def _check_whole_model(
-    model: nn.Module, swaps: list, choices: dict, rounds: int = 3, tokens: int = 8, plan_cache=True
+    model: nn.Module, swaps: list, choices: dict, rounds: int = 3, tokens: int = 8, plan_cache=True, base=None
 ) -> list:
-    """The per-layer plan checked on the whole model: greedy decoding of ``tokens`` tokens with and without
-    the swaps, interleaved ``rounds`` times (the fastest round of each). If the converted model is slower,
-    no layer is converted (recorded as ``whole_model_check`` in every choice). A slower verdict the layer
-    measurements contradict (they predict 10% or more gained) is measured again, with more rounds, before
-    it counts. The verdict is cached with the plan."""
+    """The per-layer plan checked on the whole model: greedy decoding of ``tokens`` tokens with the swaps
+    and with the dense model it would otherwise be, interleaved ``rounds`` times (the fastest round of
+    each). That dense model is the model as it was, or ``base`` (``(swaps, choices)`` of
+    :func:`_dense_plan`: with int8 values every layer on the int8 dense GEMV). If the converted model is
+    slower, every layer is that dense model's (recorded as ``whole_model_check`` in every choice). A slower
+    verdict the layer measurements contradict (they predict 10% or more gained) is measured again, with
+    more rounds, before it counts. The verdict is cached with the plan."""
     if not hasattr(model, "generate") or not getattr(getattr(model, "config", None), "vocab_size", None):
         return swaps
+    base_swaps, base_choices = base or ([], {})
+    against = "native_dense" if base else "dense"
+    if base and all(c.get("decode") == base_choices.get(n, {}).get("decode") for n, c in choices.items()):
+        return swaps  # the plan is its own dense model: nothing to check
     cache = PlanCache(plan_cache)
     signature = sorted(
         (name, c.get("decode"), c.get("prefill"), c.get("group")) for name, c in choices.items()
     )
-    ckey = cache.key("model", type(model).__name__, model.config.vocab_size, signature)
+    ckey = cache.key("model", type(model).__name__, model.config.vocab_size, signature, against)
     verdict = cache.get(ckey)
     if verdict is None:
-        ratio, dense_tok_s = _time_whole_model(model, swaps, rounds, tokens)
-        predicted = _predicted_ratio(choices, dense_tok_s)
+        ratio, dense_tok_s = _time_whole_model(model, swaps, rounds, tokens, base_swaps)
+        predicted = _predicted_ratio(choices, dense_tok_s, against)
         again = ratio < 1.0 and predicted >= 1.1
         if again:
-            ratio, dense_tok_s = _time_whole_model(model, swaps, rounds + 2, tokens)
+            ratio, dense_tok_s = _time_whole_model(model, swaps, rounds + 2, tokens, base_swaps)
         verdict = {
             "auto_vs_dense": round(ratio, 3),
+            "against": against,
             "kept": ratio >= 1.0,
             "predicted": round(predicted, 3),
             "remeasured": again,
@@ -228,37 +261,43 @@ def _check_whole_model(
     if verdict["kept"]:
         return swaps
     logger.warning(
-        "auto: the converted model decoded at %.2fx dense in the whole-model check; keeping every layer "
-        "dense.",
-        verdict["auto_vs_dense"],
-    )
-    for c in choices.values():
+        "auto: the converted model decoded at %.2fx its dense model (%s) in the whole-model check; keeping "
+        "every layer on it.",
+        verdict["auto_vs_dense"], "the int8 dense GEMV" if base else "as it was",
+    )  # fmt: skip
+    for name, c in choices.items():
         c["planned"] = {k: c[k] for k in PLAN_KEYS}  # (the int8 LM head's choice joins after this check)
-        c.update(zip(PLAN_KEYS, ("dense", 1.0) * 3))
-    return []
+        fallback = base_choices.get(name)
+        c.update({k: fallback[k] for k in PLAN_KEYS} if fallback else zip(PLAN_KEYS, ("dense", 1.0) * 3))
+    return base_swaps
 
 
-def _time_whole_model(model: nn.Module, swaps: list, rounds: int, tokens: int) -> tuple[float, float]:
-    """``(converted / dense tok/s, dense tok/s)``, interleaved, the fastest of ``rounds`` each."""
-    originals = {name: model.get_submodule(name) for name, _ in swaps}
+def _time_whole_model(
+    model: nn.Module, swaps: list, rounds: int, tokens: int, base=()
+) -> tuple[float, float]:
+    """``(converted / dense tok/s, dense tok/s)``, interleaved, the fastest of ``rounds`` each; the dense
+    model is ``base``'s swaps on the model as it was (none: the model as it was)."""
+    originals = {name: model.get_submodule(name) for name, _ in (*swaps, *base)}
     ids = torch.randint(2, int(model.config.vocab_size), (1, 8), generator=torch.Generator().manual_seed(0))
     speeds: dict[str, list[float]] = {"dense": [], "auto": []}
+
+    def put(modules: list) -> None:
+        for name, old in originals.items():
+            replace_module(model, name, old)
+        for name, new in modules:
+            replace_module(model, name, new)
+
     was_training = model.training
     model.eval()
     try:
-        measure.decode_tok_s(model, ids, 2)
-        for name, new in swaps:
-            replace_module(model, name, new)
-        measure.decode_tok_s(model, ids, 2)
+        for modules in (base, swaps):
+            put(modules)
+            measure.decode_tok_s(model, ids, 2)
         for _ in range(rounds):
-            for name, old in originals.items():
-                replace_module(model, name, old)
-            speeds["dense"].append(measure.decode_tok_s(model, ids, tokens))
-            for name, new in swaps:
-                replace_module(model, name, new)
-            speeds["auto"].append(measure.decode_tok_s(model, ids, tokens))
+            for key, modules in (("dense", base), ("auto", swaps)):
+                put(modules)
+                speeds[key].append(measure.decode_tok_s(model, ids, tokens))
     finally:
-        for name, old in originals.items():
-            replace_module(model, name, old)
+        put([])
         model.train(was_training)
     return max(speeds["auto"]) / max(speeds["dense"]), max(speeds["dense"])
