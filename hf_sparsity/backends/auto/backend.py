@@ -3,6 +3,7 @@ of the converted model timed against the model as it was (step 7 of :mod:`hf_spa
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -93,7 +94,7 @@ class AutoBackend(SparseBackend):
         if check and swaps:
             base = None
             if options.get("values") == "int8":  # the dense model of int8 values: the int8 dense GEMV
-                base = _dense_plan(targets, wrap, options, head)
+                base = functools.cache(lambda: _dense_plan(targets, wrap, options, head))
             swaps = _check_whole_model(
                 model, swaps, choices, plan_cache=options.get("plan_cache", True), base=base
             )
@@ -220,17 +221,18 @@ def _check_whole_model(
 ) -> list:
     """The per-layer plan checked on the whole model: greedy decoding of ``tokens`` tokens with the swaps
     and with the dense model it would otherwise be, interleaved ``rounds`` times (the fastest round of
-    each). That dense model is the model as it was, or ``base`` (``(swaps, choices)`` of
-    :func:`_dense_plan`: with int8 values every layer on the int8 dense GEMV). If the converted model is
+    each). That dense model is the model as it was, or ``base()`` (``(swaps, choices)`` of
+    :func:`_dense_plan`, built only when timed or kept: with int8 values every layer on the int8 dense
+    GEMV; a plan without a sparse format is that model already and is not timed). If the converted model is
     slower, every layer is that dense model's (recorded as ``whole_model_check`` in every choice). A slower
     verdict the layer measurements contradict (they predict 10% or more gained) is measured again, with
     more rounds, before it counts. The verdict is cached with the plan."""
     if not hasattr(model, "generate") or not getattr(getattr(model, "config", None), "vocab_size", None):
         return swaps
-    base_swaps, base_choices = base or ([], {})
     against = "native_dense" if base else "dense"
-    if base and all(c.get("decode") == base_choices.get(n, {}).get("decode") for n, c in choices.items()):
+    if base and all(c.get("decode") in ("dense", "native_dense") for c in choices.values()):
         return swaps  # the plan is its own dense model: nothing to check
+    dense_model = base or (lambda: ([], {}))
     cache = PlanCache(plan_cache)
     signature = sorted(
         (name, c.get("decode"), c.get("prefill"), c.get("group")) for name, c in choices.items()
@@ -238,11 +240,11 @@ def _check_whole_model(
     ckey = cache.key("model", type(model).__name__, model.config.vocab_size, signature, against)
     verdict = cache.get(ckey)
     if verdict is None:
-        ratio, dense_tok_s = _time_whole_model(model, swaps, rounds, tokens, base_swaps)
+        ratio, dense_tok_s = _time_whole_model(model, swaps, rounds, tokens, dense_model()[0])
         predicted = _predicted_ratio(choices, dense_tok_s, against)
         again = ratio < 1.0 and predicted >= 1.1
         if again:
-            ratio, dense_tok_s = _time_whole_model(model, swaps, rounds + 2, tokens, base_swaps)
+            ratio, dense_tok_s = _time_whole_model(model, swaps, rounds + 2, tokens, dense_model()[0])
         verdict = {
             "auto_vs_dense": round(ratio, 3),
             "against": against,
@@ -265,6 +267,7 @@ def _check_whole_model(
         "every layer on it.",
         verdict["auto_vs_dense"], "the int8 dense GEMV" if base else "as it was",
     )  # fmt: skip
+    base_swaps, base_choices = dense_model()
     for name, c in choices.items():
         c["planned"] = {k: c[k] for k in PLAN_KEYS}  # (the int8 LM head's choice joins after this check)
         fallback = base_choices.get(name)
