@@ -354,8 +354,10 @@ def model_decode(
               f"{c['prefill_vs_dense']:>7.2f} {c['prefill_large']:>7} "
               f"{c['prefill_large_vs_dense']:>7.2f}")  # fmt: skip
     if check:
-        verdict = "kept" if check["kept"] else "reverted to dense (the plan is in each choice's 'planned')"
-        print(f"whole-model check at conversion: converted {check['auto_vs_dense']:.2f}x dense -> {verdict}")
+        dense = check.get("against", "dense")  # native_dense: with int8 values, the int8 dense GEMV
+        verdict = "kept" if check["kept"] else f"reverted to {dense} (the plan is in each choice's 'planned')"
+        ratio = check["auto_vs_dense"]
+        print(f"whole-model check at conversion: converted {ratio:.2f}x {dense} -> {verdict}")
     res["whole_model_check"] = check
     if verbose:
         print(auto_report(auto))
