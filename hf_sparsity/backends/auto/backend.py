@@ -67,7 +67,8 @@ class AutoBackend(SparseBackend):
     @classmethod
     def plan_model(cls, model: Any, targets: list[LayerTarget], wrap: Wrap, **options: Any) -> ModelPlan:
         """Plan every target layer (module docstring), the LM head (``lm_head=False`` skips it), then check
-        the whole model's decoding against the model as it was (``check=False`` skips it). A model on a
+        the whole model's decoding against the dense model it would otherwise be: the model as it was, with
+        ``values="int8"`` every layer on the int8 dense GEMV (``check=False`` skips it). A model on a
         CUDA device is planned by :func:`hf_sparsity.backends.cusparselt.plan_cuda` instead: dense against
         ``cusparselt`` for 2:4 layers, per layer group, for decoding and for prefill."""
         # head="int8": sparsify_for_inference converts the LM head itself (int8 codes, every backend)
@@ -78,23 +79,14 @@ class AutoBackend(SparseBackend):
             if "prefill_batch" in options:
                 options["prefill_tokens"] = options.pop("prefill_batch")
             return cusparselt.plan_cuda(targets, wrap, **options)
-        plan = plan_layers({t.name: (t.weight, t.mask) for t in targets}, **options)
-        swaps: list[tuple[str, nn.Module]] = []
-        choices: dict[str, dict] = {}
-        for t in targets:
-            b, prefill, keep, choice = plan[t.name]
-            choices[t.module_name] = choice
-            if b is not None:
-                swaps.append((t.module_name, wrap(t.module, cls.from_plan(b, prefill, keep, choice))))
         head = _plan_lm_head(model, {t.module_name for t in targets}, options, wrap) if lm_head else None
-        if head is not None:
-            choices[head[0]] = head[2]
-            if head[1] is not None:
-                swaps.append((head[0], head[1]))
+        swaps, choices = _planned(targets, wrap, options, head)
         if check and swaps:
             base = None
             if options.get("values") == "int8":  # the dense model of int8 values: the int8 dense GEMV
-                base = functools.cache(lambda: _dense_plan(targets, wrap, options, head))
+                base = functools.cache(
+                    lambda: _planned(targets, wrap, {**options, "formats": ("native_dense",)}, head)
+                )
             swaps = _check_whole_model(
                 model, swaps, choices, plan_cache=options.get("plan_cache", True), base=base
             )
@@ -182,14 +174,13 @@ def _plan_lm_head(model: nn.Module, taken: set[str], options: dict, wrap: Wrap) 
     return name, wrap(head, AutoBackend.from_plan(b, prefill, keep, choice), keep_dense=True), choice
 
 
-def _dense_plan(targets: list[LayerTarget], wrap: Wrap, options: dict, head: tuple | None) -> tuple:
-    """``(swaps, choices)`` of the model's dense alternative with the plan's values: every target layer on
-    the faster of ``dense`` and ``native_dense`` for its group (with ``values="int8"`` the int8 dense
-    GEMV), and the plan's LM head (``head``: :func:`_plan_lm_head`'s) as the plan has it."""
-    plan = plan_layers(
-        {t.name: (t.weight, t.mask) for t in targets}, **{**options, "formats": ("native_dense",)}
-    )
-    swaps, choices = [], {}
+def _planned(targets: list[LayerTarget], wrap: Wrap, options: dict, head: tuple | None) -> tuple:
+    """``(swaps, choices)``: every target layer as :func:`plan_layers` plans it with ``options``, then the LM
+    head (``head``: :func:`_plan_lm_head`'s, or None). With ``formats=("native_dense",)`` this is the
+    model's dense alternative the whole-model check compares with (int8 values: the int8 dense GEMV)."""
+    plan = plan_layers({t.name: (t.weight, t.mask) for t in targets}, **options)
+    swaps: list[tuple[str, nn.Module]] = []
+    choices: dict[str, dict] = {}
     for t in targets:
         b, prefill, keep, choice = plan[t.name]
         choices[t.module_name] = choice
@@ -221,9 +212,9 @@ def _check_whole_model(
 ) -> list:
     """The per-layer plan checked on the whole model: greedy decoding of ``tokens`` tokens with the swaps
     and with the dense model it would otherwise be, interleaved ``rounds`` times (the fastest round of
-    each). That dense model is the model as it was, or ``base()`` (``(swaps, choices)`` of
-    :func:`_dense_plan`, built only when timed or kept: with int8 values every layer on the int8 dense
-    GEMV; a plan without a sparse format is that model already and is not timed). If the converted model is
+    each). That dense model is the model as it was, or ``base()`` (``(swaps, choices)`` of :func:`_planned`,
+    built only when timed or kept: with int8 values every layer on the int8 dense GEMV; a plan without a
+    sparse format is that model already and is not timed). If the converted model is
     slower, every layer is that dense model's (recorded as ``whole_model_check`` in every choice). A slower
     verdict the layer measurements contradict (they predict 10% or more gained) is measured again, with
     more rounds, before it counts. The verdict is cached with the plan."""
