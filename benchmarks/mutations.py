@@ -1782,7 +1782,7 @@ MUTATIONS = (
         (
             (
                 "hf_sparsity/pruning/spdy.py",
-                "float(np.asarray(times, dtype=np.float64).min(1).sum()))",
+                "float(t.min(1).sum()))",
                 "sum(min(r) for r in times))",
             ),
         ),

@@ -436,16 +436,16 @@ def plan_levels(
     dense = table.dense_total(shapes)
     reachable(speedup, dense, table.fastest_total(shapes), table.levels)
     times = [table.ms[s] for s in shapes]
+    t = np.asarray(times, dtype=np.float64)
     # a reachable target (within reachable's 1e-9) never asks less than the fastest levels' time, summed
     # as solve_levels sums it (numpy's pairwise sum and a running sum can differ in the last bit)
-    budget = max(dense / speedup - table.other_ms, float(np.asarray(times, dtype=np.float64).min(1).sum()))
+    budget = max(dense / speedup - table.other_ms, float(t.min(1).sum()))
     e = np.asarray([errors[n] for n in names], dtype=np.float64)
     record = None
     if search is None:
         pick = solve_levels(times, e, budget, resolution)
     else:
         fits = [k for k, lv in enumerate(table.levels) if table.uniform_speedup(shapes, lv) >= speedup]
-        t = np.asarray(times, dtype=np.float64)
         pick, record = search(
             names, lambda c: solve_levels(times, e * np.asarray(c)[:, None], budget, resolution),
             fits[0] if fits else None, lambda p: float(t[np.arange(len(p)), p].sum()) <= budget,
