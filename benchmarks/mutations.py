@@ -1922,6 +1922,65 @@ MUTATIONS = (
         (("hf_sparsity/pruning/spdy.py", "    if speedup > top * (1 + 1e-9):", "    if False:"),),
         ("tests/test_spdy.py::test_a_target_above_the_grid_is_refused_before_pruning",),
     ),
+    Mutation(
+        "head-screen-no-lower-bound",
+        "the screen keeps the rows whose copy's logit plus bound reaches the largest copy's logit, not the "
+        "largest lower bound",
+        (
+            (
+                "hf_sparsity/backends/csrc/decode.c",
+                "const double a = (double)A[r] - (double)E[r] * nx;",
+                "const double a = (double)A[r];",
+            ),
+        ),
+        ("tests/test_head_screen.py::test_the_largest_logit_survives_a_copy_that_overshoots_another_row",),
+    ),
+    Mutation(
+        "head-screen-compares-the-copy",
+        "the screen picks among its rows by the int8 copy's logits, never computing them on the head",
+        (("hf_sparsity/backends/csrc/decode.c", "    j.fn(&j, r, r + 1);\n", "    (void)j;\n"),),
+        (
+            "tests/test_head_screen.py::test_screen_picks_the_first_of_an_exact_tie_and_the_larger_of_a_near_one",
+        ),
+    ),
+    Mutation(
+        "head-screen-last-of-a-tie",
+        "the screen takes the last of equal largest logits, not the first (torch.argmax's)",
+        (
+            (
+                "hf_sparsity/backends/csrc/decode.c",
+                "if (best < 0 || A[r] > A[best]) best = r;",
+                "if (best < 0 || A[r] >= A[best]) best = r;",
+            ),
+        ),
+        (
+            "tests/test_head_screen.py::test_screen_picks_the_first_of_an_exact_tie_and_the_larger_of_a_near_one",
+        ),
+    ),
+    Mutation(
+        "head-screen-biased-head",
+        "a head with a bias gets a screen (its copy has no bias)",
+        (
+            (
+                "hf_sparsity/inference/native_step.py",
+                'if getattr(head, "bias", None) is not None or prep.op not in',
+                "if prep.op not in",
+            ),
+        ),
+        ("tests/test_head_screen.py::test_heads_the_screen_does_not_take_run_whole",),
+    ),
+    Mutation(
+        "head-screen-with-logits-kept",
+        "generate screens the head when output_logits asks for the logits",
+        (
+            (
+                "hf_sparsity/inference/decoding.py",
+                "screened = step_argmax and not keep_logits",
+                "screened = step_argmax",
+            ),
+        ),
+        ("tests/test_head_screen.py::test_greedy_loops_give_the_same_tokens_with_the_screen",),
+    ),
 )
 
 NEW_TEST_FILES = (

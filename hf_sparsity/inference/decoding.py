@@ -34,6 +34,7 @@ compare tokens) and stop at the end-of-sequence token as ``generate`` does.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -94,7 +95,8 @@ def greedy_decode(
             dec = NativeDecoder(model, check=False)
             try:
                 first = int(dec.start(ids, length).argmax())
-                new = greedy_tokens(first, dec.step, max_new_tokens, eos, on_token)
+                step_fn = functools.partial(dec.step, greedy=True)  # only the id: the head may run screened
+                new = greedy_tokens(first, step_fn, max_new_tokens, eos, on_token)
             finally:
                 dec.close()
             return torch.cat([ids, torch.tensor([new], dtype=ids.dtype, device=ids.device)], dim=1)
@@ -237,6 +239,7 @@ def _native_loop(model, input_ids, logits_processor, stopping_criteria, generati
     processing = _Processing(logits_processor, keep_scores or not do_sample, vocab, seen_room=limit)
     # greedy without processors or scores: the argmax the native step computes (torch.argmax's)
     step_argmax = not do_sample and not keep_scores and not list(logits_processor)
+    screened = step_argmax and not keep_logits  # the id only: the step may screen the LM head
     stops = _Stops(stopping_criteria, keep_scores)
     seq, uniform = _Sequence(input_ids, limit), _Uniforms()
 
@@ -256,7 +259,7 @@ def _native_loop(model, input_ids, logits_processor, stopping_criteria, generati
         return tok
 
     def step(tok: int) -> int:
-        best = dec.step(tok)  # first: a longer cache reallocates dec.logits
+        best = dec.step(tok, greedy=screened)  # first: a longer cache reallocates dec.logits
         return choose(dec.logits, best)
 
     def emit(tok: int) -> None:

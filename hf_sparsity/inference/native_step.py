@@ -62,6 +62,11 @@ class _Decoder(ctypes.Structure):  # hfs_decoder_t in csrc/api.h (tests/test_str
         ("final_norm_bias", ctypes.c_void_p),
         ("embed_codes", ctypes.c_void_p),
         ("embed_scales", ctypes.c_void_p),
+        ("screen", ctypes.c_void_p),
+        ("screen_err", ctypes.c_void_p),
+        ("cand", ctypes.c_void_p),
+        ("screen_cap", ctypes.c_int64),
+        ("screened", ctypes.c_int64),
     ]
 
 
@@ -249,6 +254,51 @@ def _dense_gemv(mod: nn.Module, klass) -> object:
     return hit[1]
 
 
+SCREEN_ROWS = 1024
+"""The most LM head rows a greedy step computes exactly after the screen (:func:`_screen`); past it the step
+runs the whole head (a token whose top logits are that close together)."""
+
+_SCREENS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _screen(head: nn.Module, prep) -> tuple | None:
+    """The greedy step's screen of a float LM head (``None`` where it does not apply): ``(copy, err)``, the
+    head's int8 copy (``native_dense``, int8 codes with row scales, float32 activations) and per row the
+    bound ``err[r]`` with ``|L_r - A_r| <= err[r] * ||x||_2`` between the head's logit ``L_r`` and the
+    copy's ``A_r``: the quantization error ``||w_r - w^_r||_2`` plus both float32 products' rounding (at
+    most ``(n + 4) u`` times ``||w_r||_2 ||x||_2`` and ``||w^_r||_2 ||x||_2``, ``n`` the columns,
+    ``u = 2^-24``; the sums in float64, rounded up). Made once per head weight (kept while the module lives
+    and its weight is unchanged). Applies to a head without a bias whose batch-1 kernel is a float one
+    computing each row alone (bitmask, 2:4, dense, gathered), with finite weights."""
+    if getattr(head, "bias", None) is not None or prep.op not in (0, 1, 2, 5) or prep.vbf16 not in (0, 1):
+        return None
+    sparse = isinstance(head, SparseLinear)
+    version = 0 if sparse else tensor_version(head.weight)
+    key = (prep.values, prep.meta, prep.op, prep.rows, prep.in_features, version)
+    hit = _SCREENS.get(head)
+    if hit is None or hit[0] != key:
+        hit = (key, _make_screen(head.backend.to_dense() if sparse else head.weight.detach()))
+        _SCREENS[head] = hit
+    return hit[1]
+
+
+def _make_screen(weight: torch.Tensor) -> tuple | None:
+    w = weight.detach().float()
+    if not bool(torch.isfinite(w).all()):
+        return None
+    full = torch.ones((), dtype=torch.uint8).expand(w.shape)
+    copy = get_backend("native_dense").from_dense(w, full, values="int8", activations="float32")
+    codes, scales = copy.int8_rows()
+    w64 = w.double()
+    q64 = codes.double() * scales.double()[:, None]
+    u = 2.0**-24 * (w.shape[1] + 4)
+    gamma = u / (1 - u)
+    err = (w64 - q64).norm(dim=1) + gamma * (w64.norm(dim=1) + q64.norm(dim=1))
+    err = (err * (1 + 1e-6)).float()  # rounded up past float32's rounding of the float64 sums
+    err = torch.nextafter(err, torch.full_like(err, float("inf")))
+    return copy, err
+
+
 def _refuse(reason: str | None) -> None:
     if reason is not None:
         raise SparsityError(
@@ -269,15 +319,17 @@ class NativeDecoder:
     (:func:`native_step_reason`).
     """
 
-    def __init__(self, model: nn.Module, *, check: bool = True):
+    def __init__(self, model: nn.Module, *, check: bool = True, screen_head: bool = True):
         if check:  # greedy_decode checked already
             _refuse(native_step_reason(model))
         self.model = model
+        self.screen_head = screen_head
+        self.screened: int | None = None
         self.threads = torch.get_num_threads()  # the kernels' threads, whatever torch's are when a step runs
         self._keep: list = []  # prepared structures and dense views the C side points into
 
-    def _call(self, mod: nn.Module) -> tuple[int, int | None]:
-        """(prepared call address, bias address) for a projection / the LM head."""
+    def _call(self, mod: nn.Module) -> tuple[object, int, int | None]:
+        """(prepared call, its address, bias address) for a projection / the LM head."""
 
         if isinstance(mod, SparseLinear):
             prep, addr = mod.backend.decode_call()
@@ -287,7 +339,7 @@ class NativeDecoder:
             prep, addr = backend.decode_call()
             self._keep += [backend, prep]
         bias = mod.bias.detach() if mod.bias is not None else None
-        return addr, _ptr(bias)
+        return prep, addr, _ptr(bias)
 
     def _build(self, total: int, n: int = 0, old: list | None = None) -> None:
         """The C structures for generations up to ``total`` tokens; ``old`` caches' first ``n`` positions are
@@ -316,7 +368,7 @@ class NativeDecoder:
             caches += [kc, vc]
             entry = layers[i]
             for name, mod in blk["proj"].items():
-                addr, bias = self._call(mod)
+                _, addr, bias = self._call(mod)
                 setattr(entry, f"p_{name}", addr)
                 setattr(entry, f"b_{name}", bias)
             (w1, b1), (w2, b2) = blk["norms"]
@@ -328,7 +380,7 @@ class NativeDecoder:
             entry.qnorm = _ptr(qn if qn is None else qn.detach())
             entry.knorm = _ptr(kn if kn is None else kn.detach())
         head = self.model.get_output_embeddings()
-        head_addr, head_bias = self._call(head)
+        head_prep, head_addr, head_bias = self._call(head)
         vocab = int(head.out_features)
         self.logits = torch.empty(vocab)
         fw, fb = parts.final
@@ -342,6 +394,14 @@ class NativeDecoder:
             _ptr(parts.pos_embed if parts.pos_embed is None else parts.pos_embed.detach()),
             _ptr(fb if fb is None else fb.detach()), _ptr(codes), _ptr(scales),
         )  # fmt: skip
+        screen = _screen(head, head_prep) if self.screen_head else None
+        if screen is not None:  # the greedy step's screen of the head (step(greedy=True))
+            copy, err = screen
+            prep, addr = copy.decode_call()
+            self._cand = torch.empty(SCREEN_ROWS, dtype=torch.int64)
+            self._keep += [copy, prep, err]
+            dec.screen, dec.screen_err, dec.cand = addr, err.data_ptr(), self._cand.data_ptr()
+            dec.screen_cap = SCREEN_ROWS
         self._lib = _native.load()
         self._work = torch.empty(int(self._lib.hfs_decode_work_floats(ctypes.byref(dec))))
         dec.work = self._work.data_ptr()
@@ -377,9 +437,13 @@ class NativeDecoder:
         self._lib.hfs_decode_prompt(ctypes.byref(self._dec), prompt.data_ptr(), n, 0)
         return self.logits
 
-    def step(self, token: int) -> int:
+    def step(self, token: int, greedy: bool = False) -> int:
         """Decode ``token`` at the next position; the next token's greedy id (:attr:`logits` holds the
-        logits, float32 ``[vocab]``)."""
+        logits, float32 ``[vocab]``). ``greedy=True``: only that id is wanted, so a float LM head runs
+        screened (:func:`_screen`, where ``screen_head``): its int8 copy bounds every row's logit, and only
+        the rows that can hold the largest are computed exactly, on the head's own kernel (the same id as
+        the whole head's ``argmax``, first largest first); :attr:`logits` then holds the exact logits of
+        those rows only, and :attr:`screened` says how many there were (-1: the whole head ran)."""
         if self.pos >= self.total:
             grown = (
                 2 * self.total
@@ -389,7 +453,9 @@ class NativeDecoder:
             _refuse(_config_reason(self.model.config, grown))
             self._keep = []
             self._build(grown, self.pos, self._caches)
-        best = int(self._lib.hfs_decode_step(ctypes.byref(self._dec), token, self.pos))
+        run = self._lib.hfs_decode_step_greedy if greedy else self._lib.hfs_decode_step
+        best = int(run(ctypes.byref(self._dec), token, self.pos))
+        self.screened = int(self._dec.screened) if greedy and self._dec.screen else None
         self.pos += 1
         return best
 

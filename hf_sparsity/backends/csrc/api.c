@@ -183,7 +183,7 @@ int hfs_set_openmp(int on) {
 #endif
   return g_use_omp;
 }
-int hfs_version(void) { return 12; }
+int hfs_version(void) { return 13; }
 int hfs_simd(void) { return HFS_SIMD; }
 /* The instruction set the library was built for: 0 scalar, 1 AVX2 + FMA, 2 AVX2 + AVX-VNNI, 3 AVX-512,
    4 AVX-512 with VNNI (_native.isa() names them) */
@@ -236,7 +236,9 @@ static const hfs_field_t g_fields[] = {
     HFS_FIELD(hfs_decoder_t, embed), HFS_FIELD(hfs_decoder_t, cos), HFS_FIELD(hfs_decoder_t, sin),
     HFS_FIELD(hfs_decoder_t, work), HFS_FIELD(hfs_decoder_t, logits), HFS_FIELD(hfs_decoder_t, arch),
     HFS_FIELD(hfs_decoder_t, act), HFS_FIELD(hfs_decoder_t, pos_embed), HFS_FIELD(hfs_decoder_t, final_norm_bias),
-    HFS_FIELD(hfs_decoder_t, embed_codes), HFS_FIELD(hfs_decoder_t, embed_scales),
+    HFS_FIELD(hfs_decoder_t, embed_codes), HFS_FIELD(hfs_decoder_t, embed_scales), HFS_FIELD(hfs_decoder_t, screen),
+    HFS_FIELD(hfs_decoder_t, screen_err), HFS_FIELD(hfs_decoder_t, cand), HFS_FIELD(hfs_decoder_t, screen_cap),
+    HFS_FIELD(hfs_decoder_t, screened),
     HFS_FIELD(hfs_sampler_t, vocab), HFS_FIELD(hfs_sampler_t, top_k), HFS_FIELD(hfs_sampler_t, cap),
     HFS_FIELD(hfs_sampler_t, seen_room), HFS_FIELD(hfs_sampler_t, n_tail), HFS_FIELD(hfs_sampler_t, tail_op),
     HFS_FIELD(hfs_sampler_t, tail_keep), HFS_FIELD(hfs_sampler_t, tail_value), HFS_FIELD(hfs_sampler_t, penalty),

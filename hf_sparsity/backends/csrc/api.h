@@ -46,6 +46,12 @@ typedef struct {
   const float* final_norm_bias; /* (GPT-2) */
   const int8_t* embed_codes;    /* non-NULL: the embedding is int8 codes [rows, hidden] (a tied int8 LM head's), */
   const float* embed_scales;    /* row r = embed_codes[r] * embed_scales[r]; `embed` is then unused */
+  /* The greedy step's screened LM head (hfs_decode_step_greedy, decode.c); NULL `screen`: the whole head */
+  const prepared_t* screen; /* the head's int8 copy: int8 codes with row scales, float32 activations */
+  const float* screen_err;  /* [vocab]: |head row r - screen row r| <= screen_err[r] * ||x||_2 */
+  int64_t* cand;            /* room for screen_cap row ids */
+  int64_t screen_cap;
+  int64_t screened; /* out: rows the last greedy step computed exactly (-1: the whole head ran) */
 } hfs_decoder_t;
 
 /* One generation's sampling processors (sample.c; Python: sampling.py's _Sampler): the repetition penalty and
@@ -87,6 +93,7 @@ int hfs_isa(void);
 int hfs_int8_dot(void);
 int64_t hfs_decode_work_floats(const hfs_decoder_t* d);
 int64_t hfs_decode_step(const hfs_decoder_t* d, int64_t token, int64_t pos);
+int64_t hfs_decode_step_greedy(hfs_decoder_t* d, int64_t token, int64_t pos);
 int64_t hfs_decode_prompt(const hfs_decoder_t* d, const int64_t* tokens, int64_t n, int64_t pos);
 double hfs_step_exp(float* x, int64_t n, float shift);
 void hfs_step_silu_mul(float* g, const float* u, int64_t n);

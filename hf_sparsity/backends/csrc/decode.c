@@ -401,10 +401,58 @@ static int64_t argmax_first(const float* y, int64_t n) {
   return best;
 }
 
-/* The final norm, the LM head and the argmax (argmax_first) of the hidden state decode_layers left */
-static int64_t decode_head(const hfs_decoder_t* d) {
+/* The greedy token of the hidden state `h` (after the final norm) without the whole LM head: the head's int8
+   copy `screen` gives every row's logit A_r, within B_r = screen_err[r] * ||h||_2 of the head's own L_r
+   (screen_err: the rows' quantization error and both products' float rounding, native_step._screen). Only
+   rows with A_r + B_r >= max_s (A_s - B_s) can hold the largest L_r (every other row's L_r is below that
+   row's); the head's own row kernel computes their L_r, each row as the whole product computes it (its rows
+   are independent), and the first largest wins, as argmax_first. Returns -1 (the caller runs the whole
+   head) where h or an A_r is not finite, the head is not a float one, or more than screen_cap rows remain.
+   `logits` then holds A_r, and L_r for the rows computed. */
+static int64_t screened_argmax(hfs_decoder_t* d, const float* h) {
+  const int64_t V = d->vocab;
+  double s2 = 0.;
+  for (int64_t i = 0; i < d->hidden; i++) s2 += (double)h[i] * h[i];
+  if (!(s2 < 1e60) || d->head->vbf16 > 1) return -1; /* NaN, inf or near overflow; an int8 head */
+  const double nx = sqrt(s2) * (1. + 1e-9);
+  float* A = d->logits;
+  const float* E = d->screen_err;
+  hfs_run_prepared(d->screen, h, A, NULL);
+  double lo = -INFINITY;
+  for (int64_t r = 0; r < V; r++) {
+    const double a = (double)A[r] - (double)E[r] * nx;
+    if (a != a) return -1;
+    lo = a > lo ? a : lo;
+  }
+  int64_t n = 0;
+  for (int64_t r = 0; r < V; r++)
+    if ((double)A[r] + (double)E[r] * nx >= lo) {
+      if (n == d->screen_cap) return -1;
+      d->cand[n++] = r;
+    }
+  job_t j;
+  if (!prepared_job(d->head, h, A, NULL, &j)) return -1;
+  int64_t best = -1;
+  for (int64_t k = 0; k < n; k++) {
+    const int64_t r = d->cand[k];
+    j.fn(&j, r, r + 1);
+    if (A[r] != A[r]) return -1; /* a NaN: argmax_first's rule needs every row */
+    if (best < 0 || A[r] > A[best]) best = r;
+  }
+  d->screened = n;
+  return best;
+}
+
+/* The final norm, the LM head and the argmax (argmax_first) of the hidden state decode_layers left; `greedy`
+   (the same decoder, or NULL): through the screen where there is one (hfs_decode_step_greedy) */
+static int64_t decode_head(const hfs_decoder_t* d, hfs_decoder_t* greedy) {
   float *x = d->work, *h = x + d->hidden;
   norm(x, d->final_norm, d->final_norm_bias, h, d->hidden, d->eps);
+  if (greedy) {
+    const int64_t best = d->screen && !d->head_bias ? screened_argmax(greedy, h) : -1;
+    if (best >= 0) return best;
+    greedy->screened = -1;
+  }
   hfs_run_prepared(d->head, h, d->logits, d->head_bias);
   return argmax_first(d->logits, d->vocab);
 }
@@ -414,7 +462,19 @@ int64_t hfs_decode_step(const hfs_decoder_t* d, int64_t token, int64_t pos) {
   if (pos < 0 || pos >= d->max_len) return -1;
   tl_pool_only = 1;
   decode_layers(d, token, pos);
-  const int64_t best = decode_head(d);
+  const int64_t best = decode_head(d, NULL);
+  tl_pool_only = 0;
+  return best;
+}
+
+/* hfs_decode_step when only the greedy token is wanted: with a screen (d->screen) and no head bias, the LM
+   head's rows that can hold the largest logit only (screened_argmax; d->screened says how many, -1: the
+   whole head ran); `logits` then holds exact logits for those rows only. */
+int64_t hfs_decode_step_greedy(hfs_decoder_t* d, int64_t token, int64_t pos) {
+  if (pos < 0 || pos >= d->max_len) return -1;
+  tl_pool_only = 1;
+  decode_layers(d, token, pos);
+  const int64_t best = decode_head(d, d);
   tl_pool_only = 0;
   return best;
 }
@@ -425,7 +485,7 @@ int64_t hfs_decode_prompt(const hfs_decoder_t* d, const int64_t* tokens, int64_t
   if (n <= 0 || pos < 0 || pos + n > d->max_len) return -1;
   tl_pool_only = 1;
   for (int64_t i = 0; i < n; i++) decode_layers(d, tokens[i], pos + i);
-  const int64_t best = decode_head(d);
+  const int64_t best = decode_head(d, NULL);
   tl_pool_only = 0;
   return best;
 }
