@@ -259,6 +259,7 @@ SCREEN_ROWS = 1024
 runs the whole head (a token whose top logits are that close together)."""
 
 _SCREENS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SCREEN_CHUNK = 4096  # head rows per float64 block of the screen's bound
 
 
 def _screen(head: nn.Module, prep) -> tuple | None:
@@ -289,11 +290,13 @@ def _make_screen(weight: torch.Tensor) -> tuple | None:
     full = torch.ones((), dtype=torch.uint8).expand(w.shape)
     copy = get_backend("native_dense").from_dense(w, full, values="int8", activations="float32")
     codes, scales = copy.int8_rows()
-    w64 = w.double()
-    q64 = codes.double() * scales.double()[:, None]
     u = 2.0**-24 * (w.shape[1] + 4)
     gamma = u / (1 - u)
-    err = (w64 - q64).norm(dim=1) + gamma * (w64.norm(dim=1) + q64.norm(dim=1))
+    err = torch.empty(w.shape[0], dtype=torch.float64)
+    for r in range(0, w.shape[0], _SCREEN_CHUNK):  # float64 a block of rows at a time (a large head)
+        w64 = w[r : r + _SCREEN_CHUNK].double()
+        q64 = codes[r : r + _SCREEN_CHUNK].double() * scales[r : r + _SCREEN_CHUNK].double()[:, None]
+        err[r : r + _SCREEN_CHUNK] = (w64 - q64).norm(dim=1) + gamma * (w64.norm(dim=1) + q64.norm(dim=1))
     err = (err * (1 + 1e-6)).float()  # rounded up past float32's rounding of the float64 sums
     err = torch.nextafter(err, torch.full_like(err, float("inf")))
     return copy, err
