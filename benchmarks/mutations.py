@@ -1963,8 +1963,8 @@ MUTATIONS = (
         (
             (
                 "hf_sparsity/inference/native_step.py",
-                'if getattr(head, "bias", None) is not None or prep.op not in',
-                "if prep.op not in",
+                'if getattr(head, "bias", None) is not None or prep.op not in _ROW_OPS',
+                "if prep.op not in _ROW_OPS",
             ),
         ),
         ("tests/test_head_screen.py::test_heads_the_screen_does_not_take_run_whole",),

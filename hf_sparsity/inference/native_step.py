@@ -260,6 +260,7 @@ runs the whole head (a token whose top logits are that close together)."""
 
 _SCREENS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _SCREEN_CHUNK = 4096  # head rows per float64 block of the screen's bound
+_ROW_OPS = {_native.OPS[n] for n in ("bitmask", "nm24", "gemv", "bitmask_gather")}  # a row at a time
 
 
 def _screen(head: nn.Module, prep) -> tuple | None:
@@ -271,8 +272,8 @@ def _screen(head: nn.Module, prep) -> tuple | None:
     ``u = 2^-24``; the sums in float64, rounded up). Made once per head weight (kept while the module lives
     and its weight is unchanged). Applies to a head without a bias whose batch-1 kernel is a float one
     computing each row alone (bitmask, 2:4, dense, gathered), with finite weights."""
-    if getattr(head, "bias", None) is not None or prep.op not in (0, 1, 2, 5) or prep.vbf16 not in (0, 1):
-        return None
+    if getattr(head, "bias", None) is not None or prep.op not in _ROW_OPS or prep.vbf16 not in (0, 1):
+        return None  # (vbf16: 0 float32 values, 1 bf16; 2 and 3 are int8 codes)
     sparse = isinstance(head, SparseLinear)
     version = 0 if sparse else tensor_version(head.weight)
     key = (prep.values, prep.meta, prep.op, prep.rows, prep.in_features, version)
@@ -284,6 +285,7 @@ def _screen(head: nn.Module, prep) -> tuple | None:
 
 
 def _make_screen(weight: torch.Tensor) -> tuple | None:
+    """:func:`_screen`'s ``(copy, err)`` for a head weight (``None``: a weight that is not finite)."""
     w = weight.detach().float()
     if not bool(torch.isfinite(w).all()):
         return None
