@@ -226,3 +226,27 @@ def test_the_largest_logit_survives_a_copy_that_overshoots_another_row(arch):
     whole.start(ids, 16)
     assert dec.step(tok, greedy=True) == whole.step(tok) == 0
     assert dec.screened == 2
+
+
+@pytest.mark.parametrize("backend", ["native_dense", "bitmask", "nm24"])
+def test_a_converted_float_head_is_screened_on_its_own_kernel(backend):
+    """A head converted to a native format (pruned: bitmask at 50%, 2:4; or dense): its screen is built from
+    the weight the kernel holds (zeros included), and each step's id and its logit are the whole head's."""
+    from hf_sparsity.backends import get_backend
+
+    model = _model("llama")
+    head = model.lm_head
+    w = head.weight.detach()
+    if backend == "nm24":  # the two largest of every four
+        top = w.abs().reshape(-1, 4).topk(2, dim=1).indices
+        mask = torch.zeros(w.numel() // 4, 4, dtype=torch.uint8).scatter_(1, top, 1).reshape(w.shape)
+    else:
+        mask = (torch.rand(w.shape, generator=torch.Generator().manual_seed(5)) < 0.5).to(torch.uint8)
+        if backend == "native_dense":
+            mask.fill_(1)
+    model.lm_head = SparseLinear(head, get_backend(backend).from_dense(w * mask, mask))
+    steps = _steps(model)
+    for got, whole, first_max, screened, mine, theirs in steps:
+        assert got == whole == first_max
+        assert mine == theirs
+        assert 1 <= screened < VOCAB // 4
