@@ -1958,6 +1958,48 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "head-screen-top-k-no-penalty",
+        "the top-k screen bounds the seen ids' logits without the repetition penalty the sampler applies",
+        (
+            (
+                "hf_sparsity/backends/csrc/decode.c",
+                "  if (penalty > 0.0f)\n    for (int64_t j = 0; j < n_seen; j++) {",
+                "  if (0)\n    for (int64_t j = 0; j < n_seen; j++) {",
+            ),
+        ),
+        ("tests/test_head_screen.py::test_top_k_screen_keeps_every_survivor_exactly",),
+    ),
+    Mutation(
+        "head-screen-top-k-from-upper-bounds",
+        "the top-k screen's threshold is the k-th largest upper bound, not lower bound",
+        (
+            (
+                "hf_sparsity/backends/csrc/decode.c",
+                "    const double v = lo[r];",
+                "    const double v = hi[r];",
+            ),
+        ),
+        ("tests/test_head_screen.py::test_top_k_screen_keeps_every_survivor_exactly",),
+    ),
+    Mutation(
+        "head-screen-top-k-keeps-the-copy",
+        "the top-k screen leaves the copy's logits in the rows it drops instead of -inf",
+        (("hf_sparsity/backends/csrc/decode.c", "      A[r] = -INFINITY;", "      (void)0;"),),
+        ("tests/test_head_screen.py::test_top_k_screen_keeps_every_survivor_exactly",),
+    ),
+    Mutation(
+        "head-screen-top-k-with-logits-kept",
+        "sampling screens the head when output_logits asks for the raw logits",
+        (
+            (
+                "hf_sparsity/inference/decoding.py",
+                "sampler = processing.sampler if do_sample and not keep_scores and not keep_logits else None",
+                "sampler = processing.sampler if do_sample and not keep_scores else None",
+            ),
+        ),
+        ("tests/test_head_screen.py::test_sampling_draws_the_same_tokens_with_the_screen",),
+    ),
+    Mutation(
         "head-screen-biased-head",
         "a head with a bias gets a screen (its copy has no bias)",
         (

@@ -250,3 +250,98 @@ def test_a_converted_float_head_is_screened_on_its_own_kernel(backend):
         assert got == whole == first_max
         assert mine == theirs
         assert 1 <= screened < VOCAB // 4
+
+
+# ---------------------------------------------------------------------------- sampling with top-k first
+def _penalized(v: torch.Tensor, p: float, seen: list[int]) -> torch.Tensor:
+    """The repetition penalty's definition (each seen id once: v < 0 ? v * p : v / p), in float64."""
+    v = v.double().clone()
+    for r in set(seen):
+        v[r] = v[r] * p if v[r] < 0 else v[r] / p
+    return v
+
+
+def _top_k_steps(model, k: int, penalty: float, n: int = 16, seen_top: bool = False):
+    """Teacher-forced top-k steps of a screened decoder against one running the whole head: per step the
+    screened logits, the whole head's, the rows computed and the ids seen."""
+    ids = torch.randint(2, VOCAB, (1, 5), generator=torch.Generator().manual_seed(2))
+    a, b = NativeDecoder(model), NativeDecoder(model, screen_head=False)
+    a.start(ids, 64)
+    tok = int(b.start(ids, 64).argmax())
+    seen = torch.zeros(128, dtype=torch.int64)
+    seen[:5] = ids[0]
+    count, out = 5, []
+    with torch.inference_mode():
+        for i in range(n):
+            seen[count] = tok
+            count += 1
+            if seen_top and i:  # the previous step's largest logits seen: the penalty moves them
+                top = out[-1][1].topk(3).indices
+                seen[count : count + 3] = top
+                count += 3
+            a.step(tok, top_k=(k, penalty, seen.data_ptr(), count))
+            b.step(tok)
+            out.append((a.logits.clone(), b.logits.clone(), a.screened, seen[:count].tolist()))
+            tok = (int(b.logits.argmax()) + 29 * i) % VOCAB
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize(
+    "k,penalty,seen_top", [(1, 0.0, False), (50, 0.0, False), (50, 1.3, False), (20, 4.0, True)]
+)
+def test_top_k_screen_keeps_every_survivor_exactly(arch, k, penalty, seen_top):
+    """Every row among the k largest penalized logits (ties at the k-th kept) is computed, exactly as the
+    whole head computes it; every other row is -inf; far fewer rows than the vocabulary are computed."""
+    model = _model(arch)
+    _pairs(model)
+    for got, whole, screened, seen in _top_k_steps(model, k, penalty, seen_top=seen_top):
+        kept = torch.isfinite(got)
+        assert int(kept.sum()) == screened and k <= screened < VOCAB // 2
+        assert torch.equal(got[kept], whole[kept])
+        pen = _penalized(whole, penalty, seen) if penalty else whole.double()
+        kth = pen.topk(k).values[-1]
+        assert bool(kept[pen >= kth].all())  # top-k's survivors, boundary ties included
+
+
+def test_top_k_screen_runs_the_whole_head_past_its_room(monkeypatch):
+    """k past the room: the whole head; k at the room: screened where the rows fit it, else (a near-tie pair
+    at the boundary: more rows than the room) the whole head."""
+    model = _model("llama")
+    _pairs(model)
+    monkeypatch.setattr(native_step, "SCREEN_ROWS", 8)
+    for got, whole, screened, _ in _top_k_steps(model, 9, 0.0, n=6):
+        assert screened == -1
+        assert torch.equal(got, whole)
+    seen = set()
+    for got, whole, screened, _ in _top_k_steps(model, 8, 0.0, n=16):
+        seen.add(screened)
+        kept = torch.isfinite(got)
+        assert torch.equal(got[kept], whole[kept]) and int(kept.sum()) == (VOCAB if screened == -1 else 8)
+    assert seen == {-1, 8}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_sampling_draws_the_same_tokens_with_the_screen(arch, monkeypatch):
+    """generate(do_sample=True) with top-k first, the penalty, temperature and top-p after: the same seed
+    draws the same tokens with the head screened as with the whole head (its logits on every kept row are
+    the head's own, and the rows it drops are outside top-k)."""
+    from hf_sparsity.inference.decoding import native_generate
+
+    model = _model(arch, tied=True)
+    _pairs(model)
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(2, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    kw = dict(max_new_tokens=40, do_sample=True, top_k=40, top_p=0.9, temperature=0.7, repetition_penalty=1.3)
+    outs, raw = [], []
+    for rows in (native_step.SCREEN_ROWS, 0):  # screened, then the whole head on every step
+        monkeypatch.setattr(native_step, "SCREEN_ROWS", rows)
+        torch.manual_seed(11)
+        outs.append(model.generate(ids, custom_generate=native_generate, **kw))
+        # the raw logits asked for: the whole head on every step, its logits as they are
+        torch.manual_seed(11)
+        raw.append(model.generate(ids, custom_generate=native_generate, return_dict_in_generate=True,
+                                  output_logits=True, **kw))  # fmt: skip
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(raw[0].sequences, outs[0])
+    assert all(torch.equal(a, b) for a, b in zip(raw[0].logits, raw[1].logits, strict=True))

@@ -245,6 +245,8 @@ def load() -> ctypes.CDLL | None:
             lib.hfs_set_openmp.argtypes, lib.hfs_set_openmp.restype = [ci], ci
             lib.hfs_decode_step.argtypes, lib.hfs_decode_step.restype = [vp, i64, i64], i64
             lib.hfs_decode_step_greedy.argtypes, lib.hfs_decode_step_greedy.restype = [vp, i64, i64], i64
+            lib.hfs_decode_step_top_k.argtypes = [vp, i64, i64, i64, ctypes.c_float, vp, i64]
+            lib.hfs_decode_step_top_k.restype = i64
             lib.hfs_decode_prompt.argtypes, lib.hfs_decode_prompt.restype = [vp, vp, i64, i64], i64
             lib.hfs_decode_work_floats.argtypes, lib.hfs_decode_work_floats.restype = [vp], i64
             lib.hfs_sample.argtypes, lib.hfs_sample.restype = [vp, vp, vp, i64, ctypes.c_double, vp], i64

@@ -240,6 +240,8 @@ def _native_loop(model, input_ids, logits_processor, stopping_criteria, generati
     # greedy without processors or scores: the argmax the native step computes (torch.argmax's)
     step_argmax = not do_sample and not keep_scores and not list(logits_processor)
     screened = step_argmax and not keep_logits  # the id only: the step may screen the LM head
+    # sampling in the native call with top-k first: the step may screen the head for top-k's survivors
+    sampler = processing.sampler if do_sample and not keep_scores and not keep_logits else None
     stops = _Stops(stopping_criteria, keep_scores)
     seq, uniform = _Sequence(input_ids, limit), _Uniforms()
 
@@ -259,7 +261,8 @@ def _native_loop(model, input_ids, logits_processor, stopping_criteria, generati
         return tok
 
     def step(tok: int) -> int:
-        best = dec.step(tok, greedy=screened)  # first: a longer cache reallocates dec.logits
+        top_k = sampler.top_k_screen(seq) if sampler is not None else None
+        best = dec.step(tok, greedy=screened, top_k=top_k)  # first: a longer cache reallocates dec.logits
         return choose(dec.logits, best)
 
     def emit(tok: int) -> None:

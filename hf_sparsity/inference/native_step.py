@@ -67,6 +67,7 @@ class _Decoder(ctypes.Structure):  # hfs_decoder_t in csrc/api.h (tests/test_str
         ("cand", ctypes.c_void_p),
         ("screen_cap", ctypes.c_int64),
         ("screened", ctypes.c_int64),
+        ("screen_work", ctypes.c_void_p),
     ]
 
 
@@ -404,8 +405,10 @@ class NativeDecoder:
             copy, err = screen
             prep, addr = copy.decode_call()
             self._cand = torch.empty(SCREEN_ROWS, dtype=torch.int64)
+            self._screen_work = torch.empty(2 * vocab, dtype=torch.float64)  # a top-k step's bounds
             self._keep += [copy, prep, err]
             dec.screen, dec.screen_err, dec.cand = addr, err.data_ptr(), self._cand.data_ptr()
+            dec.screen_work = self._screen_work.data_ptr()
             dec.screen_cap = SCREEN_ROWS
         self._lib = _native.load()
         self._work = torch.empty(int(self._lib.hfs_decode_work_floats(ctypes.byref(dec))))
@@ -442,13 +445,17 @@ class NativeDecoder:
         self._lib.hfs_decode_prompt(ctypes.byref(self._dec), prompt.data_ptr(), n, 0)
         return self.logits
 
-    def step(self, token: int, greedy: bool = False) -> int:
+    def step(self, token: int, greedy: bool = False, top_k: tuple | None = None) -> int:
         """Decode ``token`` at the next position; the next token's greedy id (:attr:`logits` holds the
         logits, float32 ``[vocab]``). ``greedy=True``: only that id is wanted, so a float LM head runs
         screened (:func:`_screen`, where ``screen_head``): its int8 copy bounds every row's logit, and only
         the rows that can hold the largest are computed exactly, on the head's own kernel (the same id as
         the whole head's ``argmax``, first largest first); :attr:`logits` then holds the exact logits of
-        those rows only, and :attr:`screened` says how many there were (-1: the whole head ran)."""
+        those rows only, and :attr:`screened` says how many there were (-1: the whole head ran).
+        ``top_k=(k, penalty, seen address, seen count)``: sampling whose first filter is top-k ``k`` (after
+        the repetition penalty ``penalty`` on the int64 ids seen, when > 0): a float head runs screened for
+        the rows that can be among top-k's survivors, their exact logits in :attr:`logits` and ``-inf`` in
+        every other row (which top-k removes anyway); returns -1 then."""
         if self.pos >= self.total:
             grown = (
                 2 * self.total
@@ -458,9 +465,15 @@ class NativeDecoder:
             _refuse(_config_reason(self.model.config, grown))
             self._keep = []
             self._build(grown, self.pos, self._caches)
-        run = self._lib.hfs_decode_step_greedy if greedy else self._lib.hfs_decode_step
-        best = int(run(ctypes.byref(self._dec), token, self.pos))
-        self.screened = int(self._dec.screened) if greedy and self._dec.screen else None
+        if top_k is not None:
+            k, penalty, seen, count = top_k
+            self._lib.hfs_decode_step_top_k(ctypes.byref(self._dec), token, self.pos, k, penalty, seen, count)
+            best = -1
+        else:
+            run = self._lib.hfs_decode_step_greedy if greedy else self._lib.hfs_decode_step
+            best = int(run(ctypes.byref(self._dec), token, self.pos))
+        screened = (greedy or top_k is not None) and self._dec.screen
+        self.screened = int(self._dec.screened) if screened else None
         self.pos += 1
         return best
 

@@ -198,12 +198,24 @@ class _NativeSampler:
         self.survivors = ctypes.c_int64(0)
         self._ref, self._survivors = ctypes.byref(s), ctypes.byref(self.survivors)
 
+    def _seen(self, seq: _Sequence) -> tuple[int, int]:
+        """(address, count) of the ids the repetition penalty reads (none without a penalty)."""
+        skip = min(self.skip, seq.n)
+        return (seq.buf.data_ptr() + 8 * skip, seq.n - skip) if self.penalize else (0, 0)
+
     def __call__(self, seq: _Sequence, logits: torch.Tensor, u: float) -> int:
         if seq.buf.dtype != torch.int64:  # the call reads the ids as int64
             return -1
-        skip = min(self.skip, seq.n)
-        seen, count = (seq.buf.data_ptr() + 8 * skip, seq.n - skip) if self.penalize else (0, 0)
+        seen, count = self._seen(seq)
         return int(self.lib.hfs_sample(self._ref, logits.data_ptr(), seen, count, u, self._survivors))
+
+    def top_k_screen(self, seq: _Sequence) -> tuple | None:
+        """``NativeDecoder.step``'s ``top_k`` for the next draw: ``(k, penalty, seen address, count)`` where
+        top-k is the first filter (the penalty as this call applies it), else ``None``."""
+        s = self.struct
+        if s.top_k <= 0 or seq.buf.dtype != torch.int64:
+            return None
+        return (s.top_k, s.penalty if self.penalize else 0.0, *self._seen(seq))
 
 
 def _kind(proc) -> str | None:

@@ -238,7 +238,7 @@ static const hfs_field_t g_fields[] = {
     HFS_FIELD(hfs_decoder_t, act), HFS_FIELD(hfs_decoder_t, pos_embed), HFS_FIELD(hfs_decoder_t, final_norm_bias),
     HFS_FIELD(hfs_decoder_t, embed_codes), HFS_FIELD(hfs_decoder_t, embed_scales), HFS_FIELD(hfs_decoder_t, screen),
     HFS_FIELD(hfs_decoder_t, screen_err), HFS_FIELD(hfs_decoder_t, cand), HFS_FIELD(hfs_decoder_t, screen_cap),
-    HFS_FIELD(hfs_decoder_t, screened),
+    HFS_FIELD(hfs_decoder_t, screened), HFS_FIELD(hfs_decoder_t, screen_work),
     HFS_FIELD(hfs_sampler_t, vocab), HFS_FIELD(hfs_sampler_t, top_k), HFS_FIELD(hfs_sampler_t, cap),
     HFS_FIELD(hfs_sampler_t, seen_room), HFS_FIELD(hfs_sampler_t, n_tail), HFS_FIELD(hfs_sampler_t, tail_op),
     HFS_FIELD(hfs_sampler_t, tail_keep), HFS_FIELD(hfs_sampler_t, tail_value), HFS_FIELD(hfs_sampler_t, penalty),

@@ -51,7 +51,8 @@ typedef struct {
   const float* screen_err;  /* [vocab]: |head row r - screen row r| <= screen_err[r] * ||x||_2 */
   int64_t* cand;            /* room for screen_cap row ids */
   int64_t screen_cap;
-  int64_t screened; /* out: rows the last greedy step computed exactly (-1: the whole head ran) */
+  int64_t screened; /* out: rows the last screened step computed exactly (-1: the whole head ran) */
+  double* screen_work; /* 2 * vocab doubles for a top-k step (hfs_decode_step_top_k); NULL: none */
 } hfs_decoder_t;
 
 /* One generation's sampling processors (sample.c; Python: sampling.py's _Sampler): the repetition penalty and
@@ -94,6 +95,8 @@ int hfs_int8_dot(void);
 int64_t hfs_decode_work_floats(const hfs_decoder_t* d);
 int64_t hfs_decode_step(const hfs_decoder_t* d, int64_t token, int64_t pos);
 int64_t hfs_decode_step_greedy(hfs_decoder_t* d, int64_t token, int64_t pos);
+int64_t hfs_decode_step_top_k(hfs_decoder_t* d, int64_t token, int64_t pos, int64_t k, float penalty,
+                              const int64_t* seen, int64_t n_seen);
 int64_t hfs_decode_prompt(const hfs_decoder_t* d, const int64_t* tokens, int64_t n, int64_t pos);
 double hfs_step_exp(float* x, int64_t n, float shift);
 void hfs_step_silu_mul(float* g, const float* u, int64_t n);

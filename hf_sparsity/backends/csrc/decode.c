@@ -401,23 +401,42 @@ static int64_t argmax_first(const float* y, int64_t n) {
   return best;
 }
 
-/* The greedy token of the hidden state `h` (after the final norm) without the whole LM head: the head's int8
-   copy `screen` gives every row's logit A_r, within B_r = screen_err[r] * ||h||_2 of the head's own L_r
-   (screen_err: the rows' quantization error and both products' float rounding, native_step._screen). Only
-   rows with A_r + B_r >= max_s (A_s - B_s) can hold the largest L_r (every other row's L_r is below that
-   row's); the head's own row kernel computes their L_r, each row as the whole product computes it (its rows
-   are independent), and the first largest wins, as argmax_first. Returns -1 (the caller runs the whole
-   head) where h or an A_r is not finite, the head is not a float one, or more than screen_cap rows remain.
-   `logits` then holds A_r, and L_r for the rows computed. */
-static int64_t screened_argmax(hfs_decoder_t* d, const float* h) {
-  const int64_t V = d->vocab;
+/* The screen's first pass: the head's int8 copy `screen` gives every row's logit A_r into `logits`, within
+   B_r = screen_err[r] * nx of the head's own L_r (screen_err: the rows' quantization error and both products'
+   float rounding, native_step._screen), nx = ||h||_2 rounded up. Returns -1 where h is not finite (or near
+   overflow), or the head is not a float one. */
+static int screen_pass(const hfs_decoder_t* d, const float* h, double* nx) {
   double s2 = 0.;
   for (int64_t i = 0; i < d->hidden; i++) s2 += (double)h[i] * h[i];
   if (!(s2 < 1e60) || d->head->vbf16 > 1) return -1; /* NaN, inf or near overflow; an int8 head */
-  const double nx = sqrt(s2) * (1. + 1e-9);
-  float* A = d->logits;
-  const float* E = d->screen_err;
-  hfs_run_prepared(d->screen, h, A, NULL);
+  *nx = sqrt(s2) * (1. + 1e-9);
+  hfs_run_prepared(d->screen, h, d->logits, NULL);
+  return 0;
+}
+
+/* The head's own L_r of the rows cand[0..n) into `logits`, each row as the whole product computes it (its
+   rows are independent); -1 on a NaN (argmax_first's and the sampler's rules need every row then) */
+static int screen_exact(const hfs_decoder_t* d, const float* h, int64_t n) {
+  job_t j;
+  if (!prepared_job(d->head, h, d->logits, NULL, &j)) return -1;
+  for (int64_t k = 0; k < n; k++) {
+    const int64_t r = d->cand[k];
+    j.fn(&j, r, r + 1);
+    if (d->logits[r] != d->logits[r]) return -1;
+  }
+  return 0;
+}
+
+/* The greedy token of the hidden state `h` (after the final norm) without the whole LM head (screen_pass):
+   only rows with A_r + B_r >= max_s (A_s - B_s) can hold the largest L_r (every other row's L_r is below that
+   row's); screen_exact computes their L_r and the first largest wins, as argmax_first. Returns -1 (the caller
+   runs the whole head) where screen_pass does or more than screen_cap rows remain. `logits` then holds A_r,
+   and L_r for the rows computed. */
+static int64_t screened_argmax(hfs_decoder_t* d, const float* h) {
+  const int64_t V = d->vocab;
+  double nx;
+  if (screen_pass(d, h, &nx)) return -1;
+  const float *A = d->logits, *E = d->screen_err;
   double lo = -INFINITY;
   for (int64_t r = 0; r < V; r++) {
     const double a = (double)A[r] - (double)E[r] * nx;
@@ -430,24 +449,93 @@ static int64_t screened_argmax(hfs_decoder_t* d, const float* h) {
       if (n == d->screen_cap) return -1;
       d->cand[n++] = r;
     }
-  job_t j;
-  if (!prepared_job(d->head, h, A, NULL, &j)) return -1;
+  if (screen_exact(d, h, n)) return -1;
   int64_t best = -1;
   for (int64_t k = 0; k < n; k++) {
     const int64_t r = d->cand[k];
-    j.fn(&j, r, r + 1);
-    if (A[r] != A[r]) return -1; /* a NaN: argmax_first's rule needs every row */
     if (best < 0 || A[r] > A[best]) best = r;
   }
   d->screened = n;
   return best;
 }
 
+/* the repetition penalty as the sampler applies it (sample.c): monotone, so bounds map to bounds */
+static inline double penalized(double v, float p) { return v < 0.0 ? v * p : v / p; }
+
+/* For sampling with top-k first (after the repetition penalty `penalty` on the ids seen, when > 0): the rows
+   whose penalized upper bound reaches the k-th largest penalized lower bound, less a margin for the float
+   rounding of the sampler's own penalty and temperature (2^-20 of it), hold every token top-k keeps (ties at
+   its boundary included); screen_exact computes their L_r and every other row's logit becomes -inf, which top-k
+   removes anyway. Returns the rows computed, or -1 (then the caller runs the whole head) where screen_pass
+   does, k is 0 or past screen_cap, or more than screen_cap rows remain. Uses screen_work (2 * vocab doubles). */
+static int64_t screened_top_k(hfs_decoder_t* d, const float* h, int64_t k, float penalty, const int64_t* seen,
+                              int64_t n_seen) {
+  const int64_t V = d->vocab;
+  double nx;
+  if (k < 1 || k > V || k > d->screen_cap || !d->screen_work || screen_pass(d, h, &nx)) return -1;
+  float* A = d->logits;
+  const float* E = d->screen_err;
+  double *lo = d->screen_work, *hi = lo + V;
+  for (int64_t r = 0; r < V; r++) {
+    lo[r] = (double)A[r] - (double)E[r] * nx;
+    hi[r] = (double)A[r] + (double)E[r] * nx;
+    if (lo[r] != lo[r]) return -1;
+  }
+  if (penalty > 0.0f)
+    for (int64_t j = 0; j < n_seen; j++) {
+      const int64_t r = seen[j];
+      if (r < 0 || r >= V) continue;
+      lo[r] = penalized((double)A[r] - (double)E[r] * nx, penalty);
+      hi[r] = penalized((double)A[r] + (double)E[r] * nx, penalty);
+    }
+  double* heap = (double*)d->cand; /* the k largest lower bounds, a min-heap (cand is room for screen_cap) */
+  for (int64_t r = 0; r < V; r++) {
+    const double v = lo[r];
+    int64_t i;
+    if (r < k) { /* sift up */
+      for (i = r; i > 0 && heap[(i - 1) / 2] > v; i = (i - 1) / 2) heap[i] = heap[(i - 1) / 2];
+      heap[i] = v;
+    } else if (v > heap[0]) { /* replace the least, sift down */
+      for (i = 0;;) {
+        int64_t c = 2 * i + 1;
+        if (c >= k) break;
+        if (c + 1 < k && heap[c + 1] < heap[c]) c++;
+        if (heap[c] >= v) break;
+        heap[i] = heap[c];
+        i = c;
+      }
+      heap[i] = v;
+    }
+  }
+  const double tau = heap[0] - fabs(heap[0]) * 0x1p-20 - 1e-30;
+  int64_t n = 0;
+  for (int64_t r = 0; r < V; r++)
+    if (hi[r] >= tau) {
+      if (n == d->screen_cap) return -1;
+      d->cand[n++] = r;
+    }
+  if (screen_exact(d, h, n)) return -1;
+  for (int64_t r = 0, c = 0; r < V; r++) {
+    if (c < n && d->cand[c] == r)
+      c++;
+    else
+      A[r] = -INFINITY;
+  }
+  d->screened = n;
+  return n;
+}
+
+/* The final norm of the hidden state decode_layers left (in the work buffer) */
+static float* final_hidden(const hfs_decoder_t* d) {
+  float *x = d->work, *h = x + d->hidden;
+  norm(x, d->final_norm, d->final_norm_bias, h, d->hidden, d->eps);
+  return h;
+}
+
 /* The final norm, the LM head and the argmax (argmax_first) of the hidden state decode_layers left; `greedy`
    (the same decoder, or NULL): through the screen where there is one (hfs_decode_step_greedy) */
 static int64_t decode_head(const hfs_decoder_t* d, hfs_decoder_t* greedy) {
-  float *x = d->work, *h = x + d->hidden;
-  norm(x, d->final_norm, d->final_norm_bias, h, d->hidden, d->eps);
+  float* h = final_hidden(d);
   if (greedy) {
     const int64_t best = d->screen && !d->head_bias ? screened_argmax(greedy, h) : -1;
     if (best >= 0) return best;
@@ -477,6 +565,25 @@ int64_t hfs_decode_step_greedy(hfs_decoder_t* d, int64_t token, int64_t pos) {
   const int64_t best = decode_head(d, d);
   tl_pool_only = 0;
   return best;
+}
+
+/* hfs_decode_step for sampling whose first filter is top-k (`k`; the repetition penalty `penalty` on the ids
+   `seen[0..n_seen)` before it, when > 0): with a screen and no head bias, `logits` holds the head's logits of
+   the rows that can be among top-k's survivors and -inf elsewhere (screened_top_k; returns how many rows, also
+   in d->screened), or all of them (-1: the whole head ran). Returns -2 where pos is outside the cache. */
+int64_t hfs_decode_step_top_k(hfs_decoder_t* d, int64_t token, int64_t pos, int64_t k, float penalty,
+                              const int64_t* seen, int64_t n_seen) {
+  if (pos < 0 || pos >= d->max_len) return -2;
+  tl_pool_only = 1;
+  decode_layers(d, token, pos);
+  float* h = final_hidden(d);
+  d->screened = d->screen && !d->head_bias ? screened_top_k(d, h, k, penalty, seen, n_seen) : -1;
+  if (d->screened < 0) {
+    d->screened = -1;
+    hfs_run_prepared(d->head, h, d->logits, d->head_bias);
+  }
+  tl_pool_only = 0;
+  return d->screened;
 }
 
 /* A short prompt, one token at a time from `pos` (the cache holds the positions before it): the LM head runs
