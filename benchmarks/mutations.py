@@ -1923,6 +1923,18 @@ MUTATIONS = (
         ("tests/test_spdy.py::test_a_target_above_the_grid_is_refused_before_pruning",),
     ),
     Mutation(
+        "auto-int8-check-no-margin",
+        "with int8 values the whole-model check keeps a plan that ties with the int8 dense GEMV model",
+        (
+            (
+                "hf_sparsity/backends/auto/backend.py",
+                "    keep_at = INT8_GEMV_MARGIN if base else 1.0",
+                "    keep_at = 1.0",
+            ),
+        ),
+        ("tests/test_int8_values.py::test_auto_int8_whole_model_check_is_against_the_int8_dense_gemv",),
+    ),
+    Mutation(
         "head-screen-no-lower-bound",
         "the screen keeps the rows whose copy's logit plus bound reaches the largest copy's logit, not the "
         "largest lower bound",

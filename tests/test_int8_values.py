@@ -86,14 +86,19 @@ def test_auto_int8_prefill_sees_the_int8_activations_too():
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
 
 
+# the whole model's tok/s with every layer on the bitmask (the int8 GEMV model: 3.0)
+PLAN_TOK_S = {"slower": 2.0, "faster": 4.0, "a tie": 3.14, "just past the margin": 3.16, "the same": 2.0}
+
+
 @pytest.mark.skipif(_native.load() is None, reason="native kernels unavailable")
-@pytest.mark.parametrize("case", ["slower", "faster", "the same"])
+@pytest.mark.parametrize("case", list(PLAN_TOK_S))
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_auto_int8_whole_model_check_is_against_the_int8_dense_gemv(arch, case, monkeypatch):
     """With int8 values the whole-model check times the plan against every layer on the int8 dense GEMV (the
-    float32 model as it was is never timed): a plan that decodes slower ends on that model, its logits those
-    of the model converted with formats=("native_dense",) alone; a plan that decodes faster is kept, its
-    logits those of formats=("bitmask",) alone; a plan that is that model already is not timed at all."""
+    float32 model as it was is never timed): a plan that decodes slower, or faster by less than 5% (1.047x),
+    ends on that model, its logits those of the model converted with formats=("native_dense",) alone; a plan
+    5% faster or more (1.053x) is kept, its logits those of formats=("bitmask",) alone; a plan that is that
+    model already is not timed at all."""
     from hf_sparsity.backends import measure as timing
     from hf_sparsity.backends.auto import planner
     from hf_sparsity.inference import auto_choices
@@ -108,9 +113,7 @@ def test_auto_int8_whole_model_check_is_against_the_int8_dense_gemv(arch, case, 
     def tok_s(m, ids, n):  # the whole model: plan 2 (or 4) tok/s, every layer on the int8 GEMV 3
         kinds = frozenset(x.backend.kernel for x in sparse_layers(m).values() if not x.lm_head)
         timed.append(kinds)
-        return {frozenset({"native_dense"}): 3.0, frozenset({"bitmask"}): 4.0 if case == "faster" else 2.0}[
-            kinds
-        ]
+        return {frozenset({"native_dense"}): 3.0, frozenset({"bitmask"}): PLAN_TOK_S[case]}[kinds]
 
     monkeypatch.setattr(timing, "decode_tok_s", tok_s)
     model, eng = _masked(arch)
@@ -122,7 +125,8 @@ def test_auto_int8_whole_model_check_is_against_the_int8_dense_gemv(arch, case, 
         with torch.no_grad():
             refs[fmt] = ref(ids).logits
     sparsify_for_inference(model, "auto", masks=eng.masks, values="int8", rounds=2)
-    want = "bitmask" if case == "faster" else "native_dense"
+    kept = case in ("faster", "just past the margin")
+    want = "bitmask" if kept else "native_dense"
     layers = {n: c for n, c in auto_choices(model).items() if f"{n}.weight" in eng.masks}
     assert len(layers) == len(eng.masks) and all(c["decode"] == want for c in layers.values())
     with torch.no_grad():
@@ -133,9 +137,9 @@ def test_auto_int8_whole_model_check_is_against_the_int8_dense_gemv(arch, case, 
     assert set(timed) == {frozenset({"native_dense"}), frozenset({"bitmask"})}  # never the float32 model
     for c in layers.values():
         check = c["whole_model_check"]
-        assert (check["against"], check["kept"]) == ("native_dense", case == "faster")
-        assert check["auto_vs_dense"] == round((4.0 if case == "faster" else 2.0) / 3.0, 3)
-        assert case == "faster" or c["planned"]["decode"] == "bitmask"
+        assert (check["against"], check["kept"]) == ("native_dense", kept)
+        assert check["auto_vs_dense"] == round(PLAN_TOK_S[case] / 3.0, 3)
+        assert kept or c["planned"]["decode"] == "bitmask"
 
 
 @pytest.mark.slow  # whole-model auto planning
