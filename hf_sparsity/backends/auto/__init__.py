@@ -34,7 +34,8 @@ separately, with the current thread count:
    otherwise be, interleaved: the model as it was, or with ``values="int8"`` every layer on the int8
    dense GEMV (``native_dense``; a sparse int8 product that ties with it one layer at a time can still
    decode slower in the whole step, as the 256-bit bitmask expansion does on AVX2). A converted model
-   that decodes slower is not kept: every layer is that dense model's. A verdict that contradicts the
+   that decodes slower (with int8 values: less than 5% faster, ``backend.INT8_GEMV_MARGIN``: a near tie
+   goes to the GEMV) is not kept: every layer is that dense model's. A verdict that contradicts the
    layer measurements (they predict a clear gain) is measured again first.
 8. **Plan cache.** Each group's decision and the whole-model verdict are stored per CPU model, kernel
    build (its sources and instruction-set level: ``HF_SPARSITY_NATIVE_ISA=avx2`` plans apart from the
