@@ -1941,8 +1941,8 @@ MUTATIONS = (
         (
             (
                 "hf_sparsity/backends/csrc/decode.c",
-                "const double a = (double)A[r] - (double)E[r] * nx;",
-                "const double a = (double)A[r];",
+                "    lo[r] = (double)A[r] - (double)E[r] * nx;",
+                "    lo[r] = (double)A[r];",
             ),
         ),
         ("tests/test_head_screen.py::test_the_largest_logit_survives_a_copy_that_overshoots_another_row",),
@@ -1996,7 +1996,7 @@ MUTATIONS = (
     Mutation(
         "head-screen-top-k-keeps-the-copy",
         "the top-k screen leaves the copy's logits in the rows it drops instead of -inf",
-        (("hf_sparsity/backends/csrc/decode.c", "      A[r] = -INFINITY;", "      (void)0;"),),
+        (("hf_sparsity/backends/csrc/decode.c", "      d->logits[r] = -INFINITY;", "      (void)0;"),),
         ("tests/test_head_screen.py::test_top_k_screen_keeps_every_survivor_exactly",),
     ),
     Mutation(

@@ -427,54 +427,23 @@ static int screen_exact(const hfs_decoder_t* d, const float* h, int64_t n) {
   return 0;
 }
 
-/* The greedy token of the hidden state `h` (after the final norm) without the whole LM head (screen_pass):
-   only rows with A_r + B_r >= max_s (A_s - B_s) can hold the largest L_r (every other row's L_r is below that
-   row's); screen_exact computes their L_r and the first largest wins, as argmax_first. Returns -1 (the caller
-   runs the whole head) where screen_pass does or more than screen_cap rows remain. `logits` then holds A_r,
-   and L_r for the rows computed. */
-static int64_t screened_argmax(hfs_decoder_t* d, const float* h) {
-  const int64_t V = d->vocab;
-  double nx;
-  if (screen_pass(d, h, &nx)) return -1;
-  const float *A = d->logits, *E = d->screen_err;
-  double lo = -INFINITY;
-  for (int64_t r = 0; r < V; r++) {
-    const double a = (double)A[r] - (double)E[r] * nx;
-    if (a != a) return -1;
-    lo = a > lo ? a : lo;
-  }
-  int64_t n = 0;
-  for (int64_t r = 0; r < V; r++)
-    if ((double)A[r] + (double)E[r] * nx >= lo) {
-      if (n == d->screen_cap) return -1;
-      d->cand[n++] = r;
-    }
-  if (screen_exact(d, h, n)) return -1;
-  int64_t best = -1;
-  for (int64_t k = 0; k < n; k++) {
-    const int64_t r = d->cand[k];
-    if (best < 0 || A[r] > A[best]) best = r;
-  }
-  d->screened = n;
-  return best;
-}
-
 /* the repetition penalty as the sampler applies it (sample.c): monotone, so bounds map to bounds */
 static inline double penalized(double v, float p) { return v < 0.0 ? v * p : v / p; }
 
-/* For sampling with top-k first (after the repetition penalty `penalty` on the ids seen, when > 0): the rows
-   whose penalized upper bound reaches the k-th largest penalized lower bound, less a margin for the float
-   rounding of the sampler's own penalty and temperature (2^-20 of it), hold every token top-k keeps (ties at
-   its boundary included); screen_exact computes their L_r and every other row's logit becomes -inf, which top-k
-   removes anyway. Returns the rows computed, or -1 (then the caller runs the whole head) where screen_pass
-   does, k is 0 or past screen_cap, or more than screen_cap rows remain. Uses screen_work (2 * vocab doubles). */
-static int64_t screened_top_k(hfs_decoder_t* d, const float* h, int64_t k, float penalty, const int64_t* seen,
-                              int64_t n_seen) {
+/* The rows of the hidden state `h` (after the final norm) that can be among the k largest logits, penalized
+   (`penalty` > 0: the repetition penalty on the ids seen): after screen_pass, those whose upper bound reaches
+   the k-th largest lower bound, less 2^-20 of it for the sampler's float rounding of the penalty and the
+   temperature. Every other row's logit is below the k largest ones (ties at the k-th included), so it is
+   neither the greedy token nor among top-k's survivors. Their ids go to cand[0..n), ascending, and
+   screen_exact computes their L_r into `logits` (the other rows hold A_r). Returns n, or -1 (the caller runs
+   the whole head) where screen_pass does, k is 0 or past screen_cap, or more than screen_cap rows remain.
+   Uses screen_work (2 * vocab doubles). */
+static int64_t screen_rows(hfs_decoder_t* d, const float* h, int64_t k, float penalty, const int64_t* seen,
+                           int64_t n_seen) {
   const int64_t V = d->vocab;
   double nx;
   if (k < 1 || k > V || k > d->screen_cap || !d->screen_work || screen_pass(d, h, &nx)) return -1;
-  float* A = d->logits;
-  const float* E = d->screen_err;
+  const float *A = d->logits, *E = d->screen_err;
   double *lo = d->screen_work, *hi = lo + V;
   for (int64_t r = 0; r < V; r++) {
     lo[r] = (double)A[r] - (double)E[r] * nx;
@@ -514,12 +483,35 @@ static int64_t screened_top_k(hfs_decoder_t* d, const float* h, int64_t k, float
       if (n == d->screen_cap) return -1;
       d->cand[n++] = r;
     }
-  if (screen_exact(d, h, n)) return -1;
-  for (int64_t r = 0, c = 0; r < V; r++) {
+  return screen_exact(d, h, n) ? -1 : n;
+}
+
+/* The greedy token without the whole LM head: the first largest L_r of screen_rows' rows for k = 1, as
+   argmax_first (-1: the caller runs the whole head). */
+static int64_t screened_argmax(hfs_decoder_t* d, const float* h) {
+  const int64_t n = screen_rows(d, h, 1, 0.0f, NULL, 0);
+  if (n < 0) return -1;
+  const float* A = d->logits;
+  int64_t best = -1;
+  for (int64_t k = 0; k < n; k++) {
+    const int64_t r = d->cand[k];
+    if (best < 0 || A[r] > A[best]) best = r;
+  }
+  d->screened = n;
+  return best;
+}
+
+/* For sampling with top-k first: screen_rows' rows keep their L_r and every other row's logit becomes -inf,
+   which top-k removes anyway. Returns the rows computed (-1: the caller runs the whole head). */
+static int64_t screened_top_k(hfs_decoder_t* d, const float* h, int64_t k, float penalty, const int64_t* seen,
+                              int64_t n_seen) {
+  const int64_t n = screen_rows(d, h, k, penalty, seen, n_seen);
+  if (n < 0) return -1;
+  for (int64_t r = 0, c = 0; r < d->vocab; r++) {
     if (c < n && d->cand[c] == r)
       c++;
     else
-      A[r] = -INFINITY;
+      d->logits[r] = -INFINITY;
   }
   d->screened = n;
   return n;
