@@ -106,6 +106,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--recover-alpha", type=float, default=1.0, help="u{L}+rec rows: the distillation loss's weight"
     )
+    p.add_argument(
+        "--recover-bf16", action="store_true", help="u{L}+rec rows: bf16 mixed precision (recipe's --bf16)"
+    )
     p.add_argument("--gguf-f32", help="llama.cpp F32 GGUF of the same dense weights")
     p.add_argument("--no-gguf", action="store_true", help="no llama.cpp rows")
     p.add_argument("--threads", type=int, default=2)
@@ -255,6 +258,7 @@ def _recover(args, dense: Path, calib: str, pruned: Path, out: Path) -> Path:
         "--batch_size", str(RECOVER_BATCH), "--recover_steps", str(args.recover_steps),
         "--recover_lr", str(args.recover_lr), "--distill_alpha", str(args.recover_alpha),
         "--output_dir", str(run), "--overwrite", "true", "--eval_blocks", "2" if args.smoke else "48",
+        "--bf16", "true" if args.recover_bf16 else "false",
     ]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     return final
@@ -413,6 +417,7 @@ def report(rows: list[dict], args, out: Path, seconds: float) -> None:
     if args.recover_steps:
         head += f"\nrecovery: {args.recover_steps} steps x {RECOVER_BATCH} x {RECOVER_BLOCK} = "
         head += f"{args.recover_steps * RECOVER_BATCH * RECOVER_BLOCK:,} tokens per recovered row"
+        head += " (bf16 mixed precision)" if args.recover_bf16 else ""
     dense_tok = {r["values"]: r["tok_s"] for r in rows if r["kind"] == "dense"}
     lines = [head, "", "| row | target | ppl | bytes/weight | tok/s | x dense (same values) | uniform ppl at "
              "its tok/s |", "|---|---|---|---|---|---|---|"]  # fmt: skip

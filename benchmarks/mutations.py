@@ -44,6 +44,32 @@ MUTATIONS = (
         ("tests/test_prune_recover.py",),
     ),
     Mutation(
+        "recover-bf16-teacher-in-float32",
+        "prune_recover --bf16 runs the distillation teacher's forward in float32 (outside the student's "
+        "autocast)",
+        (
+            (
+                "recipes/prune_recover.py",
+                "with torch.no_grad(), self.accelerator.autocast():",
+                "with torch.no_grad():",
+            ),
+        ),
+        ("tests/test_prune_recover.py",),
+    ),
+    Mutation(
+        "recover-bf16-evaluates-under-autocast",
+        "prune_recover --bf16 leaves the student's forward wrapped in autocast, so the evaluations after "
+        "training run in bf16",
+        (
+            (
+                "recipes/prune_recover.py",
+                "    trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)\n",
+                "",
+            ),
+        ),
+        ("tests/test_prune_recover.py",),
+    ),
+    Mutation(
         "grads-masked-late",
         "gradients masked only in before_step (after clipping and DDP all-reduce), not as produced",
         (("hf_sparsity/mask_engine/enforcement.py", "if is_dtensor(p) or not p.requires_grad:", "if True:"),),

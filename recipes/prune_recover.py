@@ -87,6 +87,7 @@ DEFAULTS = dict(
     distill_alpha=0.5,  # 0: plain LM loss; 1: KL to the dense model only
     distill_temperature=2.0,
     batch_size=8,
+    bf16=False,  # mixed precision: bf16 products under torch.autocast, weights and optimizer in float32
     seed=0,
     # optional: WikiText-2 (wiki.test.raw) perplexity after each stage
     wikitext2="",
@@ -156,12 +157,12 @@ class DistillTrainer(Trainer):
         out = model(**inputs)
         loss = out.loss
         if self.teacher is not None and self.alpha > 0:
-            with torch.no_grad():
+            with torch.no_grad(), self.accelerator.autocast():  # the student's mixed precision (--bf16)
                 t_logits = self.teacher(input_ids=inputs["input_ids"]).logits
             T = self.temperature
             kl = F.kl_div(
-                F.log_softmax(out.logits / T, -1).flatten(0, 1),
-                F.log_softmax(t_logits / T, -1).flatten(0, 1),
+                F.log_softmax(out.logits.float() / T, -1).flatten(0, 1),  # (bf16 logits under --bf16)
+                F.log_softmax(t_logits.float() / T, -1).flatten(0, 1),
                 log_target=True,
                 reduction="batchmean",
             )
@@ -174,9 +175,16 @@ def train_args(args, out, steps, lr) -> TrainingArguments:
         output_dir=str(out), max_steps=steps, per_device_train_batch_size=args.batch_size,
         learning_rate=lr, lr_scheduler_type="cosine", warmup_steps=min(20, steps // 10),
         weight_decay=0.0, logging_steps=max(1, steps // 10), save_strategy="no", report_to=[],
-        use_cpu=not torch.cuda.is_available(), seed=args.seed, disable_tqdm=True,
+        use_cpu=not torch.cuda.is_available(), bf16=args.bf16, seed=args.seed, disable_tqdm=True,
         include_num_input_tokens_seen=True,  # FLOPs and tokens from the real batches
     )  # fmt: skip
+
+
+def _train(trainer: Trainer) -> None:
+    """``trainer.train()``, then the model's own forward back: under ``--bf16`` accelerate wraps it in
+    autocast, and the evaluations after training run in float32."""
+    trainer.train()
+    trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)
 
 
 def _check_launcher(targs: TrainingArguments) -> None:
@@ -252,7 +260,7 @@ def main(argv=None) -> dict:
     if args.dense_steps:
         training_args = train_args(args, out / "dense_run", args.dense_steps, args.dense_lr)
         trainer = Trainer(model=dense, args=training_args, train_dataset=BlockDataset(train))
-        trainer.train()
+        _train(trainer)
     if C.is_main_process():
         dense.save_pretrained(out / "dense")
         tok.save_pretrained(out / "dense")
@@ -286,7 +294,7 @@ def main(argv=None) -> dict:
         alpha=args.distill_alpha, temperature=args.distill_temperature,
     )  # fmt: skip
     if args.recover_steps:
-        trainer.train()
+        _train(trainer)
         trainer.save_model(out / "recovered")  # weights + sparsity_masks.safetensors + config section
     elif C.is_main_process():
         shutil.copytree(out / "pruned", out / "recovered")

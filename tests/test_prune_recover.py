@@ -94,3 +94,41 @@ def test_pruned_folder_refusals_write_nothing(tmp_path, case):
     with pytest.raises(SparsityError, match=match):
         recipe.main(["--output_dir", str(out), "--overwrite", "true", *args])
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+@pytest.mark.slow
+def test_bf16_recovery_runs_under_autocast_and_keeps_float32_weights_and_masks(tmp_path, monkeypatch):
+    """--bf16 true: the student's and the teacher's forwards run under bf16 autocast, the loss is finite, the
+    evaluations after training in float32; the weights the recipe saves stay float32, zero where the masks
+    are, and trained elsewhere."""
+    recipe = _recipe()
+    seen = []
+    original = recipe.DistillTrainer.compute_loss
+
+    def spy(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not seen:  # hooks on both models' LM heads: the autocast state as their products run
+            for who, m in (("student", model), ("teacher", self.teacher)):
+                m.get_output_embeddings().register_forward_pre_hook(
+                    lambda mod, a, who=who: seen.append(
+                        (who, torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+                    )
+                )
+        loss = original(self, model, inputs, return_outputs, num_items_in_batch)
+        assert torch.isfinite(loss if not return_outputs else loss[0])
+        return loss
+
+    monkeypatch.setattr(recipe.DistillTrainer, "compute_loss", spy)
+    recipe.main(["--output_dir", str(tmp_path), *map(str, TINY), "--bf16", "true", "--recover_steps", "11"])
+    # every recovery step: one student and one teacher forward, both in bf16; then the recovered stage's
+    # held-out evaluation (8 blocks, batches of 4) on the student's own forward, in float32
+    assert seen[:22] == [("student", True, torch.bfloat16), ("teacher", True, torch.bfloat16)] * 11
+    assert [(who, on) for who, on, _ in seen[22:]] == [("student", False)] * 2
+    from hf_sparsity.storage.masks_file import load_masks
+
+    masks, _ = load_masks(tmp_path / "pruned")
+    weights = load_file(tmp_path / "recovered" / "model.safetensors")
+    pruned = load_file(tmp_path / "pruned" / "model.safetensors")
+    assert all(w.dtype == torch.float32 for w in weights.values())
+    for name, mask in masks.items():
+        assert torch.all(weights[name][mask == 0] == 0)
+        assert not torch.equal(weights[name], pruned[name])  # the kept weights were trained
