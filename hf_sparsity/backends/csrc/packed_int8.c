@@ -159,13 +159,20 @@ static inline __attribute__((always_inline)) void q8_store2(const job_t* j, int6
   j->y[r + 1] = j->bias ? s1 + j->bias[r + 1] : s1;
 }
 
+/* dense: one software prefetch per 64 codes, PF_FAR_BYTES ahead (and the chunk's first PF_FAR_BYTES). Measured
+   in SmolLM2-135M's int8 decoding step on a 2-core Xeon VM (AVX-512 VNNI), against the bitmask kernel at full
+   density as the yardstick (interleaved 32-token segments, medians): the GEMV went from 0.88x to 1.08x the
+   bitmask's tok/s (109 -> 146 tok/s), and gemv_q8v_rows (AVX2) from 1.19x to 1.57x (95 -> 124 tok/s). */
 static void gemv_q8_rows(const job_t* j, int64_t r0, int64_t r1) {
   Q8_SETUP;
+  if (r0 < r1) prefetch_span(V + r0 * in, PF_FAR_BYTES);
   for (int64_t r = r0; r < r1; r++) {
     const int8_t* w = V + r * in;
     Q8_START;
     int64_t b = 0;
     for (; b + 2 <= full; b += 2) {
+      PREFETCH_FAR(w + b * QB);
+      PREFETCH_FAR(w + b * QB + QB);
       a0 = q8_dot(a0, _mm512_loadu_si512((const void*)(w + b * QB)), q + b * QB);
       a1 = q8_dot(a1, _mm512_loadu_si512((const void*)(w + b * QB + QB)), q + b * QB + QB);
     }

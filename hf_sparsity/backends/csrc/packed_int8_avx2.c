@@ -136,15 +136,18 @@ __attribute__((unused)) static void quantize_row_avx2(const float* x, int64_t in
   } while (0)
 
 /* dense: whole 32-byte loads up to the last block (codes past `in` meet activation codes 0; the values are
-   padded by 64 bytes, see formats.NativeDenseBackend) */
+   padded by 64 bytes, see formats.NativeDenseBackend); prefetched as gemv_q8_rows */
 __attribute__((unused)) static void gemv_q8v_rows(const job_t* j, int64_t r0, int64_t r1) {
   Q8V_SETUP;
+  if (r0 < r1) prefetch_span(V + r0 * in, PF_FAR_BYTES);
   for (int64_t r = r0; r < r1; r++) {
     const int8_t* w = V + r * in;
     Q8V_START;
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
       const int8_t* wb = w + b * QB;
+      PREFETCH_FAR(wb);
+      PREFETCH_FAR(wb + QB);
       a0 = q8v_dot(a0, _mm256_loadu_si256((const __m256i*)wb), q + b * QB);
       a1 = q8v_dot(a1, _mm256_loadu_si256((const __m256i*)(wb + 32)), q + b * QB + 32);
       a2 = q8v_dot(a2, _mm256_loadu_si256((const __m256i*)(wb + 64)), q + b * QB + 64);
