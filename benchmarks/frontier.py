@@ -383,6 +383,13 @@ def speed(rows: list[dict], args) -> None:
         row["tok_s_rounds"] = times[row["name"]]
 
 
+def round_ratio(vals: list[float], base: list[float]) -> float:
+    """The median over rounds of a row's tok/s over the dense row's in the same round (NaN without a pair):
+    steadier than the ratio of the medians on a machine whose speed drifts from round to round."""
+    pairs = [v / b for v, b in zip(vals, base) if not (math.isnan(v) or math.isnan(b)) and b > 0]
+    return statistics.median(pairs) if pairs else float("nan")
+
+
 def uniform_at_speed(rows: list[dict], row: dict) -> float:
     """The perplexity the uniform levels (the dense row as level 0) of ``row``'s value type reach at ``row``'s
     measured tok/s: linear between the two uniform rows whose speeds enclose it (NaN outside them)."""
@@ -419,17 +426,19 @@ def report(rows: list[dict], args, out: Path, seconds: float) -> None:
         head += f"{args.recover_steps * RECOVER_BATCH * RECOVER_BLOCK:,} tokens per recovered row"
         head += " (bf16 mixed precision)" if args.recover_bf16 else ""
     dense_tok = {r["values"]: r["tok_s"] for r in rows if r["kind"] == "dense"}
-    lines = [head, "", "| row | target | ppl | bytes/weight | tok/s | x dense (same values) | uniform ppl at "
-             "its tok/s |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    dense_rounds = {r["values"]: r["tok_s_rounds"] for r in rows if r["kind"] == "dense"}
+    lines = [head, "", "| row | target | ppl | bytes/weight | tok/s | x dense (same values) | per round | "
+             "uniform ppl at its tok/s |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         base = dense_tok.get(r.get("values"), float("nan")) if r["kind"] != "gguf" else float("nan")
         ratio = r["tok_s"] / base if base and not math.isnan(base) else float("nan")
+        r["x_dense_per_round"] = round_ratio(r["tok_s_rounds"], dense_rounds.get(r.get("values"), []))
         target = f"{r['target']:.3f}x" if "target" in r else ""
         if r["kind"] == "spdy":
             r["uniform_ppl_at_speed"] = uniform_at_speed(rows, r)
         same = f"{r['uniform_ppl_at_speed']:.2f}" if "uniform_ppl_at_speed" in r else ""
         lines.append(f"| {r['name']} | {target} | {r['ppl']:.2f} | {r['bytes_per_weight']:.3f} | "
-                     f"{r['tok_s']:.1f} | {ratio:.2f} | {same} |")  # fmt: skip
+                     f"{r['tok_s']:.1f} | {ratio:.2f} | {r['x_dense_per_round']:.2f} | {same} |")  # fmt: skip
     text = "\n".join(lines) + "\n"
     print(text)
     (out / "frontier.md").write_text(text)

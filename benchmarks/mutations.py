@@ -70,6 +70,18 @@ MUTATIONS = (
         ("tests/test_prune_recover.py",),
     ),
     Mutation(
+        "frontier-round-ratio-of-medians",
+        "frontier.py's per-round column divides the rows' medians instead of pairing rows within a round",
+        (
+            (
+                "benchmarks/frontier.py",
+                "    return statistics.median(pairs) if pairs else float(\"nan\")",
+                "    return statistics.median(vals) / statistics.median(base) if pairs else float(\"nan\")",
+            ),
+        ),
+        ("tests/test_frontier.py",),
+    ),
+    Mutation(
         "grads-masked-late",
         "gradients masked only in before_step (after clipping and DDP all-reduce), not as produced",
         (("hf_sparsity/mask_engine/enforcement.py", "if is_dtensor(p) or not p.requires_grad:", "if True:"),),

@@ -67,3 +67,17 @@ def test_the_uniform_perplexity_at_a_measured_speed_is_read_between_the_two_encl
     assert at(145.0) == pytest.approx(34.0 + 26.0 * 15 / 30)  # halfway from 130 to 160
     assert at(100.0) == 30.0 and at(130.0) == 34.0 and at(160.0) == 60.0
     assert math.isnan(at(170.0)) and math.isnan(at(99.0))  # outside the uniform rows: not extrapolated
+
+
+def test_the_per_round_ratio_is_the_median_of_same_round_ratios():
+    """A machine whose speed drifts between rounds: the ratio of medians mixes rounds, the per-round one
+    pairs each row with the dense row of its own round."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from frontier import round_ratio
+
+    dense = [200.0, 100.0, 210.0, 105.0, 150.0]
+    row = [220.0, 110.0, 231.0, 115.5, 120.0]  # 1.1x in four rounds, 0.8x in one
+    assert round_ratio(row, dense) == pytest.approx(1.1)
+    assert sorted(row)[2] / sorted(dense)[2] == pytest.approx(0.8)  # what the medians' ratio says: 120 / 150
+    assert round_ratio([1.0, float("nan"), 3.0], [2.0, 2.0, float("nan")]) == 0.5  # pairs with a NaN dropped
+    assert math.isnan(round_ratio([1.0], [])) and math.isnan(round_ratio([], [1.0]))
