@@ -75,8 +75,8 @@ MUTATIONS = (
         (
             (
                 "benchmarks/frontier.py",
-                "    return statistics.median(pairs) if pairs else float(\"nan\")",
-                "    return statistics.median(vals) / statistics.median(base) if pairs else float(\"nan\")",
+                '    return statistics.median(pairs) if pairs else float("nan")',
+                '    return statistics.median(vals) / statistics.median(base) if pairs else float("nan")',
             ),
         ),
         ("tests/test_frontier.py",),
