@@ -17,7 +17,6 @@ comparison that keeps the ratio.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -43,11 +42,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def load(folder: str, backend: str, values: str):
     from transformers import AutoModelForCausalLM
 
-    from hf_sparsity.constants import SPARSITY_MASKS_NAME
     from hf_sparsity.inference import sparsify_for_inference
+    from hf_sparsity.storage.masks_file import has_masks
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    masks = folder if os.path.isfile(os.path.join(folder, SPARSITY_MASKS_NAME)) else "zeros"
+    masks = folder if has_masks(folder) else "zeros"
     return sparsify_for_inference(
         model, masks=masks, backend=backend, values=None if values == "float32" else values
     )
