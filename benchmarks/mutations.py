@@ -704,6 +704,42 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "whole-model-check-fastest-rounds",
+        "the whole-model check compares the fastest round of each model, not the rounds' ratios",
+        (
+            (
+                "hf_sparsity/backends/auto/backend.py",
+                'return statistics.median(ratios), statistics.median(speeds["dense"])',
+                'return max(speeds["auto"]) / max(speeds["dense"]), max(speeds["dense"])',
+            ),
+        ),
+        ("tests/test_exact_internals.py::test_whole_model_ratio_is_the_median_of_the_rounds_ratios",),
+    ),
+    Mutation(
+        "step-tok-s-counts-a-token-too-many",
+        "step_tok_s divides new_tokens, not the new_tokens - 1 steps between the first and the last token",
+        (
+            (
+                "hf_sparsity/backends/measure.py",
+                "return (len(stamps) - 1) / (stamps[-1] - stamps[0])",
+                "return len(stamps) / (stamps[-1] - stamps[0])",
+            ),
+        ),
+        ("tests/test_exact_internals.py::test_step_tok_s_times_the_new_tokens_from_the_first_to_the_last",),
+    ),
+    Mutation(
+        "step-tok-s-stops-at-eos",
+        "step_tok_s lets greedy decoding stop at the model's end-of-sequence token",
+        (
+            (
+                "hf_sparsity/backends/measure.py",
+                "new_tokens, eos_token_id=[], on_token",
+                "new_tokens, on_token",
+            ),
+        ),
+        ("tests/test_exact_internals.py::test_step_tok_s_times_the_new_tokens_from_the_first_to_the_last",),
+    ),
+    Mutation(
         "zero-offload-param-accepted",
         "DeepSpeed ZeRO-3 offload_param is accepted (the masks never reach the offloaded parameters)",
         (

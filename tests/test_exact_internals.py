@@ -176,6 +176,69 @@ def test_decode_tok_s_times_exactly_new_tokens_tokens(monkeypatch):
     assert len(calls) == 10
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gpt_neox"])
+def test_step_tok_s_times_the_new_tokens_from_the_first_to_the_last(arch, monkeypatch):
+    """The whole-model check's timer: exactly new_tokens tokens even past the model's EOS (a token before
+    the last), the greedy tokens, and tok/s = (new_tokens - 1) / the seconds between the first and the last
+    new token's clock readings (the prompt and the set-up are not timed). Llama and GPT-2 run on the native
+    step where the kernels are built, GPT-NeoX on the forward loop."""
+    from hf_sparsity.backends import measure
+    from hf_sparsity.inference.decoding import native_step_reason
+
+    model = realistic_model(arch)
+    ids = prompt(5)
+    native = native_step_reason(model, 15) is None
+    assert native == (arch != "gpt_neox" and _native.load() is not None)
+    eos, k = early_eos(model, ids, after=2)
+    model.generation_config.eos_token_id = eos
+    seq = ids
+    with torch.no_grad():  # greedy by definition: the whole sequence's forward, the last position's argmax
+        for _ in range(10):
+            seq = torch.cat([seq, model(seq).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    want = seq[0, 5:]
+    seen = []
+    clock = iter(100.0 + 0.25 * i for i in range(100))
+    monkeypatch.setattr(measure, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    from hf_sparsity.inference import decoding
+
+    real = decoding.greedy_decode
+
+    def spy(*a, **kw):
+        out = real(*a, **kw)
+        seen.append(out[0, 5:])
+        return out
+
+    monkeypatch.setattr(decoding, "greedy_decode", spy)
+    assert measure.step_tok_s(model, ids, 10) == 9 / (9 * 0.25)
+    assert torch.equal(seen[0], want) and int(want[k]) == eos and k < 9
+    with pytest.raises(ValueError, match="needs 2"):
+        measure.step_tok_s(model, ids, 1)
+
+
+def test_whole_model_ratio_is_the_median_of_the_rounds_ratios(monkeypatch):
+    """The converted model decodes 1.2x the dense one in every round, but the machine runs twice as fast
+    for the first round's dense timing: the fastest of each would say 120 / 200 = 0.6x; the rounds' ratios
+    are 0.6, 1.2, 1.2, 1.2, their median 1.2, and the dense speed the median of 200, 100, 100, 100."""
+    model = realistic_model("llama")
+    name = "model.layers.0.mlp.down_proj"
+    marker = torch.nn.Linear(1, 1)
+    calls = []
+
+    def tok_s(m, ids, n):
+        converted = m.get_submodule(name) is marker
+        calls.append((converted, n))
+        burst = 2.0 if len(calls) == 3 else 1.0  # the first timed dense call (after one warm-up each)
+        return (120.0 if converted else 100.0) * burst
+
+    monkeypatch.setattr(auto.measure, "step_tok_s", tok_s)
+    original = model.get_submodule(name)
+    ratio, dense = auto.backend._time_whole_model(model, [(name, marker)], rounds=4, tokens=32)
+    assert (ratio, dense) == (pytest.approx(1.2), 100.0)
+    assert calls[:2] == [(False, 2), (True, 2)]
+    assert calls[2:] == [(False, 32), (True, 32)] * 4
+    assert model.get_submodule(name) is original
+
+
 # ------------------------------------------------------------------------------------------ arena
 def _gemv(w):
     from hf_sparsity.backends import get_backend

@@ -440,7 +440,7 @@ def test_auto_whole_model_check_keeps_dense_when_the_converted_model_is_slower(m
     def fake_tok_s(model, ids, n):  # the converted model "decodes" at half the dense speed
         return 1.0 if any(isinstance(m, SparseLinear) for m in model.modules()) else 2.0
 
-    monkeypatch.setattr(timing, "decode_tok_s", fake_tok_s)
+    monkeypatch.setattr(timing, "step_tok_s", fake_tok_s)
     model, eng = _masked("llama", level=0.75)
     before = _state(model)
     # every layer planned bitmask: the margin, and no cost-model check (on a busy machine a disturbed
@@ -453,8 +453,9 @@ def test_auto_whole_model_check_keeps_dense_when_the_converted_model_is_slower(m
     assert all(c["planned"]["decode"] in ("bitmask", "native_dense", "dense") for c in choices.values())
     for c in choices.values():
         check = c["whole_model_check"]
-        assert (check["auto_vs_dense"], check["kept"], check["tokens"], check["rounds"]) == (0.5, False, 8, 3)
-    monkeypatch.setattr(timing, "decode_tok_s", lambda model, ids, n: 3.0 - fake_tok_s(model, ids, n))
+        got = (check["auto_vs_dense"], check["kept"], check["tokens"], check["rounds"])
+        assert got == (0.5, False, 32, 8)
+    monkeypatch.setattr(timing, "step_tok_s", lambda model, ids, n: 3.0 - fake_tok_s(model, ids, n))
     sparsify_for_inference(model, "auto", masks=eng.masks, lm_head=False, **pin)
     assert len(sparse_layers(model)) == len(eng.masks)
     assert all(c["whole_model_check"]["kept"] for c in auto_choices(model).values())

@@ -115,7 +115,7 @@ def test_auto_int8_whole_model_check_is_against_the_int8_dense_gemv(arch, case, 
         timed.append(kinds)
         return {frozenset({"native_dense"}): 3.0, frozenset({"bitmask"}): PLAN_TOK_S[case]}[kinds]
 
-    monkeypatch.setattr(timing, "decode_tok_s", tok_s)
+    monkeypatch.setattr(timing, "step_tok_s", tok_s)
     model, eng = _masked(arch)
     ids = torch.randint(2, 128, (1, 9), generator=torch.Generator().manual_seed(0))
     refs = {}

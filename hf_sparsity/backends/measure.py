@@ -34,6 +34,22 @@ def decode_tok_s(model, ids: torch.Tensor, new_tokens: int, **generate_kwargs: A
     return new_tokens / (time.perf_counter() - t)
 
 
+def step_tok_s(model, ids: torch.Tensor, new_tokens: int) -> float:
+    """Tokens/s of greedy decoding as ``hf_sparsity generate`` runs it
+    (:func:`~hf_sparsity.inference.decoding.greedy_decode`: the native step where it runs the model, else the
+    forward loop), from the first new token to the last: the prompt and the decoder's set-up are left out.
+    ``new_tokens`` (at least 2) are produced whatever the model's end-of-sequence token."""
+    from ..inference.decoding import greedy_decode  # (inference imports the backends)
+
+    if new_tokens < 2:
+        raise ValueError(f"new_tokens={new_tokens}: timing between the first and the last token needs 2.")
+    stamps: list[float] = []
+    greedy_decode(
+        model, ids, new_tokens, eos_token_id=[], on_token=lambda _tok: stamps.append(time.perf_counter())
+    )
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()

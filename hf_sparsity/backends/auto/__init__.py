@@ -29,14 +29,15 @@ separately, with the current thread count:
    batches up to twice ``prefill_batch`` (``prefill``) and above (``prefill_large``). With
    ``keep_dense_for_prefill=True`` a regime where both lose to dense keeps the dense weight for it (more
    memory).
-7. **Whole model** (:meth:`AutoBackend.plan_model`): the LM head gets the native GEMV when that is
-   faster; then greedy decoding of the converted model is timed against the dense model it would
-   otherwise be, interleaved: the model as it was, or with ``values="int8"`` every layer on the int8
-   dense GEMV (``native_dense``; a sparse int8 product that ties with it one layer at a time can still
-   decode slower in the whole step, as the 256-bit bitmask expansion does on AVX2). A converted model
+7. **Whole model** (:meth:`AutoBackend.plan_model`): the LM head gets the native GEMV when that is faster;
+   then greedy decoding of the converted model, as ``hf_sparsity generate`` runs it (the native step where
+   it runs the model), is timed against the dense model it would otherwise be, 32 tokens each in turn for 8
+   rounds, the median of the rounds' ratios: the model as it was, or with ``values="int8"`` every layer on
+   the int8 dense GEMV (``native_dense``; a sparse int8 product that ties with it one layer at a time can
+   still decode slower in the whole step, as the 256-bit bitmask expansion does on AVX2). A converted model
    that decodes slower (with int8 values: less than 5% faster, ``backend.INT8_GEMV_MARGIN``: a near tie
-   goes to the GEMV) is not kept: every layer is that dense model's. A verdict that contradicts the
-   layer measurements (they predict a clear gain) is measured again first.
+   goes to the GEMV) is not kept: every layer is that dense model's. A verdict that contradicts the layer
+   measurements (they predict a clear gain) is measured again first.
 8. **Plan cache.** Each group's decision and the whole-model verdict are stored per CPU model, kernel
    build (its sources and instruction-set level: ``HF_SPARSITY_NATIVE_ISA=avx2`` plans apart from the
    native build's), thread count, layer group and options in a JSON file (``$HF_SPARSITY_PLAN_CACHE``,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import statistics
 from typing import Any
 
 import torch
@@ -207,6 +208,10 @@ def _predicted_ratio(choices: dict, dense_tok_s: float, dense: str = "dense") ->
     return token_ms / max(token_ms - saved, 1e-6)
 
 
+CHECK_TIMING = "greedy_decode, median of round ratios"
+"""How the whole-model check times decoding (part of its cached verdict's key: a verdict timed another way
+is not reused)."""
+
 INT8_GEMV_MARGIN = 1.05
 """With int8 values the whole-model check keeps a plan over the int8 dense GEMV only when the plan decodes at
 least this much faster: the GEMV reads its bytes at the memory's rate on every build, while on AVX2 a 50%
@@ -215,11 +220,19 @@ bitmask plan that the check measured 1.00-1.03x the GEMV model decoded SmolLM2-1
 
 
 def _check_whole_model(
-    model: nn.Module, swaps: list, choices: dict, rounds: int = 3, tokens: int = 8, plan_cache=True, base=None
+    model: nn.Module,
+    swaps: list,
+    choices: dict,
+    rounds: int = 8,
+    tokens: int = 32,
+    plan_cache=True,
+    base=None,
 ) -> list:
-    """The per-layer plan checked on the whole model: greedy decoding of ``tokens`` tokens with the swaps
-    and with the dense model it would otherwise be, interleaved ``rounds`` times (the fastest round of
-    each). That dense model is the model as it was, or ``base()`` (``(swaps, choices)`` of :func:`_planned`,
+    """The per-layer plan checked on the whole model: greedy decoding as ``hf_sparsity generate`` runs it
+    (the native step where it runs the model), ``tokens`` tokens with the swaps and then with the dense model
+    it would otherwise be, ``rounds`` times in turn; the ratio is the median of the rounds' ratios (adjacent
+    timings share the machine's speed of the moment, where the fastest round of each would compare moments
+    apart). That dense model is the model as it was, or ``base()`` (``(swaps, choices)`` of :func:`_planned`,
     built only when timed or kept: with int8 values every layer on the int8 dense GEMV; a plan without a
     sparse format is that model already and is not timed). If the converted model is slower (with int8
     values: not :data:`INT8_GEMV_MARGIN` faster), every layer is that dense model's (recorded as
@@ -237,7 +250,9 @@ def _check_whole_model(
         (name, c.get("decode"), c.get("prefill"), c.get("group")) for name, c in choices.items()
     )
     keep_at = INT8_GEMV_MARGIN if base else 1.0
-    ckey = cache.key("model", type(model).__name__, model.config.vocab_size, signature, against, keep_at)
+    ckey = cache.key(
+        "model", type(model).__name__, model.config.vocab_size, signature, against, keep_at, CHECK_TIMING
+    )
     verdict = cache.get(ckey)
     if verdict is None:
         ratio, dense_tok_s = _time_whole_model(model, swaps, rounds, tokens, dense_model()[0])
@@ -278,8 +293,9 @@ def _check_whole_model(
 def _time_whole_model(
     model: nn.Module, swaps: list, rounds: int, tokens: int, base=()
 ) -> tuple[float, float]:
-    """``(converted / dense tok/s, dense tok/s)``, interleaved, the fastest of ``rounds`` each; the dense
-    model is ``base``'s swaps on the model as it was (none: the model as it was)."""
+    """``(converted / dense tok/s, dense tok/s)``: the median over ``rounds`` of each round's ratio (the two
+    timed one after the other), and the median dense tok/s; the dense model is ``base``'s swaps on the model
+    as it was (none: the model as it was)."""
     originals = {name: model.get_submodule(name) for name, _ in (*swaps, *base)}
     ids = torch.randint(2, int(model.config.vocab_size), (1, 8), generator=torch.Generator().manual_seed(0))
     speeds: dict[str, list[float]] = {"dense": [], "auto": []}
@@ -295,12 +311,13 @@ def _time_whole_model(
     try:
         for modules in (base, swaps):
             put(modules)
-            measure.decode_tok_s(model, ids, 2)
+            measure.step_tok_s(model, ids, 2)
         for _ in range(rounds):
             for key, modules in (("dense", base), ("auto", swaps)):
                 put(modules)
-                speeds[key].append(measure.decode_tok_s(model, ids, tokens))
+                speeds[key].append(measure.step_tok_s(model, ids, tokens))
     finally:
         put([])
         model.train(was_training)
-    return max(speeds["auto"]) / max(speeds["dense"]), max(speeds["dense"])
+    ratios = [a / d for a, d in zip(speeds["auto"], speeds["dense"])]
+    return statistics.median(ratios), statistics.median(speeds["dense"])
