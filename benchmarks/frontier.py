@@ -16,8 +16,8 @@ Rows (every one WikiText-2 perplexity, bytes per weight, ``hf_sparsity generate`
 * ``--refit`` / ``--reconstruct-steps N``: every pruned row is pruned with ``hf_sparsity prune --refit`` /
   ``--reconstruct --reconstruct-steps N`` too, and its name and folder carry ``+refit`` / ``+rc{N}``;
 * ``u{L}+rec`` (``--recover-steps N``): ``recipes/prune_recover.py --pruned`` on the ``u{L}`` folder,
-  ``N`` steps of sparse fine-tuning distilled from the dense model (``--recover-lr``, ``--recover-alpha``;
-  the token budget, ``N x batch 8 x block 256``, is printed);
+  ``N`` steps of sparse fine-tuning distilled from the dense model (``--recover-lr``, ``--recover-alpha``,
+  ``--recover-temperature``, ``--recover-bf16``; the token budget, ``N x batch 8 x block 256``, is printed);
 * llama.cpp (``--gguf-f32 FILE``, unless ``--no-gguf``): the F32 file and its Q8_0, Q6_K, Q4_K_M and
   Q4_0 quantizations (made beside it with ``benchmarks/gguf_quantize.py`` when missing); perplexity from
   llama.cpp's own logits on the same token windows, tok/s greedy with the same threads and prompt ids.
@@ -105,6 +105,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--recover-lr", type=float, default=2e-5, help="u{L}+rec rows: peak learning rate")
     p.add_argument(
         "--recover-alpha", type=float, default=1.0, help="u{L}+rec rows: the distillation loss's weight"
+    )
+    p.add_argument(
+        "--recover-temperature",
+        type=float,
+        default=2.0,
+        help="u{L}+rec rows: the distillation's softmax temperature (1: the KL is the cross-entropy gap)",
     )
     p.add_argument(
         "--recover-bf16", action="store_true", help="u{L}+rec rows: bf16 mixed precision (recipe's --bf16)"
@@ -257,6 +263,7 @@ def _recover(args, dense: Path, calib: str, pruned: Path, out: Path) -> Path:
         "--block_size", str(RECOVER_BLOCK if not args.smoke else 32),
         "--batch_size", str(RECOVER_BATCH), "--recover_steps", str(args.recover_steps),
         "--recover_lr", str(args.recover_lr), "--distill_alpha", str(args.recover_alpha),
+        "--distill_temperature", str(args.recover_temperature),
         "--output_dir", str(run), "--overwrite", "true", "--eval_blocks", "2" if args.smoke else "48",
         "--bf16", "true" if args.recover_bf16 else "false",
     ]  # fmt: skip
@@ -424,6 +431,7 @@ def report(rows: list[dict], args, out: Path, seconds: float) -> None:
     if args.recover_steps:
         head += f"\nrecovery: {args.recover_steps} steps x {RECOVER_BATCH} x {RECOVER_BLOCK} = "
         head += f"{args.recover_steps * RECOVER_BATCH * RECOVER_BLOCK:,} tokens per recovered row"
+        head += f", distilled at temperature {args.recover_temperature:g}"
         head += " (bf16 mixed precision)" if args.recover_bf16 else ""
     dense_tok = {r["values"]: r["tok_s"] for r in rows if r["kind"] == "dense"}
     dense_rounds = {r["values"]: r["tok_s_rounds"] for r in rows if r["kind"] == "dense"}

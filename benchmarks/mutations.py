@@ -70,6 +70,18 @@ MUTATIONS = (
         ("tests/test_prune_recover.py",),
     ),
     Mutation(
+        "frontier-recover-temperature-dropped",
+        "frontier.py's recovery rows leave out --recover-temperature: the recipe's default temperature runs",
+        (
+            (
+                "benchmarks/frontier.py",
+                '        "--distill_temperature", str(args.recover_temperature),\n',
+                "",
+            ),
+        ),
+        ("tests/test_frontier.py::test_the_recovery_rows_pass_every_recover_option_to_the_recipe",),
+    ),
+    Mutation(
         "frontier-round-ratio-of-medians",
         "frontier.py's per-round column divides the rows' medians instead of pairing rows within a round",
         (

@@ -48,7 +48,7 @@ def test_frontier_help_names_the_drop_in_options():
     )  # fmt: skip
     assert res.returncode == 0
     opts = ("--target-speedup", "--head", "--isa", "--no-gguf", "--recover-steps", "--recover-lr", "--refit")
-    for opt in (*opts, "--reconstruct-steps", "--smoke"):
+    for opt in (*opts, "--reconstruct-steps", "--smoke", "--recover-temperature", "--recover-bf16"):
         assert opt in res.stdout, opt
 
 
@@ -81,3 +81,30 @@ def test_the_per_round_ratio_is_the_median_of_same_round_ratios():
     assert sorted(row)[2] / sorted(dense)[2] == pytest.approx(0.8)  # what the medians' ratio says: 120 / 150
     assert round_ratio([1.0, float("nan"), 3.0], [2.0, 2.0, float("nan")]) == 0.5  # pairs with a NaN dropped
     assert math.isnan(round_ratio([1.0], [])) and math.isnan(round_ratio([], [1.0]))
+
+
+def test_the_recovery_rows_pass_every_recover_option_to_the_recipe(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import frontier
+
+    args = frontier.parse_args(
+        ["--model", "M", "--data-dir", "D", "--out", str(tmp_path), "--no-gguf", "--recover-steps", "37",
+         "--recover-lr", "3e-4", "--recover-alpha", "0.5", "--recover-temperature", "1", "--recover-bf16"]
+    )  # fmt: skip
+    seen = []
+    monkeypatch.setattr(frontier.subprocess, "run", lambda cmd, **kw: seen.append(cmd))
+    final = frontier._recover(args, Path("DENSE"), "CALIB", tmp_path / "models" / "u0.3", tmp_path)
+    assert final == tmp_path / "recover" / "u0.3" / "final"
+    flags = dict(zip(seen[0][2::2], seen[0][3::2]))
+    assert seen[0][1].endswith("prune_recover.py") and flags["--model"] == "DENSE"
+    assert (flags["--pruned"], flags["--dataset"], flags["--dense_steps"]) == (
+        str(tmp_path / "models" / "u0.3"),
+        "CALIB",
+        "0",
+    )
+    assert (flags["--recover_steps"], float(flags["--recover_lr"]), float(flags["--distill_alpha"])) == (
+        "37",
+        3e-4,
+        0.5,
+    )
+    assert (float(flags["--distill_temperature"]), flags["--bf16"]) == (1.0, "true")
