@@ -199,20 +199,27 @@ def test_step_tok_s_times_the_new_tokens_from_the_first_to_the_last(arch, monkey
     seen = []
     clock = iter(100.0 + 0.25 * i for i in range(100))
     monkeypatch.setattr(measure, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
-    from hf_sparsity.inference import decoding
-
-    real = decoding.greedy_decode
+    real = measure._greedy_decode
+    assert real is not None and real.__name__ == "greedy_decode"  # registered by the inference package
 
     def spy(*a, **kw):
         out = real(*a, **kw)
         seen.append(out[0, 5:])
         return out
 
-    monkeypatch.setattr(decoding, "greedy_decode", spy)
+    monkeypatch.setattr(measure, "_greedy_decode", spy)
     assert measure.step_tok_s(model, ids, 10) == 9 / (9 * 0.25)
     assert torch.equal(seen[0], want) and int(want[k]) == eos and k < 9
     with pytest.raises(ValueError, match="needs 2"):
         measure.step_tok_s(model, ids, 1)
+
+
+def test_step_tok_s_times_generate_before_the_inference_package_registers_its_loop(monkeypatch):
+    from hf_sparsity.backends import measure
+
+    monkeypatch.setattr(measure, "_greedy_decode", None)
+    monkeypatch.setattr(measure, "decode_tok_s", lambda model, ids, n: 7.0 * n)
+    assert measure.step_tok_s(None, None, 32) == 224.0
 
 
 def test_whole_model_ratio_is_the_median_of_the_rounds_ratios(monkeypatch):

@@ -34,17 +34,31 @@ def decode_tok_s(model, ids: torch.Tensor, new_tokens: int, **generate_kwargs: A
     return new_tokens / (time.perf_counter() - t)
 
 
-def step_tok_s(model, ids: torch.Tensor, new_tokens: int) -> float:
-    """Tokens/s of greedy decoding as ``hf_sparsity generate`` runs it
-    (:func:`~hf_sparsity.inference.decoding.greedy_decode`: the native step where it runs the model, else the
-    forward loop), from the first new token to the last: the prompt and the decoder's set-up are left out.
-    ``new_tokens`` (at least 2) are produced whatever the model's end-of-sequence token."""
-    from ..inference.decoding import greedy_decode  # (inference imports the backends)
+_greedy_decode = None
+"""Greedy decoding as ``hf_sparsity generate`` runs it
+(:func:`hf_sparsity.inference.decoding.greedy_decode`, which registers itself with
+:func:`use_greedy_decode` when the inference package loads: the backends do not import it)."""
 
+
+def use_greedy_decode(fn) -> None:
+    """Register the decoding loop :func:`step_tok_s` times (``fn(model, ids, new_tokens, eos_token_id=,
+    on_token=)``)."""
+    global _greedy_decode
+    _greedy_decode = fn
+
+
+def step_tok_s(model, ids: torch.Tensor, new_tokens: int) -> float:
+    """Tokens/s of greedy decoding as ``hf_sparsity generate`` runs it (the registered
+    :func:`~hf_sparsity.inference.decoding.greedy_decode`: the native step where it runs the model, else the
+    forward loop), from the first new token to the last: the prompt and the decoder's set-up are left out.
+    ``new_tokens`` (at least 2) are produced whatever the model's end-of-sequence token. Before the inference
+    package has loaded, :func:`decode_tok_s` (``generate``) times it."""
     if new_tokens < 2:
         raise ValueError(f"new_tokens={new_tokens}: timing between the first and the last token needs 2.")
+    if _greedy_decode is None:
+        return decode_tok_s(model, ids, new_tokens)
     stamps: list[float] = []
-    greedy_decode(
+    _greedy_decode(
         model, ids, new_tokens, eos_token_id=[], on_token=lambda _tok: stamps.append(time.perf_counter())
     )
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])

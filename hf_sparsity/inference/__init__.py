@@ -13,6 +13,7 @@ The conversion's names are on this package too (``from hf_sparsity.inference imp
 sparsify_for_inference``).
 """
 
+from . import decoding  # noqa: F401  (registers greedy_decode for auto's whole-model check)
 from .conversion import (
     Int8Embedding,
     SparseLinear,

@@ -40,6 +40,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..backends import measure
 from ..hooks import generate_streamer, own_generate_loop
 from ..utils import SparsityError, torch_threads
 from .loop import decode_loop, eos_ids, forward_step, greedy_tokens
@@ -103,6 +104,9 @@ def greedy_decode(
     first, step_fn = forward_step(model, ids)
     new = greedy_tokens(first, step_fn, max_new_tokens, eos, on_token)
     return torch.cat([ids, torch.tensor([new], dtype=ids.dtype, device=ids.device)], dim=1)
+
+
+measure.use_greedy_decode(greedy_decode)  # auto's whole-model check times decoding as users run it
 
 
 # ------------------------------------------------------------------ model.generate(custom_generate=...)
