@@ -215,8 +215,9 @@ is not reused)."""
 INT8_GEMV_MARGIN = 1.05
 """With int8 values the whole-model check keeps a plan over the int8 dense GEMV only when the plan decodes at
 least this much faster: the GEMV reads its bytes at the memory's rate on every build, while on AVX2 a 50%
-bitmask plan that the check measured 1.00-1.03x the GEMV model decoded SmolLM2-135M at 0.85x of it in
-``hf_sparsity generate`` (`docs/results/decode_user_smollm2.md`): a near tie goes to the GEMV."""
+bitmask plan that the check (then timing ``generate``) measured 1.00-1.03x the GEMV model decoded
+SmolLM2-135M at 0.85x of it in ``hf_sparsity generate`` (`docs/results/decode_user_smollm2.md`): a near tie
+goes to the GEMV."""
 
 
 def _check_whole_model(
