@@ -15,6 +15,10 @@ Rows (every one WikiText-2 perplexity, bytes per weight, ``hf_sparsity generate`
   (``--spdy-targets S1,S2``) instead: profiles at the given speed-ups;
 * ``--refit`` / ``--reconstruct-steps N``: every pruned row is pruned with ``hf_sparsity prune --refit`` /
   ``--reconstruct --reconstruct-steps N`` too, and its name and folder carry ``+refit`` / ``+rc{N}``;
+* ``--prune-from NAME=FOLDER``: every pruned row starts from FOLDER (a sparse model, e.g. a recovered row's
+  ``final`` folder) instead of ``--model``: gradual pruning, a recovered level pruned further and recovered
+  again. ``--model`` stays the dense rows, the speed baseline and the recovery's teacher; the names and
+  folders carry ``+from-NAME``;
 * ``u{L}+rec`` (``--recover-steps N``): ``recipes/prune_recover.py --pruned`` on the ``u{L}`` folder,
   ``N`` steps of sparse fine-tuning distilled from the dense model (``--recover-lr``, ``--recover-alpha``,
   ``--recover-temperature``, ``--recover-bf16``; the token budget, ``N x batch 8 x block 256``, is printed);
@@ -101,6 +105,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=0,
         help="every pruned row: hf_sparsity prune --reconstruct --reconstruct-steps N (0: none)",
     )
+    p.add_argument(
+        "--prune-from",
+        metavar="NAME=FOLDER",
+        help="every pruned row starts from FOLDER (a sparse model), not --model; names carry +from-NAME",
+    )
     p.add_argument("--recover-steps", type=int, default=0, help="u{L}+rec rows: recovery steps (0: none)")
     p.add_argument("--recover-lr", type=float, default=2e-5, help="u{L}+rec rows: peak learning rate")
     p.add_argument(
@@ -150,6 +159,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not args.smoke and not args.model:
         p.error("--model is required (or --smoke)")
+    if args.prune_from is not None:
+        name, sep, folder = args.prune_from.partition("=")
+        if not (sep and name and "/" not in name and folder and Path(folder, "config.json").is_file()):
+            p.error(f"--prune-from takes NAME=FOLDER with a model folder, not {args.prune_from!r}")
     if not args.no_gguf and not args.gguf_f32:
         p.error("give --gguf-f32 FILE (llama.cpp's convert_hf_to_gguf.py --outtype f32) or --no-gguf")
     return args
@@ -187,12 +200,13 @@ def build_rows(args, dense: Path, out: Path) -> list[dict]:
                   threads=args.threads, overwrite=True, refit=args.refit,
                   reconstruct_steps=args.reconstruct_steps or None)  # fmt: skip
     tag = _prune_tag(args)
+    source = Path(args.prune_from.partition("=")[2]) if args.prune_from else dense
 
     def prune(folder: Path, **kw):
         if args.reuse and (folder / "config.json").is_file():
             return None
         t = time.perf_counter()
-        res = prune_folder(dense, folder, **common, **kw)
+        res = prune_folder(source, folder, **common, **kw)
         print(f"pruned {folder.name} in {time.perf_counter() - t:.0f} s", file=sys.stderr)
         return res
 
@@ -245,9 +259,11 @@ def _kept_target(folder: Path) -> float | None:
 
 
 def _prune_tag(args) -> str:
-    """What the pruned rows' names and folders carry beyond SparseGPT: ``+refit``, ``+rc{N}``."""
+    """What the pruned rows' names and folders carry beyond SparseGPT: ``+refit``, ``+rc{N}``,
+    ``+from-NAME``."""
     steps = args.reconstruct_steps
-    return ("+refit" if args.refit else "") + (f"+rc{steps}" if steps else "")
+    start = f"+from-{args.prune_from.partition('=')[0]}" if args.prune_from else ""
+    return ("+refit" if args.refit else "") + (f"+rc{steps}" if steps else "") + start
 
 
 def _recover(args, dense: Path, calib: str, pruned: Path, out: Path) -> Path:

@@ -82,6 +82,18 @@ MUTATIONS = (
         ("tests/test_frontier.py::test_the_recovery_rows_pass_every_recover_option_to_the_recipe",),
     ),
     Mutation(
+        "frontier-prune-from-ignored",
+        "frontier.py's --prune-from only renames the rows: every row is still pruned from the dense model",
+        (
+            (
+                "benchmarks/frontier.py",
+                "        res = prune_folder(source, folder, **common, **kw)\n",
+                "        res = prune_folder(dense, folder, **common, **kw)\n",
+            ),
+        ),
+        ("tests/test_frontier.py::test_prune_from_prunes_every_row_from_the_given_folder_and_tags_it",),
+    ),
+    Mutation(
         "frontier-round-ratio-of-medians",
         "frontier.py's per-round column divides the rows' medians instead of pairing rows within a round",
         (

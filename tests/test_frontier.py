@@ -108,3 +108,63 @@ def test_the_recovery_rows_pass_every_recover_option_to_the_recipe(tmp_path, mon
         0.5,
     )
     assert (float(flags["--distill_temperature"]), flags["--bf16"]) == (1.0, "true")
+
+
+def test_prune_from_prunes_every_row_from_the_given_folder_and_tags_it(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import frontier
+
+    import hf_sparsity.pruning.pipeline as pipeline
+
+    start = tmp_path / "rec30" / "final"
+    start.mkdir(parents=True)
+    (start / "config.json").write_text("{}")
+    args = frontier.parse_args(
+        ["--model", "M", "--data-dir", "D", "--out", str(tmp_path), "--no-gguf", "--no-spdy", "--levels",
+         "0.32,0.34", "--values", "int8", "--refit", "--reconstruct-steps", "16", "--prune-from",
+         f"u0.3rec={start}", "--recover-steps", "5"]
+    )  # fmt: skip
+    pruned, recovered = [], []
+    monkeypatch.setattr(pipeline, "prune_folder", lambda src, dst, **kw: pruned.append((src, dst, kw)))
+    monkeypatch.setattr(frontier.subprocess, "run", lambda cmd, **kw: recovered.append(cmd))
+    rows = frontier.build_rows(args, Path("DENSE"), tmp_path)
+    assert [(src, dst.name, kw["sparsity"]) for src, dst, kw in pruned] == [
+        (start, "u0.32+refit+rc16+from-u0.3rec", 0.32),
+        (start, "u0.34+refit+rc16+from-u0.3rec", 0.34),
+    ]
+    names = [r["name"] for r in rows]
+    assert names == [
+        "dense int8",
+        "u0.32+refit+rc16+from-u0.3rec int8",
+        "u0.34+refit+rc16+from-u0.3rec int8",
+        "u0.32+refit+rc16+from-u0.3rec+rec int8",
+        "u0.34+refit+rc16+from-u0.3rec+rec int8",
+    ]
+    assert rows[0]["folder"] == Path("DENSE")  # the dense row and the recovery's teacher stay --model
+    flags = [dict(zip(cmd[2::2], cmd[3::2])) for cmd in recovered]
+    assert [(f["--model"], Path(f["--pruned"]).name) for f in flags] == [
+        ("DENSE", "u0.32+refit+rc16+from-u0.3rec"),
+        ("DENSE", "u0.34+refit+rc16+from-u0.3rec"),
+    ]
+
+
+@pytest.mark.parametrize("given", ["", "u0.3rec", "=FOLDER", "u0.3rec=", "a/b=FOLDER", "u0.3rec=MISSING"])
+def test_prune_from_refuses_anything_but_a_name_and_a_model_folder(tmp_path, given, capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import frontier
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    given = given.replace("=FOLDER", f"={folder}").replace("MISSING", str(tmp_path / "missing"))
+    with pytest.raises(SystemExit):
+        frontier.parse_args(
+            ["--model", "M", "--data-dir", "D", "--out", "O", "--no-gguf", "--prune-from", given]
+        )
+    assert "--prune-from takes NAME=FOLDER" in capsys.readouterr().err
+    assert (
+        frontier.parse_args(
+            ["--model", "M", "--data-dir", "D", "--out", "O", "--no-gguf", "--prune-from", f"ok={folder}"]
+        ).prune_from
+        == f"ok={folder}"
+    )
