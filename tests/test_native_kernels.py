@@ -218,14 +218,17 @@ def test_every_isa_level_matches_emulator_at_every_width(level, isa, dot, kernel
     which = [k for k in KERNELS if k[1].startswith("int8") == (kernels == "int8")]
     if kernels != "int8":
         which = [k for k in which if k[0].startswith(("csr", "bitmask")) == (kernels == "csr-bitmask")]
+    split = {"int8": ["int8"], "csr-bitmask": ["fp32", "bf16"]}.get(kernels, [])
     code = (
         f"import sys; sys.path.insert(0, {root!r})\n"
-        "from tests.test_native_kernels import ISA_WIDTHS, sweep\n"
+        "from tests import test_native_kernels as t\n"
         "from hf_sparsity.backends import _native\n"
         "got = (_native.isa(), _native.int8_dot())\n"
         f"assert got == ({isa!r}, {dot!r}), got\n"
         f"for n, v in {which!r}:\n"
-        "    sweep(n, v, ISA_WIDTHS)\n"
+        "    t.sweep(n, v, t.ISA_WIDTHS)\n"
+        f"for v in {split!r}:\n"  # chunks of rows starting mid-weight (the sweep runs one thread)
+        "    t.test_bitmask_batch1_long_rows_split_over_threads(v)\n"
         "print('ok')\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
