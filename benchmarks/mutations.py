@@ -94,6 +94,18 @@ MUTATIONS = (
         ("tests/test_frontier.py::test_prune_from_prunes_every_row_from_the_given_folder_and_tags_it",),
     ),
     Mutation(
+        "step-ab-positions-ignored",
+        "step_ab.py's --positions sizes the cache but decoding still restarts only before 512 positions",
+        (
+            (
+                "benchmarks/step_ab.py",
+                "if state[name] is None or state[name][1] + args.segment > args.positions:",
+                "if state[name] is None or state[name][1] + args.segment > 512:",
+            ),
+        ),
+        ("tests/test_step_ab.py::test_step_ab_restarts_each_cache_before_it_passes_positions",),
+    ),
+    Mutation(
         "frontier-round-ratio-of-medians",
         "frontier.py's per-round column divides the rows' medians instead of pairing rows within a round",
         (
