@@ -1756,37 +1756,6 @@ MUTATIONS = (
         ("tests/test_native_kernels.py::test_gathered_layout_survives_copies_and_runs_in_fused_calls",),
     ),
     Mutation(
-        "bm-q8-pair-offset-chain",
-        "the int8 bitmask kernel's pair of rows: the next pair starts at the second row's start, not its end",
-        (
-            (
-                "hf_sparsity/backends/csrc/packed_int8.c",
-                "    int64_t p = o + mask_count(m, mb), b = 0;",
-                "    int64_t p = o + mask_count(m, mb), b = 0, p0 = p;",
-            ),
-            (
-                "hf_sparsity/backends/csrc/packed_int8.c",
-                "    o = p; /* row r + 1",
-                "    o = p0; /* row r + 1",
-            ),
-        ),
-        ("tests/test_native_kernels.py::test_bitmask_batch1_long_rows_split_over_threads",),
-    ),
-    Mutation(
-        "avx2-bm-q8-chunk-offset",
-        "the AVX2 int8 bitmask kernel starts every chunk at the weight's first values",
-        (
-            (
-                "hf_sparsity/backends/csrc/packed_int8_avx2.c",
-                "int64_t o = r0 < r1 ? j->rowptr[r0] : 0;",
-                "int64_t o = r0 < r1 ? j->rowptr[0] : 0;",
-            ),
-        ),
-        (
-            "tests/test_native_kernels.py::test_every_isa_level_matches_emulator_at_every_width[int8-avx2-avx2-avx2]",
-        ),
-    ),
-    Mutation(
         "avx2-q8-odd-block-groups",
         "256-bit int8 products: an odd 64-column block into the even blocks' accumulators (wrong scales)",
         (("hf_sparsity/backends/csrc/packed_int8_avx2.c", "    if ((b) & 1) {  ", "    if (0) {        "),),

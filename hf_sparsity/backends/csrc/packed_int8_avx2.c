@@ -178,9 +178,9 @@ __attribute__((unused)) static void bm_q8v_rows(const job_t* j, int64_t r0, int6
   const int64_t mb = (in + 7) >> 3;
   const int64_t nf = mb / 8 < nb ? mb / 8 : nb; /* the blocks with eight mask bytes */
   const uint8_t* M = (const uint8_t*)j->idx;
-  int64_t o = r0 < r1 ? j->rowptr[r0] : 0; /* one row offset per chunk: a row's values end where the next's start */
   for (int64_t r = r0; r < r1; r++) {
     const uint8_t* m = M + r * mb;
+    int64_t o = j->rowptr[r];
     Q8V_START;
     int64_t b = 0;
     for (; b + 2 <= nf; b += 2) {
